@@ -1,0 +1,1 @@
+"""Examples that a test runs."""

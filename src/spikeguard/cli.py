@@ -1,0 +1,116 @@
+"""The ``spikeguard`` command: ``budget`` and ``train`` (more subcommands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def _parse_count(text: str) -> float:
+    """'13e9', '13b', '350m' -> a parameter count."""
+    t = text.strip().lower()
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}.get(t[-1:], 1.0)
+    try:
+        return float(t[:-1] if scale != 1.0 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a named model nor a parameter count like 13e9 or 13b") from None
+
+
+def _cmd_budget(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .prevent.budget import MODELS, memory_budget
+
+    shape = MODELS.get(args.model.lower())
+    n_params = shape.n_params if shape else _parse_count(args.model)
+    layers = args.layers or (shape.n_layers if shape else None)
+    hidden = args.hidden or (shape.hidden if shape else None)
+    heads = args.heads or (shape.n_heads if shape else None)
+    seq = args.seq_len or (shape.seq_len if shape else None)
+    known = None not in (layers, hidden, heads, seq)
+    try:
+        budgets = [memory_budget(n_params, n_gpus=args.gpus, zero_stage=z, recipe=args.recipe,
+                                 seq_len=seq if known else None, batch=args.batch,
+                                 hidden=hidden if known else None, n_heads=heads if known else None,
+                                 n_layers=layers if known else None, recompute=args.recompute)
+                   for z in range(4)]
+    except ValueError as exc:
+        print(f"spikeguard budget: {exc}", file=sys.stderr)
+        return 2
+    chosen = budgets[args.zero]
+    if args.json:
+        print(json.dumps(chosen.to_dict(), indent=2))
+        return 0
+    console = Console(highlight=False, width=max(100, Console().width))
+    console.print(f"[bold]{args.model}[/]: {n_params / 1e9:.3g}B params, {args.recipe} AdamW, "
+                  f"{chosen.bytes_per_param:g} bytes/param -> {chosen.total_bytes / 1e9:,.2f} GB static")
+    parts = " + ".join(f"{v:g} {k}" for k, v in chosen.components.items())
+    console.print(f"  per param: {parts}")
+    table = Table(title=f"static memory per GPU over {args.gpus} GPU(s) (GB = 1e9 bytes)")
+    table.add_column("ZeRO stage")
+    table.add_column("per GPU (GB)", justify="right")
+    for b in budgets:
+        mark = " <-" if b.zero_stage == args.zero else ""
+        table.add_row(f"{b.zero_stage}{mark}", f"{b.per_gpu_bytes / 1e9:,.2f}")
+    console.print(table)
+    if chosen.activation_bytes is not None:
+        how = "full recompute" if args.recompute else "no recompute"
+        console.print(f"  activations: {chosen.activation_bytes / 1e9:,.2f} GB per micro-batch of "
+                      f"{args.batch} x {seq} tokens ({layers} layers, {how})")
+    else:
+        console.print("  activations: give --layers --hidden --heads --seq-len for an estimate")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from ._config_cli import config_from_args
+    from .train import TrainConfig, train
+
+    try:
+        cfg = config_from_args(TrainConfig, args)
+    except ValueError as exc:
+        print(f"spikeguard train: {exc}", file=sys.stderr)
+        return 2
+    train(cfg)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ._config_cli import add_config_args
+    from .train import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="spikeguard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("budget", help="static memory per parameter, ZeRO stages, activations")
+    p.add_argument("model", help="a named model (gpt2, gpt2-xl, 7b, 13b, 70b) or a count like 13e9")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs to shard over (default 8)")
+    p.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
+    p.add_argument("--recipe", default="bf16-mixed", choices=("bf16-mixed", "fp32", "fp16-mixed"))
+    p.add_argument("--layers", type=int, help="transformer blocks, for the activation estimate")
+    p.add_argument("--hidden", type=int, help="model width")
+    p.add_argument("--heads", type=int, help="attention heads")
+    p.add_argument("--seq-len", type=int, help="sequence length")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
+    p.add_argument("--recompute", action="store_true", help="full activation recompute")
+    p.add_argument("--json", action="store_true", help="print the chosen stage as JSON")
+    p.set_defaults(func=_cmd_budget)
+
+    p = sub.add_parser("train", help="train the reference GPT on a corpus that ships with Python")
+    add_config_args(p, TrainConfig)
+    p.set_defaults(func=_cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Detect: see shared/DESIGN.md."""

@@ -1,0 +1,210 @@
+"""A small reference GPT with the stability knobs of the library.
+
+Pre-norm decoder, learned or rotary positions, optional tied embeddings. ``forward`` returns the
+final hidden states [B, T, d_model]; ``loss`` turns them into the training loss, so the output
+layer and the loss can be fused by the losses module without touching the trunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "GPTConfig", "count_params"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class GPTConfig:
+    """Shape and knobs of the reference GPT. Presets: ``tiny()``, ``demo()``, ``bench()``."""
+
+    vocab_size: int = 256
+    """Vocabulary size; 256 for the byte-level default corpus."""
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads; must divide d_model."""
+    d_model: int = 128
+    """Residual stream width."""
+    seq_len: int = 128
+    """Context length T."""
+    mlp_ratio: int = 4
+    """MLP hidden width as a multiple of d_model."""
+    pos: Literal["learned", "rope"] = "learned"
+    """Position encoding: a learned table or rotary embeddings in attention."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output layer."""
+    dropout: float = 0.0
+    """Dropout on attention output and MLP output."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name}={value!r} must be a positive integer")
+        if self.d_model % self.n_head:
+            raise ValueError(f"GPTConfig.d_model={self.d_model} is not divisible by "
+                             f"n_head={self.n_head}; pick a head count that divides it")
+        if self.pos == "rope" and (self.d_model // self.n_head) % 2:
+            raise ValueError(f"rotary positions need an even head dim, got "
+                             f"{self.d_model // self.n_head}; change d_model or n_head")
+        if self.pos not in ("learned", "rope"):
+            raise ValueError(f"GPTConfig.pos={self.pos!r} must be 'learned' or 'rope'")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @classmethod
+    def tiny(cls, **overrides) -> GPTConfig:
+        """2 layers, d=64, T=64: unit tests."""
+        return replace(cls(n_layer=2, n_head=2, d_model=64, seq_len=64), **overrides)
+
+    @classmethod
+    def demo(cls, **overrides) -> GPTConfig:
+        """4 layers, d=128, T=128: the main job and the demo."""
+        return replace(cls(n_layer=4, n_head=4, d_model=128, seq_len=128), **overrides)
+
+    @classmethod
+    def bench(cls, **overrides) -> GPTConfig:
+        """6 layers, d=384, T=256: every per-step benchmark."""
+        return replace(cls(n_layer=6, n_head=6, d_model=384, seq_len=256), **overrides)
+
+
+def _rope_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, D]; rotate pairs (even, odd) by the position's angle
+    t = x.shape[-2]
+    cos, sin = cos[:t].to(x.dtype), sin[:t].to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        if cfg.pos == "rope":
+            cos, sin = _rope_tables(cfg.seq_len, cfg.head_dim)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.cfg.n_head, self.cfg.head_dim).permute(2, 0, 3, 1, 4)
+        if self.cfg.pos == "rope":
+            q = _apply_rope(q, self.rope_cos, self.rope_sin)
+            k = _apply_rope(k, self.rope_cos, self.rope_sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """The reference decoder. ``forward(idx) -> hidden``; ``loss(hidden, targets) -> scalar``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.pos == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's standard init: N(0, 0.02) for matrices and embeddings, LayerNorm at (1, 0)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The [vocab, d_model] matrix of the output layer."""
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: [B, T] int64 token ids, T <= seq_len. Returns final hidden states [B, T, d_model]."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be [batch, time], got shape {tuple(idx.shape)}")
+        t = idx.shape[1]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(t, device=idx.device))
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., d_model] -> [..., vocab] logits."""
+        return F.linear(hidden, self.output_weight)
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy in nats over all positions."""
+        logits = self.logits(hidden)
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+    @torch.no_grad()
+    def estimate_flops_per_token(self) -> float:
+        """Training FLOPs per token (6N plus attention), for throughput reports."""
+        cfg = self.cfg
+        return 6.0 * self.num_params() + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+
+def count_params(cfg: GPTConfig) -> int:
+    """Parameter count of a config without building the weights on a device."""
+    with torch.device("meta"):
+        return GPT(cfg).num_params()
+

@@ -1,0 +1,1 @@
+"""Prevent: see shared/DESIGN.md."""

@@ -1,0 +1,1 @@
+"""Respond: see shared/DESIGN.md."""

@@ -1,0 +1,66 @@
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spikeguard as sg
+from spikeguard.model import count_params
+from spikeguard.train import TrainConfig, evaluate, train
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_forward_shapes_and_causality(pos):
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny(pos=pos))
+    idx = torch.randint(0, 256, (2, 16))
+    h = model(idx)
+    assert h.shape == (2, 16, 64)
+    # changing a later token never changes an earlier position's hidden state
+    idx2 = idx.clone()
+    idx2[:, 10] = (idx2[:, 10] + 1) % 256
+    h2 = model(idx2)
+    torch.testing.assert_close(h[:, :10], h2[:, :10])
+    assert not torch.allclose(h[:, 10:], h2[:, 10:])
+
+
+def test_loss_equals_torch_cross_entropy_on_logits():
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny(tie_embeddings=False))
+    idx, tgt = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
+    h = model(idx)
+    ref = F.cross_entropy((h @ model.lm_head.weight.T).reshape(-1, 256), tgt.reshape(-1))
+    torch.testing.assert_close(model.loss(h, tgt), ref)
+    # at init the loss is close to ln(vocab)
+    assert abs(float(ref.detach()) - np.log(256)) < 0.1
+
+
+def test_presets_and_validation():
+    assert sg.GPTConfig.demo().n_layer == 4 and sg.GPTConfig.demo().d_model == 128
+    bench = sg.GPTConfig.bench()
+    assert (bench.n_layer, bench.d_model, bench.seq_len) == (6, 384, 256)
+    assert count_params(sg.GPTConfig.tiny()) == sg.GPT(sg.GPTConfig.tiny()).num_params()
+    with pytest.raises(ValueError, match="not divisible by n_head"):
+        sg.GPTConfig(d_model=100, n_head=3)
+    with pytest.raises(ValueError, match="exceeds GPTConfig.seq_len"):
+        sg.GPT(sg.GPTConfig.tiny())(torch.zeros(1, 65, dtype=torch.long))
+
+
+@pytest.mark.slow
+def test_reference_gpt_learns_the_default_corpus():
+    corpus = sg.load_corpus("pydoc")
+    # the unigram byte entropy, computed here independently of Corpus.unigram_entropy
+    p = np.bincount(corpus.train, minlength=256) / len(corpus.train)
+    entropy = -sum(x * np.log(x) for x in p if x > 0)
+    assert 3.0 < entropy < 3.5
+    cfg = TrainConfig(steps=200, model="demo", seed=0, log_every=1000)
+    result = train(cfg, corpus=corpus, echo=False)
+    assert result.val_loss <= 0.9 * entropy, (result.val_loss, entropy)
+    assert np.mean(result.losses[-20:]) < np.mean(result.losses[:20]) - 1.0
+
+
+def test_evaluate_is_deterministic():
+    corpus = sg.load_corpus("pydoc")
+    model = sg.GPT(sg.GPTConfig.tiny())
+    a = evaluate(model, corpus.val, batches=2, batch_size=2)
+    b = evaluate(model, corpus.val, batches=2, batch_size=2)
+    assert a == b
