@@ -4,6 +4,7 @@
 """
 
 from .corpus import Corpus, load_corpus
+from .detect.metrics import StepMetrics
 from .model import GPT, GPTConfig
 from .prevent import schedules
 from .prevent.budget import MemoryBudget, memory_budget
@@ -15,6 +16,7 @@ __all__ = [
     "Corpus",
     "GPTConfig",
     "MemoryBudget",
+    "StepMetrics",
     "__version__",
     "load_corpus",
     "memory_budget",
