@@ -4,7 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install --quiet --upgrade pip
 "$PY" -m pip install --quiet "torch==2.13.0"
 "$PY" -m pip install --quiet -e ".[all]"
 "$PY" -c "import torch, spikeguard; print(f'spikeguard {spikeguard.__version__} on torch {torch.__version__}')"
