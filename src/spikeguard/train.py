@@ -104,7 +104,7 @@ def train(cfg: TrainConfig, *, corpus: Corpus | None = None, echo: bool = True) 
     """Train the reference GPT for ``cfg.steps`` updates and evaluate on the held-out split."""
     from rich.console import Console
 
-    console = Console(quiet=not echo, highlight=False)
+    console = Console(quiet=not echo, highlight=False, soft_wrap=True)
     corpus = corpus or load_corpus(cfg.corpus)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.gpt_config())
