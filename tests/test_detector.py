@@ -331,3 +331,38 @@ def test_bad_config_names_the_field(kwargs, match):
 def test_public_api():
     assert sg.SpikeDetector is SpikeDetector and sg.Verdict is Verdict
     assert sg.Action("skip") is Action.SKIP and sg.DetectorConfig is DetectorConfig
+
+
+# ---- the windows under the detector -----------------------------------------------------------
+
+def test_window_median_matches_running_median_and_statistics():
+    from spikeguard.detect.stats import RunningMedian
+    from spikeguard.respond._windows import WindowMedian
+
+    rng = np.random.default_rng(0)
+    xs = np.round(rng.lognormal(0.0, 0.5, 3000), 2).tolist()  # rounded: many ties
+    for window in (1, 2, 7, 500):
+        a, b = WindowMedian(window), RunningMedian(window)
+        for k, x in enumerate(xs):
+            a.update(x)
+            b.update(x)
+            assert a.value == b.value == statistics.median(xs[max(0, k + 1 - window):k + 1])
+        assert a.state_dict() == b.state_dict()
+        c = WindowMedian(3)
+        c.load_state_dict(json.loads(json.dumps(a.state_dict())))
+        assert (c.value, c.values(), len(c)) == (a.value, a.values(), len(a))
+    assert math.isnan(WindowMedian(5).value)
+    with pytest.raises(ValueError, match="finite"):
+        WindowMedian(5).update(math.inf)
+
+
+def test_benchmark_smoke(sub_env):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "benchmarks/bench_detector.py", "--smoke"], cwd=root,
+                       env=sub_env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "updates/s" in r.stdout and "ratio detector / RunningMedian" in r.stdout

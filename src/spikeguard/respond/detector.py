@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..detect.metrics import StepMetrics
-from ..detect.stats import EMA, RunningMedian
+from ..detect.stats import EMA
 from ._detector_config import DetectorConfig
-from ._windows import EventWindow, SlidingMin
+from ._windows import EventWindow, SlidingMin, WindowMedian
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
@@ -48,22 +47,28 @@ class Action(str, enum.Enum):
     HALT = "halt"
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """The detector's decision for one step.
+class Verdict(NamedTuple):
+    """The detector's decision for one step (an immutable named tuple: cheap to build per step).
 
     ``skip`` is True when this step's update must be discarded: every SKIP, and a ROLLBACK or HALT
     at a step where a Tier 1 rule also fired (a Tier 1 step is skipped whatever the Tier 2
-    policy). ``evidence`` holds the numbers behind the decision (NaN where not yet known).
+    policy). For CONTINUE, ``reasons`` is empty and ``onset_step`` None.
     """
 
     step: int
+    """The step judged."""
     tier: int
+    """0 (nothing, advice, fp16 overflow) to 3 (halt)."""
     action: Action
-    reasons: tuple[str, ...] = ()
-    onset_step: int | None = None
-    evidence: dict[str, float] = field(default_factory=dict)
-    skip: bool = False
+    """What to do; ``action.value`` is the metrics record's string."""
+    reasons: tuple[str, ...]
+    """Short strings, each starting with the metric it is about, ordered by onset."""
+    onset_step: int | None
+    """Where the anomaly began; roll back to the last checkpoint at or before it."""
+    evidence: dict[str, float]
+    """The numbers behind the decision (NaN where not yet known)."""
+    skip: bool
+    """Discard this step's update."""
 
 
 def _metric(reason: str) -> str:
@@ -107,8 +112,9 @@ class SpikeDetector:
     def reset(self) -> None:
         """Forget all history (same config)."""
         c = self.config
-        self._gmed = RunningMedian(c.median_window)
-        self._zmed = RunningMedian(c.median_window)
+        # WindowMedian: RunningMedian's contract and state, ~2x faster (see _windows)
+        self._gmed = WindowMedian(c.median_window)
+        self._zmed = WindowMedian(c.median_window)
         self._ema = EMA(1.0 / c.loss_ema_steps)
         self._e50 = EMA(1.0 / c.recovery_ema_steps)
         self._floor = SlidingMin(c.median_window)
