@@ -93,8 +93,10 @@ def test_clean_stream_only_genuine_3x_skips(seed):
     d = SpikeDetector()
     history = []  # unflagged grad norms, the brute-force reference
     for k, m in enumerate(scen.metrics):
+        med, armed = d.grad_median, d.armed
         v = d.update(m)
         assert v.action in (Action.CONTINUE, Action.SKIP), (v.step, v.reasons)
+        assert (v.action is Action.SKIP) == (armed and m.grad_norm > 3 * med)
         if v.action is Action.SKIP:
             assert m.grad_norm > 3 * statistics.median(history[-5000:])
         else:

@@ -115,6 +115,9 @@ class EventWindow:
         self.window = window
         self._q: deque[tuple[int, int]] = deque()
 
+    def __len__(self) -> int:
+        return len(self._q)
+
     def add(self, i: int, step: int) -> None:
         self._q.append((i, step))
 

@@ -71,6 +71,9 @@ class Verdict(NamedTuple):
     """Discard this step's update."""
 
 
+_isfinite = math.isfinite
+
+
 def _metric(reason: str) -> str:
     return reason.split(" ", 1)[0]
 
@@ -153,7 +156,7 @@ class SpikeDetector:
         c = self.config
         r = self._r
         step, loss, g, nf = m.step, m.loss, m.grad_norm, m.nan_frac
-        if not (nf <= 0.0 and math.isfinite(loss) and math.isfinite(g)):
+        if not (nf <= 0.0 and _isfinite(loss) and _isfinite(g)):
             return self._nonfinite(m)
         self._scaler_run = 0
         self._scaler_onset = None
@@ -212,7 +215,7 @@ class SpikeDetector:
                 t2.append((self._skip_run_onset, r["storm_run"]))
         else:
             self._skip_run = 0
-        n_skips = self._skips.count(i)
+        n_skips = self._skips.count(i) if self._skips else 0
         if n_skips > self._skip_limit:
             if skip and not self._storm_latched:
                 t2.append((self._skips.first_step(), r["storm_frac"]))
@@ -245,7 +248,7 @@ class SpikeDetector:
         zmed = self._zmed.value
         zrise = math.nan
         advice = False
-        if math.isfinite(lz):
+        if _isfinite(lz):
             dev = lz - zmed
             if dev > c.log_z_onset:
                 if self._zx_onset is None:
