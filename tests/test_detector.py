@@ -259,6 +259,15 @@ def test_fp16_halts_after_10_overflows_or_scale_below_1():
     assert run(tiny)[100].action is Action.HALT
 
 
+def test_missing_log_z_and_nan_frac_columns():
+    # a log without log Z / nan_frac: log Z rules stay silent, the grad rule still works
+    metrics = flat(200, **{"s150": {"grad_norm": 8.0}})
+    for m in metrics:
+        m.log_z, m.nan_frac = None, None
+    acts = [(v.step, v.action) for v in run(metrics) if v.action is not Action.CONTINUE]
+    assert acts == [(150, Action.SKIP)]
+
+
 def test_arming_counts_updates_not_steps():
     late = flat(200, start=50_000, **{"s50030": {"grad_norm": 8.0},
                                       "s50120": {"grad_norm": 8.0}})

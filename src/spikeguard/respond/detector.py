@@ -155,7 +155,8 @@ class SpikeDetector:
         """Judge one step. Call once per step, in order, with host floats."""
         c = self.config
         r = self._r
-        step, loss, g, nf = m.step, m.loss, m.grad_norm, m.nan_frac
+        step, loss, g = m.step, m.loss, m.grad_norm
+        nf = m.nan_frac or 0.0  # None (a log without the column) counts as 0
         if not (nf <= 0.0 and _isfinite(loss) and _isfinite(g)):
             return self._nonfinite(m)
         self._scaler_run = 0
@@ -244,7 +245,7 @@ class SpikeDetector:
             else:
                 self._lx_count = 0
 
-        lz = m.log_z
+        lz = m.log_z if m.log_z is not None else math.nan
         zmed = self._zmed.value
         zrise = math.nan
         advice = False
@@ -346,7 +347,7 @@ class SpikeDetector:
                 return Verdict(m.step, 0, Action.SKIP, ("scaler",), m.step, evidence, True)
             return self._verdict(m.step, 3, Action.HALT, why, False, evidence, True)
         why = []
-        if not m.nan_frac <= 0.0:
+        if not (m.nan_frac or 0.0) <= 0.0:
             why.append((m.step, "nan_frac > 0"))
         if not math.isfinite(m.loss):
             why.append((m.step, "loss non-finite"))
