@@ -4,6 +4,7 @@ References are independent of the detector: the seed's numbers, brute-force medi
 ``statistics.median``, the bias-corrected EMA written out in float64, and exact step arithmetic.
 """
 
+import argparse
 import json
 import math
 import statistics
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import spikeguard as sg
-from spikeguard._config_cli import field_docs
+from spikeguard._config_cli import add_config_args, config_from_args, field_docs
 from spikeguard.respond import scenarios as sc
 from spikeguard.respond.detector import Action, DetectorConfig, SpikeDetector, Verdict
 
@@ -314,6 +315,12 @@ def test_config_defaults_are_the_seeds_and_documented():
             c.max_scaler_skips) == (50, 5000, 3.0, 2.0, 1.5, 2.5, 500, 3.0, 300, 10)
     docs = field_docs(DetectorConfig)
     assert set(docs) == set(c.to_dict()) and all(docs.values())
+    # the CLI generator (diagnose's what-if options) renders and parses every field
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, DetectorConfig)
+    assert "--max-skip-fraction" in parser.format_help()
+    args = parser.parse_args(["--grad-k", "5", "--vocab-size", "50257"])
+    assert config_from_args(DetectorConfig, args) == DetectorConfig(grad_k=5.0, vocab_size=50257)
 
 
 def test_for_run_shrinks_windows():

@@ -68,7 +68,7 @@ class DetectorConfig:
     max_consecutive_skips: int = 5
     """Skip storm (Tier 2): more consecutive Tier 1 skips than this."""
     skip_window: int = 1000
-    """Skip storm window, in updates (not shrunk by for_run: 1% of a tiny window is one skip)."""
+    """Skip storm window, in updates (not shrunk by for_run: 1 percent of a tiny window is one skip)."""
     max_skip_fraction: float = 0.01
     """Skip storm (Tier 2): more than this fraction of the last skip_window updates skipped."""
     halt_loss_nats: float = 10.0
