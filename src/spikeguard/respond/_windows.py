@@ -40,6 +40,10 @@ class WindowMedian:
         if not math.isfinite(value):
             raise ValueError(f"WindowMedian.update({value}): only finite values belong in "
                              "the history")
+        self.add_finite(value)
+
+    def add_finite(self, value: float) -> None:
+        """``update`` without the checks, for a caller that already holds a finite float."""
         fifo, srt = self._fifo, self._sorted
         fifo.append(value)
         insort(srt, value)

@@ -226,7 +226,7 @@ class SpikeDetector:
 
         flagged = skip or bool(t3)
         if not flagged:
-            self._gmed.update(g)
+            self._gmed.add_finite(g)
             self._ema.update(loss)
             self._e50.update(loss)
             e50 = self._e50.value
@@ -272,7 +272,7 @@ class SpikeDetector:
                     self._zx_rise_fired = False
                 advice = lz > c.z_loss_advice_log_z and dev > c.log_z_onset
             if not flagged:
-                self._zmed.update(lz)
+                self._zmed.add_finite(lz)
                 self._zmin.push(j, lz, step)
 
         p = self._pending
