@@ -8,15 +8,20 @@ from .detect.metrics import StepMetrics
 from .model import GPT, GPTConfig
 from .prevent import schedules
 from .prevent.budget import MemoryBudget, memory_budget
+from .respond.detector import Action, DetectorConfig, SpikeDetector, Verdict
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GPT",
+    "Action",
     "Corpus",
+    "DetectorConfig",
     "GPTConfig",
     "MemoryBudget",
+    "SpikeDetector",
     "StepMetrics",
+    "Verdict",
     "__version__",
     "load_corpus",
     "memory_budget",

@@ -1,0 +1,72 @@
+"""SpikeDetector throughput: 1M updates, printed as updates per second.
+
+A later ``spikeguard diagnose`` replays the detector over whole logs, so it must stay cheap:
+the target is 1M updates in under 20 s on the 2-core dev machine. The baseline, measured in the
+same run and interleaved chunk by chunk, is the bare host RunningMedian (update + value) that any
+grad-norm gate needs: the ratio says what the full triage costs on top of it.
+
+    PYTHONPATH=src:. python benchmarks/bench_detector.py [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from spikeguard.detect.stats import RunningMedian
+from spikeguard.respond.detector import Action, SpikeDetector
+from spikeguard.respond.scenarios import clean_run, data_anomaly, logit_drift
+
+__all__ = ["main"]
+
+
+def _stream(n: int, scenarios: bool = True) -> list:
+    """A healthy run with both seed scenarios spliced in, cycled to ``n`` records."""
+    base = clean_run(0, steps=min(n, 50_000)).metrics
+    if scenarios:
+        base += data_anomaly(0).metrics + logit_drift(0).metrics
+    return (base * (n // len(base) + 1))[:n]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--updates", type=int, default=1_000_000)
+    p.add_argument("--chunks", type=int, default=10)
+    p.add_argument("--smoke", action="store_true", help="10k updates: checks it runs")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.updates, args.chunks = 10_000, 2
+    size = args.updates // args.chunks
+    stream = _stream(size, scenarios=not args.smoke)
+    detector = SpikeDetector()
+    median = RunningMedian(detector.config.median_window)
+    t_det, t_med, cpu, counts = [], [], [], dict.fromkeys(Action, 0)
+    for _ in range(args.chunks):  # interleaved: both see the same machine load
+        t0, c0 = time.perf_counter(), time.process_time()
+        for m in stream:
+            counts[detector.update(m).action] += 1
+        t1 = time.perf_counter()
+        cpu.append(time.process_time() - c0)
+        for m in stream:
+            median.update(m.grad_norm)
+            _ = median.value
+        t2 = time.perf_counter()
+        t_det.append(t1 - t0)
+        t_med.append(t2 - t1)
+    total = sum(t_det)
+    n = size * args.chunks
+    ratios = [d / m for d, m in zip(t_det, t_med)]
+    print(f"detector: {n:,} updates in {total:.2f} s = {n / total:,.0f} updates/s "
+          f"({1e6 * total / n:.1f} us/update); target: 1M in < 20 s")
+    print(f"detector CPU time: {sum(cpu):.2f} s ({1e6 * sum(cpu) / n:.1f} us/update; wall "
+          "exceeds it when other processes share the cores)")
+    print(f"baseline RunningMedian(update+value): {n / sum(t_med):,.0f} updates/s")
+    print(f"ratio detector / RunningMedian: median {statistics.median(ratios):.2f}x "
+          f"(chunks: {min(ratios):.2f}-{max(ratios):.2f})")
+    print("actions:", {a.value: c for a, c in counts.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""DetectorConfig: every threshold of the spike detector, defaults = the seeds' numbers.
+
+Seed 004 section 5.2.2 gives the tiers; shared/SEED-ERRATA.md settles where it contradicts itself
+(Tier 1 is grad-norm OR loss ratio; the log Z drift rule catches the seed's own scenario 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DetectorConfig"]
+
+# windows that DetectorConfig.for_run shrinks to total_steps // 4 for short runs
+_WINDOWS = ("median_window", "loss_ema_steps", "recovery_ema_steps", "recovery_steps",
+            "elevated_steps", "log_z_rise_steps")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DetectorConfig:
+    """Thresholds of :class:`~spikeguard.respond.detector.SpikeDetector`.
+
+    Every window counts detector updates (steps that reached ``update``), not step indices, so a
+    stream that starts at step 50,000, or a log with gaps, works the same. Windows of histories
+    count only unflagged updates: a skipped step never enters a median or an EMA.
+    """
+
+    arm_after: int = 50
+    """Rules other than Tier 3 and fp16 overflows stay off until this many unflagged updates."""
+    median_window: int = 5000
+    """Updates in the running medians of grad norm and log Z (seed: the prior 5,000 steps)."""
+    grad_k: float = 3.0
+    """Tier 1 SKIP when grad_norm > grad_k x its running median."""
+    grad_elevated: float = 1.5
+    """A norm above this multiple of the median is 'elevated'; the run of them dates the onset."""
+    loss_ema_steps: int = 1000
+    """Span of the loss EMA behind loss_ema_ratio (alpha = 1 / span; seed: 1,000 steps)."""
+    alert_ratio: float = 1.5
+    """ALERT (Tier 1, no skip) when loss_ema_ratio exceeds this alone."""
+    skip_ratio: float = 2.0
+    """Tier 1 SKIP when loss_ema_ratio exceeds this (seed: skip-batch above 2.0)."""
+    tier2_ratio: float = 2.5
+    """Tier 2 when loss_ema_ratio stays above this for tier2_ratio_steps consecutive updates."""
+    tier2_ratio_steps: int = 10
+    """Consecutive updates above tier2_ratio that make Tier 2."""
+    recovery_ema_steps: int = 50
+    """Span of the short loss EMA used for recovery and the elevated-loss rule (alpha = 1/span)."""
+    recovery_steps: int = 200
+    """A Tier 1 spike must recover within this many updates, else it escalates to Tier 2."""
+    spike_nats: float = 0.1
+    """The seed's spike size: the short loss EMA this far above the pre-spike level is a spike."""
+    loss_onset_nats: float = 0.05
+    """A loss excursion (and its onset) starts where the short EMA rises this far above its floor."""
+    elevated_steps: int = 500
+    """Tier 2 when the short loss EMA stays spike_nats above pre-spike for more updates than this."""
+    log_z_rise: float = 3.0
+    """Tier 2 when log Z rises more than this within log_z_rise_steps (the seed's rule)."""
+    log_z_rise_steps: int = 300
+    """Window of the log Z rise rule, in updates."""
+    log_z_drift: float = 3.0
+    """Tier 2 when log Z stands more than this above its running median (the drift rule)."""
+    log_z_onset: float = 0.5
+    """A log Z excursion (and its onset) starts where log Z stands this far above its median."""
+    z_loss_advice_log_z: float = 12.0
+    """Above this log Z, still rising over the median window, the verdict advises z-loss."""
+    max_consecutive_skips: int = 5
+    """Skip storm (Tier 2): more consecutive Tier 1 skips than this."""
+    skip_window: int = 1000
+    """Skip storm window, in updates (not shrunk by for_run: 1 percent of a tiny window is one skip)."""
+    max_skip_fraction: float = 0.01
+    """Skip storm (Tier 2): more than this fraction of the last skip_window updates skipped."""
+    halt_loss_nats: float = 10.0
+    """Tier 3 when the loss exceeds this with no grad-norm explanation (needs vocab_size)."""
+    halt_loss_vocab_fraction: float = 0.8
+    """The halt_loss_nats rule applies once the loss EMA is below this fraction of ln(vocab)."""
+    vocab_size: int | None = None
+    """Vocabulary size; None (unknown) turns the halt_loss_nats rule off."""
+    max_scaler_skips: int = 10
+    """fp16: this many consecutive GradScaler overflows make Tier 3 HALT."""
+    min_grad_scale: float = 1.0
+    """fp16: an overflow with grad_scale below this makes Tier 3 HALT."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "vocab_size":
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 2):
+                    raise ValueError(f"DetectorConfig.vocab_size={v!r} must be an int >= 2 "
+                                     "(e.g. 256 for bytes, 128000 for Llama 3) or None")
+                continue
+            if isinstance(f.default, int):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"DetectorConfig.{f.name}={v!r} must be an int >= 1 "
+                                     f"(default {f.default})")
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v <= 0:
+                raise ValueError(f"DetectorConfig.{f.name}={v!r} must be a finite number > 0 "
+                                 f"(default {f.default})")
+        for name in ("grad_k", "grad_elevated", "alert_ratio", "skip_ratio", "tier2_ratio"):
+            if getattr(self, name) <= 1.0:
+                raise ValueError(f"DetectorConfig.{name}={getattr(self, name)} must be > 1: it "
+                                 "is a multiple of a typical value, and <= 1 flags normal steps")
+        if self.grad_elevated > self.grad_k:
+            raise ValueError(f"DetectorConfig.grad_elevated={self.grad_elevated} must be <= "
+                             f"grad_k={self.grad_k}: it dates the run that leads to a skip")
+        if not self.alert_ratio <= self.skip_ratio <= self.tier2_ratio:
+            raise ValueError(f"DetectorConfig ratios must rise alert_ratio <= skip_ratio <= "
+                             f"tier2_ratio; got {self.alert_ratio}, {self.skip_ratio}, "
+                             f"{self.tier2_ratio} (seed: 1.5, 2.0, 2.5)")
+        if self.loss_onset_nats > self.spike_nats:
+            raise ValueError(f"DetectorConfig.loss_onset_nats={self.loss_onset_nats} must be <= "
+                             f"spike_nats={self.spike_nats}: the onset comes before the spike")
+        if self.log_z_onset > self.log_z_drift:
+            raise ValueError(f"DetectorConfig.log_z_onset={self.log_z_onset} must be <= "
+                             f"log_z_drift={self.log_z_drift}: the onset comes before the drift")
+        for name in ("max_skip_fraction", "halt_loss_vocab_fraction"):
+            if getattr(self, name) >= 1.0:
+                raise ValueError(f"DetectorConfig.{name}={getattr(self, name)} must be < 1 "
+                                 f"(default {getattr(type(self), name)})")
+
+    @classmethod
+    def for_run(cls, total_steps: int, **overrides: Any) -> DetectorConfig:
+        """The seeds' defaults with each window shrunk to min(seed value, total_steps // 4).
+
+        Shrinks median_window, loss_ema_steps, recovery_ema_steps, recovery_steps,
+        elevated_steps and log_z_rise_steps; ``overrides`` are applied on top.
+        """
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 4:
+            raise ValueError(f"for_run(total_steps={total_steps!r}): total_steps must be an "
+                             "int >= 4 (the windows become total_steps // 4)")
+        cap = total_steps // 4
+        sizes = {name: min(getattr(cls, name), cap) for name in _WINDOWS}
+        sizes.update(overrides)
+        return cls(**sizes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (JSON-ready)."""
+        return dataclasses.asdict(self)

@@ -1,0 +1,386 @@
+"""SpikeDetector against the seeds' worked scenarios and hand-built streams.
+
+References are independent of the detector: the seed's numbers, brute-force medians with
+``statistics.median``, the bias-corrected EMA written out in float64, and exact step arithmetic.
+"""
+
+import argparse
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+import spikeguard as sg
+from spikeguard._config_cli import add_config_args, config_from_args, field_docs
+from spikeguard.respond import scenarios as sc
+from spikeguard.respond.detector import Action, DetectorConfig, SpikeDetector, Verdict
+
+SEEDS = range(5)
+
+
+def run(metrics, config=None, detector=None):
+    d = detector if detector is not None else SpikeDetector(config)
+    return [d.update(m) for m in metrics]
+
+
+def flat(n, *, start=0, loss=2.4, grad=1.0, log_z=7.0, seed=0, **at):
+    """Noisy flat stream; ``at={step: dict(field=value)}`` overrides single steps."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n):
+        s = start + k
+        m = sg.StepMetrics(step=s, loss=loss + 0.01 * rng.standard_normal(),
+                           grad_norm=grad * math.exp(0.1 * rng.standard_normal()),
+                           log_z=log_z + 0.05 * rng.standard_normal())
+        for name, value in at.get(f"s{s}", {}).items():
+            setattr(m, name, value)
+        out.append(m)
+    return out
+
+
+def checkpoint_before(step, every=1000):
+    return step // every * every
+
+
+# ---- the seeds' worked scenarios ---------------------------------------------------------
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scenario1_data_anomaly_skips_only_42100(seed):
+    scen = sc.data_anomaly(seed)
+    verdicts = run(scen.metrics)
+    flagged = [v for v in verdicts if v.action is not Action.CONTINUE]
+    assert [(v.step, v.tier, v.action) for v in flagged] == [(42_100, 1, Action.SKIP)]
+    v = flagged[0]
+    assert v.skip and v.onset_step == 42_100
+    assert v.reasons[0].startswith("grad_norm")
+    # the seed's numbers: median 1.1 over the prior 5,000 steps; loss/EMA 2.89/2.41 = 1.20
+    assert v.evidence["grad_median"] == pytest.approx(1.1, rel=0.02)
+    assert v.evidence["loss_ema_ratio"] == pytest.approx(2.89 / 2.41, abs=0.02)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_scenario2_logit_drift_tier2_names_log_z_rolls_back_to_57000(seed):
+    scen = sc.logit_drift(seed)
+    verdicts = run(scen.metrics)
+    tier2 = [v for v in verdicts if v.tier == 2]
+    assert tier2 and tier2[0].step <= 59_000
+    first = tier2[0]
+    assert first.action is Action.ROLLBACK
+    assert first.reasons[0].startswith("log_z")
+    assert checkpoint_before(first.onset_step) == 57_000
+    # every Tier 2 in this run dates back to the log Z excursion, and nothing halts
+    assert all(checkpoint_before(v.onset_step) == 57_000 for v in tier2)
+    assert not any(v.tier == 3 for v in verdicts)
+    # the seed's advice once log Z is past 12 and rising
+    advice = [v.step for v in verdicts if "add or raise z-loss" in v.reasons]
+    assert advice and min(advice) > 58_000
+
+
+def test_scenario2_is_missed_by_the_seeds_300_step_rule_alone():
+    # SEED-ERRATA: the seed's log Z points rise at most +2.0 in any 300 steps (float64 check)
+    s = np.arange(56_000, 59_001, dtype=np.float64)
+    z = sc.interpolate(sc.LOGIT_DRIFT_LOG_Z, s)
+    assert np.max(z[300:] - z[:-300]) == pytest.approx(1.98, abs=1e-9)
+    first = next(v for v in run(sc.logit_drift(0).metrics) if v.tier == 2)
+    assert "log_z > median + 3" in first.reasons
+    assert not any("within 300 steps" in r for r in first.reasons)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_clean_stream_only_genuine_3x_skips(seed):
+    scen = sc.clean_run(seed)
+    d = SpikeDetector()
+    history = []  # unflagged grad norms, the brute-force reference
+    for k, m in enumerate(scen.metrics):
+        med, armed = d.grad_median, d.armed
+        v = d.update(m)
+        assert v.action in (Action.CONTINUE, Action.SKIP), (v.step, v.reasons)
+        assert (v.action is Action.SKIP) == (armed and m.grad_norm > 3 * med)
+        if v.action is Action.SKIP:
+            assert m.grad_norm > 3 * statistics.median(history[-5000:])
+        else:
+            history.append(m.grad_norm)
+        if k % 997 == 0 and len(history) > 1:
+            assert d.grad_median == statistics.median(history[-5000:])
+
+
+# ---- each rule on its own -----------------------------------------------------------------
+
+@pytest.mark.parametrize("field_, value, reason", [
+    ("loss", math.nan, "loss non-finite"),
+    ("grad_norm", math.inf, "grad_norm non-finite"),
+    ("nan_frac", 1e-6, "nan_frac > 0"),
+])
+@pytest.mark.parametrize("at", [3, 120])  # before and after arming
+def test_nan_step_halts(field_, value, reason, at):
+    metrics = flat(200, **{f"s{at}": {field_: value}})
+    verdicts = run(metrics)
+    v = verdicts[at]
+    assert (v.tier, v.action, v.skip, v.onset_step) == (3, Action.HALT, True, at)
+    assert reason in v.reasons
+    assert all(w.action is Action.CONTINUE for w in verdicts if w.step != at)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_skip_storm_gives_tier2_within_10_steps(seed):
+    scen = sc.grad_storm(seed)
+    verdicts = run(scen.metrics)
+    at = scen.expect["storm_from"]
+    assert all(v.action is Action.CONTINUE for v in verdicts[:at])
+    first = next(v for v in verdicts if v.tier == 2)
+    assert at <= first.step < at + 10
+    assert first.skip and first.action is Action.ROLLBACK
+    assert "skips > 5 consecutive" in first.reasons
+    assert first.reasons[0].startswith("grad_norm") and first.onset_step == at
+
+
+def test_skip_storm_fraction_rule():
+    # one 5x outlier every 80 steps: never consecutive, but 11 within 1,000 updates
+    spikes = {f"s{s}": {"grad_norm": 5.0} for s in range(100, 2000, 80)}
+    verdicts = run(flat(2000, **spikes))
+    skips = [v.step for v in verdicts if v.action is Action.SKIP or v.skip]
+    assert skips == list(range(100, 2000, 80))
+    tier2 = [v for v in verdicts if v.tier == 2]
+    assert [v.step for v in tier2] == [100 + 80 * 10]
+    assert "skips > 1% of last 1000" in tier2[0].reasons and tier2[0].onset_step == 100
+
+
+def ema_reference(values, alpha):
+    """Bias-corrected EMA, written out in float64."""
+    m = 0.0
+    for x in values:
+        m = (1 - alpha) * m + alpha * x
+    return m / (1 - (1 - alpha) ** len(values))
+
+
+def test_loss_ratio_or_rule_alert_and_skip():
+    metrics = flat(300, **{"s200": {"loss": 5.3}, "s250": {"loss": 4.0}})
+    verdicts = run(metrics)
+    skip, alert = verdicts[200], verdicts[250]
+    ema = ema_reference([m.loss for m in metrics[:200]], 1e-3)
+    assert skip.evidence["loss_ema_ratio"] == pytest.approx(5.3 / ema, rel=1e-12)
+    # grad norm normal: the loss ratio alone skips (SEED-ERRATA: OR, not AND)
+    assert (skip.tier, skip.action, skip.reasons) == (1, Action.SKIP, ("loss_ema_ratio > 2",))
+    assert (alert.tier, alert.action, alert.skip) == (1, Action.ALERT, False)
+    assert alert.reasons == ("loss_ema_ratio > 1.5",)
+    # the skipped loss stayed out of the EMA; the alerted one went in
+    ema_after = ema_reference([m.loss for m in metrics[:250] if m.step != 200], 1e-3)
+    assert alert.evidence["loss_ema"] == pytest.approx(ema_after, rel=1e-12)
+
+
+def test_ratio_above_2_5_for_10_steps_is_tier2():
+    jump = {f"s{s}": {"loss": 7.0} for s in range(200, 230)}
+    verdicts = run(flat(260, **jump))
+    t2 = [v for v in verdicts if v.tier == 2]
+    ratio = [v for v in t2 if "loss_ema_ratio > 2.5 for 10 steps" in v.reasons]
+    assert [v.step for v in ratio] == [209] and ratio[0].onset_step == 200
+    assert all(v.skip for v in verdicts[200:230])
+
+
+def test_unrecovered_tier1_escalates_after_200_updates():
+    # grad spike at 300 with loss 2.55; the loss then keeps climbing to 2.9 (ratio < 1.5)
+    verdicts = run(unrecovered())
+    t2 = [v for v in verdicts if "loss not recovered within 200 steps" in v.reasons]
+    assert [v.step for v in t2] == [500] and t2[0].onset_step == 300
+
+
+def test_low_loss_outlier_recovers():
+    # a repeated-byte batch: huge grad norm, loss far below the running loss
+    verdicts = run(flat(800, **{"s300": {"grad_norm": 6.0, "loss": 0.2}}))
+    assert [(v.step, v.action) for v in verdicts if v.action is not Action.CONTINUE] == \
+        [(300, Action.SKIP)]
+
+
+def test_loss_elevated_for_more_than_500_steps():
+    up = {f"s{s}": {"loss": 2.6} for s in range(1000, 2000)}
+    verdicts = run(flat(2000, **up))
+    t2 = [v for v in verdicts if v.tier == 2]
+    assert len(t2) == 1 and "loss +0.1 nats for > 500 steps" in t2[0].reasons
+    # onset: where the 50-step EMA of a +0.2 step crosses +0.05: 0.2 (1 - 0.98^n) > 0.05
+    n = math.ceil(math.log(0.75) / math.log(0.98))
+    assert abs(t2[0].onset_step - (1000 + n - 1)) <= 3
+    assert t2[0].step - t2[0].onset_step > 500
+    assert t2[0].evidence["pre_spike_loss"] == pytest.approx(2.4, abs=0.01)
+
+
+def test_log_z_fast_rise_rule_and_onset():
+    # log Z +3.5 in 100 steps from step 1000: both log Z rules; onset where it first stood
+    # 0.5 above the median (the noiseless ramp crosses 7.5 at step 1000 + 100 * 0.5 / 3.5)
+    ramp = {f"s{s}": {"log_z": 7.0 + 3.5 * (s - 1000) / 100} for s in range(1000, 1200)}
+    verdicts = run(flat(1200, **ramp))
+    t2 = [v for v in verdicts if v.tier == 2]
+    reasons = {r for v in t2 for r in v.reasons}
+    assert {"log_z +3 within 300 steps", "log_z > median + 3"} <= reasons
+    assert all(abs(v.onset_step - 1014.3) < 3 for v in t2)
+
+
+def test_tier3_loss_above_10_nats_needs_vocab_and_a_trained_model():
+    cfg = DetectorConfig(vocab_size=128_000)  # 0.8 ln(128000) = 9.41
+    early = flat(300, loss=11.0, **{"s200": {"loss": 11.5}})
+    assert not any(v.tier == 3 for v in run(early, cfg))
+    late = flat(300, loss=3.0, **{"s200": {"loss": 11.0}})
+    assert run(late, cfg)[200].action is Action.HALT
+    assert "loss > 10 nats, grad_norm <= 3x median" in run(late, cfg)[200].reasons
+    assert run(late)[200].tier == 1  # vocab unknown: the rule is off, the ratio skips
+    explained = flat(300, loss=3.0, **{"s200": {"loss": 11.0, "grad_norm": 9.0}})
+    assert run(explained, cfg)[200].tier == 1
+
+
+def fp16(metrics, scale=65536.0):
+    for m in metrics:
+        m.grad_scale = scale
+    return metrics
+
+
+def test_fp16_overflow_is_a_scaler_skip_outside_history_and_storms():
+    # 9 overflows in a row, 5 times over: never a HALT, never a storm, history untouched
+    over = {f"s{s}": {"grad_norm": math.inf} for b in range(100, 600, 100)
+            for s in range(b, b + 9)}
+    metrics = fp16(flat(700, **over))
+    d = SpikeDetector()
+    verdicts = run(metrics, detector=d)
+    bad = [v for v in verdicts if math.isinf(metrics[v.step].grad_norm)]
+    assert len(bad) == 45
+    assert all((v.tier, v.action, v.reasons, v.skip) == (0, Action.SKIP, ("scaler",), True)
+               for v in bad)
+    assert all(v.action is Action.CONTINUE for v in verdicts if v not in bad)
+    clean = [m.grad_norm for m in metrics if math.isfinite(m.grad_norm)]
+    assert d.grad_median == statistics.median(clean)
+
+
+def test_fp16_halts_after_10_overflows_or_scale_below_1():
+    over = {f"s{s}": {"loss": math.nan} for s in range(100, 120)}
+    verdicts = run(fp16(flat(130, **over)))
+    assert [v.action for v in verdicts[100:109]] == [Action.SKIP] * 9
+    assert (verdicts[109].tier, verdicts[109].action, verdicts[109].onset_step) == \
+        (3, Action.HALT, 100)
+    tiny = fp16(flat(130, **{"s100": {"nan_frac": 0.5}}), scale=0.5)
+    assert run(tiny)[100].action is Action.HALT
+
+
+def test_missing_log_z_and_nan_frac_columns():
+    # a log without log Z / nan_frac: log Z rules stay silent, the grad rule still works
+    metrics = flat(200, **{"s150": {"grad_norm": 8.0}})
+    for m in metrics:
+        m.log_z, m.nan_frac = None, None
+    acts = [(v.step, v.action) for v in run(metrics) if v.action is not Action.CONTINUE]
+    assert acts == [(150, Action.SKIP)]
+
+
+def test_arming_counts_updates_not_steps():
+    late = flat(200, start=50_000, **{"s50030": {"grad_norm": 8.0},
+                                      "s50120": {"grad_norm": 8.0}})
+    acts = {v.step: v.action for v in run(late)}
+    assert acts[50_030] is Action.CONTINUE and acts[50_120] is Action.SKIP
+
+
+def unrecovered():
+    over = {f"s{s}": {"loss": 2.9} for s in range(301, 700)}
+    over["s300"] = {"grad_norm": 6.0, "loss": 2.55}
+    return flat(700, **over)
+
+
+# splits: mid log Z excursion, mid loss excursion, just before the skip, mid storm, while a
+# Tier 1 waits for its recovery
+@pytest.mark.parametrize("name, split", [("logit_drift", 5800), ("logit_drift", 6350),
+                                         ("data_anomaly", 5090), ("grad_storm", 303),
+                                         ("unrecovered", 400)])
+def test_state_dict_round_trip_equals_uninterrupted(name, split):
+    metrics = unrecovered() if name == "unrecovered" else getattr(sc, name)(1).metrics
+    whole = run(metrics)
+    a = SpikeDetector()
+    first = run(metrics[:split], detector=a)
+    b = SpikeDetector()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    # repr: exact floats, and NaN evidence (before arming) compares equal
+    assert [repr(v) for v in first + run(metrics[split:], detector=b)] == list(map(repr, whole))
+    assert any(v.action is not Action.CONTINUE for v in whole[split:])
+
+
+def test_load_state_dict_rejects_another_config():
+    a = SpikeDetector()
+    run(flat(100), detector=a)
+    with pytest.raises(ValueError, match="median_window"):
+        SpikeDetector(DetectorConfig(median_window=100)).load_state_dict(a.state_dict())
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+def test_config_defaults_are_the_seeds_and_documented():
+    c = DetectorConfig()
+    assert (c.arm_after, c.median_window, c.grad_k, c.skip_ratio, c.alert_ratio,
+            c.tier2_ratio, c.elevated_steps, c.log_z_rise, c.log_z_rise_steps,
+            c.max_scaler_skips) == (50, 5000, 3.0, 2.0, 1.5, 2.5, 500, 3.0, 300, 10)
+    docs = field_docs(DetectorConfig)
+    assert set(docs) == set(c.to_dict()) and all(docs.values())
+    # the CLI generator (diagnose's what-if options) renders and parses every field
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, DetectorConfig)
+    assert "--max-skip-fraction" in parser.format_help()
+    args = parser.parse_args(["--grad-k", "5", "--vocab-size", "50257"])
+    assert config_from_args(DetectorConfig, args) == DetectorConfig(grad_k=5.0, vocab_size=50257)
+
+
+def test_for_run_shrinks_windows():
+    c = DetectorConfig.for_run(400)
+    assert (c.median_window, c.loss_ema_steps, c.recovery_steps, c.elevated_steps,
+            c.recovery_ema_steps, c.log_z_rise_steps) == (100, 100, 100, 100, 50, 100)
+    assert DetectorConfig.for_run(1_000_000) == DetectorConfig()
+    assert DetectorConfig.for_run(400, grad_k=5.0).grad_k == 5.0
+    with pytest.raises(ValueError, match="total_steps=2"):
+        DetectorConfig.for_run(2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"median_window": 0}, "median_window=0"),
+    ({"grad_k": 1.0}, "grad_k=1.0"),
+    ({"skip_ratio": 3.0}, "skip_ratio"),
+    ({"vocab_size": 1}, "vocab_size=1"),
+    ({"max_skip_fraction": 1.5}, "max_skip_fraction=1.5"),
+    ({"arm_after": 2.5}, "arm_after=2.5"),
+])
+def test_bad_config_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DetectorConfig(**kwargs)
+
+
+def test_public_api():
+    assert sg.SpikeDetector is SpikeDetector and sg.Verdict is Verdict
+    assert sg.Action("skip") is Action.SKIP and sg.DetectorConfig is DetectorConfig
+
+
+# ---- the windows under the detector -----------------------------------------------------------
+
+def test_window_median_matches_running_median_and_statistics():
+    from spikeguard.detect.stats import RunningMedian
+    from spikeguard.respond._windows import WindowMedian
+
+    rng = np.random.default_rng(0)
+    xs = np.round(rng.lognormal(0.0, 0.5, 3000), 2).tolist()  # rounded: many ties
+    for window in (1, 2, 7, 500):
+        a, b = WindowMedian(window), RunningMedian(window)
+        for k, x in enumerate(xs):
+            a.update(x)
+            b.update(x)
+            assert a.value == b.value == statistics.median(xs[max(0, k + 1 - window):k + 1])
+        assert a.state_dict() == b.state_dict()
+        c = WindowMedian(3)
+        c.load_state_dict(json.loads(json.dumps(a.state_dict())))
+        assert (c.value, c.values(), len(c)) == (a.value, a.values(), len(a))
+    assert math.isnan(WindowMedian(5).value)
+    with pytest.raises(ValueError, match="finite"):
+        WindowMedian(5).update(math.inf)
+
+
+def test_benchmark_smoke(sub_env):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "benchmarks/bench_detector.py", "--smoke"], cwd=root,
+                       env=sub_env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "updates/s" in r.stdout and "ratio detector / RunningMedian" in r.stdout
