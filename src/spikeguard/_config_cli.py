@@ -54,7 +54,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[s
         flag = "--" + f.name.replace("_", "-")
         tp, extra = _parser_for(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f"{docs.get(f.name, '')} (default: {default})"
+        # argparse %-formats help strings: a literal percent sign must be doubled
+        help_text = f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")
         if tp is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=default, help=help_text)
