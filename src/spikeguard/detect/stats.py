@@ -173,13 +173,16 @@ def _scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
     """A 0-d float64 tensor on ``device``; a tensor already there is cast on the device (no sync)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to(device=device, dtype=torch.float64).reshape(())
-    return torch.tensor(float(value), dtype=torch.float64, device=device)
+    # a fill kernel: torch.tensor(x, device=cuda) would be a blocking host-to-device copy
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _kept(x: torch.Tensor, flagged: torch.Tensor | bool | None, device: torch.device) -> torch.Tensor:
     keep = torch.isfinite(x)
-    if flagged is not None:
-        keep = keep & ~torch.as_tensor(flagged, device=device).to(torch.bool).reshape(())
+    if isinstance(flagged, torch.Tensor):
+        keep = keep & ~flagged.to(device=device, dtype=torch.bool).reshape(())
+    elif flagged:
+        keep = torch.zeros((), dtype=torch.bool, device=device)
     return keep
 
 
