@@ -67,6 +67,10 @@ def metrics_record(metrics: StepMetrics, *, tier: Any = 0, action: Any = "contin
         action = action.value
     if isinstance(action, str) and action not in ACTIONS:
         raise ValueError(f"action={action!r} is not one of {ACTIONS}")
+    taken = set(RECORD_KEYS) | {f.name for f in fields(metrics)}
+    for key in metrics.extras or {}:
+        if key in taken:
+            raise ValueError(f"extras key {key!r} collides with a record key; rename it")
     m = metrics.to_dict()
     rec: dict[str, Any] = {"schema": SCHEMA}
     for key in RECORD_KEYS[1:]:
@@ -74,8 +78,5 @@ def metrics_record(metrics: StepMetrics, *, tier: Any = 0, action: Any = "contin
     rec["tier"], rec["action"], rec["reasons"] = tier, action, list(reasons)
     if m.pop("grad_scale", None) is not None:
         rec["grad_scale"] = metrics.grad_scale
-    for key, value in m.items():
-        if key in rec:
-            raise ValueError(f"extras key {key!r} collides with a record key; rename it")
-        rec[key] = value
+    rec.update(m)
     return rec

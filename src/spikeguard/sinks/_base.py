@@ -52,41 +52,39 @@ class _Pending:
     def __init__(self, record: dict[str, Any], step: int) -> None:
         self.record, self.step = record, step
         self.keys = [k for k, v in record.items() if isinstance(v, torch.Tensor)]
-        self.on_device = False
-        self._event: Any = None
-        self._host: torch.Tensor | None = None
-        if not self.keys:
-            return
         tensors = [record[k].detach() for k in self.keys]
         self.shapes = [t.shape for t in tensors]
         self.dtypes = [t.dtype for t in tensors]
-        device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
-        self.on_device = device.type != "cpu"
-        flat = torch.cat([t.reshape(-1).to(device=device, dtype=torch.float64) for t in tensors])
+        # tensors already on the CPU stay there (moving them to the device would sync)
+        self.is_dev = [t.device.type != "cpu" for t in tensors]
+        self.on_device = any(self.is_dev)
+        self._event: Any = None
+        self._dev: torch.Tensor | None = None
+        host = [t.reshape(-1).to(torch.float64) for t, d in zip(tensors, self.is_dev) if not d]
+        self._cpu = torch.cat(host) if host else None  # a snapshot: later in-place edits miss it
+        dev = [t for t, d in zip(tensors, self.is_dev) if d]
+        if not dev:
+            return
+        device = dev[0].device
+        flat = torch.cat([t.reshape(-1).to(device=device, dtype=torch.float64) for t in dev])
         if device.type == "cuda":
-            self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
-            self._host.copy_(flat, non_blocking=True)
+            self._dev = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            self._dev.copy_(flat, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            # CPU: flat is already a snapshot; other accelerators copy at resolve (one step late)
-            self._flat = flat
+            self._dev = flat  # other accelerators: copied at resolve, one step late
 
     def resolve(self) -> tuple[dict[str, Any], int]:
         if not self.keys:
             return self.record, self.step
         if self._event is not None:
             self._event.synchronize()
-            host = self._host
-        else:
-            host = self._flat.cpu()
-        values = host.tolist()
+        streams = {False: iter(self._cpu.tolist() if self._cpu is not None else ()),
+                   True: iter(self._dev.cpu().tolist() if self._dev is not None else ())}
         out = dict(self.record)
-        i = 0
-        for key, shape, dtype in zip(self.keys, self.shapes, self.dtypes):
-            n = shape.numel()
-            chunk = [_restore(v, dtype) for v in values[i: i + n]]
-            i += n
+        for key, shape, dtype, d in zip(self.keys, self.shapes, self.dtypes, self.is_dev):
+            chunk = [_restore(next(streams[d]), dtype) for _ in range(shape.numel())]
             out[key] = chunk[0] if len(shape) == 0 else _nest(chunk, list(shape))
         return out, self.step
 
