@@ -78,11 +78,11 @@ class WandbSink(Sink):
         super().__init__(defer=defer)
         self._owns = run is None
         self.run: Any = run
+        self._defined: set[str] = set()
         try:
             if self.run is None:
                 self.run = wandb.init(project=project, **init_kwargs)
             self.run.define_metric("step")
-            self.run.define_metric("*", step_metric="step")
         except Exception as exc:
             self._fail(exc)
 
@@ -93,6 +93,10 @@ class WandbSink(Sink):
         reasons = record.get("reasons") or []
         if reasons:
             data["reasons"] = "; ".join(map(str, reasons))
+        for key in data.keys() - self._defined - {"step"}:
+            # per key, not "*": a run the user passed in keeps its other metrics as they were
+            self.run.define_metric(key, step_metric="step")
+            self._defined.add(key)
         self.run.log(data)
 
     def _close(self) -> None:
