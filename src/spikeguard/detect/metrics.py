@@ -1,12 +1,26 @@
-"""The per-step health record: the numbers every rule of the detector reads."""
+"""The per-step health record: the numbers every rule of the detector reads, and the metrics
+record (shared/DESIGN.md, "The metrics record") that the sinks write."""
 
 from __future__ import annotations
 
+import enum
 import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["StepMetrics"]
+__all__ = ["ACTIONS", "RECORD_KEYS", "SCHEMA", "StepMetrics", "metrics_record"]
+
+SCHEMA = 1
+"""Version of the metrics record; bump it (and teach ``read_metrics`` the old one) on any change
+to the meaning of an existing key."""
+
+RECORD_KEYS = ("schema", "step", "loss", "grad_norm", "log_z", "loss_ema_ratio", "nan_frac", "lr",
+               "tier", "action", "reasons")
+"""Keys every record carries, in the order they are written (None where unknown)."""
+
+ACTIONS = ("continue", "alert", "skip", "rollback", "halt")
+"""The values of the record's ``action``."""
 
 
 @dataclass
@@ -32,7 +46,37 @@ class StepMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         """Flat dict: the record keys of shared/DESIGN.md, extras merged under their own names."""
-        d = asdict(self)
+        # shallow on purpose: dataclasses.asdict would deep-copy (device) tensors
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         extras = d.pop("extras") or {}
         d.update(extras)
         return d
+
+
+def metrics_record(metrics: StepMetrics, *, tier: Any = 0, action: Any = "continue",
+                   reasons: Iterable[str] = ()) -> dict[str, Any]:
+    """The metrics record of one step: ``RECORD_KEYS`` first (``schema`` = ``SCHEMA``), then
+    ``grad_scale`` when set, then ``extras`` under their own names.
+
+    ``tier``, ``action`` and ``reasons`` come from the detector's Verdict; until it runs they are
+    0, "continue" and []. ``action`` may be a string of ``ACTIONS`` or an enum whose value is one.
+    Values may be 0-d tensors (device or not): the sinks read them off the device one step late,
+    so building a record never syncs.
+    """
+    if isinstance(action, enum.Enum):
+        action = action.value
+    if isinstance(action, str) and action not in ACTIONS:
+        raise ValueError(f"action={action!r} is not one of {ACTIONS}")
+    taken = set(RECORD_KEYS) | {f.name for f in fields(metrics)}
+    for key in metrics.extras or {}:
+        if key in taken:
+            raise ValueError(f"extras key {key!r} collides with a record key; rename it")
+    m = metrics.to_dict()
+    rec: dict[str, Any] = {"schema": SCHEMA}
+    for key in RECORD_KEYS[1:]:
+        rec[key] = m.pop(key, None)
+    rec["tier"], rec["action"], rec["reasons"] = tier, action, list(reasons)
+    if m.pop("grad_scale", None) is not None:
+        rec["grad_scale"] = metrics.grad_scale
+    rec.update(m)
+    return rec

@@ -1,0 +1,223 @@
+"""What every sink shares: device values read one step late, failures reported and contained,
+pending records flushed at exit."""
+
+from __future__ import annotations
+
+import atexit
+import warnings
+import weakref
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Sink", "SinkDisabledWarning", "SinkLike", "Sinks", "host_record"]
+
+
+class SinkDisabledWarning(RuntimeWarning):
+    """A sink raised; it is disabled for the rest of the run and training goes on."""
+
+
+@runtime_checkable
+class SinkLike(Protocol):
+    """Anything with ``log(record, step)``; ``close()`` is called when present."""
+
+    def log(self, record: dict[str, Any], step: int) -> None: ...
+
+
+def _restore(value: float, dtype: torch.dtype) -> Any:
+    if dtype == torch.bool:
+        return bool(value)
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return int(value)
+    return value
+
+
+def _nest(flat: list[Any], shape: list[int]) -> list[Any]:
+    if len(shape) == 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nest(flat[i * step: (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+class _Pending:
+    """One record whose tensors are on their way to the host.
+
+    At construction every tensor in the record's top level is flattened into one float64 buffer
+    and, on CUDA, copied into pinned host memory with ``non_blocking=True`` behind a CUDA event:
+    no sync. ``resolve`` waits for that event only (step t's values, long done by step t+1) and
+    returns the record with each tensor replaced by a Python number (0-d) or nested list.
+    """
+
+    def __init__(self, record: dict[str, Any], step: int) -> None:
+        self.record, self.step = record, step
+        self.keys = [k for k, v in record.items() if isinstance(v, torch.Tensor)]
+        tensors = [record[k].detach() for k in self.keys]
+        self.shapes = [t.shape for t in tensors]
+        self.dtypes = [t.dtype for t in tensors]
+        # tensors already on the CPU stay there (moving them to the device would sync)
+        self.is_dev = [t.device.type != "cpu" for t in tensors]
+        self.on_device = any(self.is_dev)
+        self._event: Any = None
+        self._dev: torch.Tensor | None = None
+        host = [t.reshape(-1).to(torch.float64) for t, d in zip(tensors, self.is_dev) if not d]
+        self._cpu = torch.cat(host) if host else None  # a snapshot: later in-place edits miss it
+        dev = [t for t, d in zip(tensors, self.is_dev) if d]
+        if not dev:
+            return
+        device = dev[0].device
+        flat = torch.cat([t.reshape(-1).to(device=device, dtype=torch.float64) for t in dev])
+        if device.type == "cuda":
+            self._dev = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            self._dev.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._dev = flat  # other accelerators: copied at resolve, one step late
+
+    def resolve(self) -> tuple[dict[str, Any], int]:
+        if not self.keys:
+            return self.record, self.step
+        if self._event is not None:
+            self._event.synchronize()
+        streams = {False: iter(self._cpu.tolist() if self._cpu is not None else ()),
+                   True: iter(self._dev.cpu().tolist() if self._dev is not None else ())}
+        out = dict(self.record)
+        for key, shape, dtype, d in zip(self.keys, self.shapes, self.dtypes, self.is_dev):
+            chunk = [_restore(next(streams[d]), dtype) for _ in range(shape.numel())]
+            out[key] = chunk[0] if len(shape) == 0 else _nest(chunk, list(shape))
+        return out, self.step
+
+
+def host_record(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with every tensor read to the host now (syncs). For tests and one-off use."""
+    return _Pending(record, 0).resolve()[0]
+
+
+_OPEN: weakref.WeakSet[Sink] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # interpreter exit (normal, sys.exit or an uncaught exception): write what is pending
+    for sink in list(_OPEN):
+        sink.close()
+
+
+class Sink:
+    """Base of the built-in sinks. Subclasses write one host record in ``_write`` and release
+    resources in ``_close``.
+
+    ``log(record, step)`` never syncs and never raises: tensors on a device are copied off
+    asynchronously and the record is written at the next ``log`` (or ``flush``/``close``), so
+    step t may be written at t+1; records with no device tensors are written at once unless
+    ``defer=True``. An exception inside the sink is reported once as a ``SinkDisabledWarning``,
+    kept in ``self.error``, and disables the sink. Open sinks are closed at interpreter exit.
+    """
+
+    def __init__(self, *, defer: bool | None = None) -> None:
+        self.defer = defer
+        self.disabled = False
+        self.closed = False
+        self.error: BaseException | None = None
+        self._pending: _Pending | None = None
+        _OPEN.add(self)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def _write(self, record: dict[str, Any], step: int) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        pass
+
+    def _fail(self, exc: BaseException) -> None:
+        self.disabled, self.error, self._pending = True, exc, None
+        warnings.warn(f"{self.name} failed and is disabled for the rest of the run; training "
+                      f"continues. {type(exc).__name__}: {exc}", SinkDisabledWarning, stacklevel=3)
+        try:
+            self._close()
+        except Exception:  # the sink is already broken; its report above is the one that matters
+            pass
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        """Queue ``record`` (values may be tensors) for step ``step``; see the class docstring."""
+        if self.disabled or self.closed:
+            return
+        try:
+            pending = _Pending(record, step)
+            previous, self._pending = self._pending, None
+            if previous is not None:
+                self._write(*previous.resolve())
+            if pending.on_device if self.defer is None else self.defer:
+                self._pending = pending
+            else:
+                self._write(*pending.resolve())
+        except Exception as exc:
+            self._fail(exc)
+
+    def flush(self) -> None:
+        """Write the pending record now (waits for its device copy)."""
+        if self._pending is None or self.disabled:
+            return
+        pending, self._pending = self._pending, None
+        try:
+            self._write(*pending.resolve())
+        except Exception as exc:
+            self._fail(exc)
+
+    def close(self) -> None:
+        """Flush and release; further ``log`` calls are ignored. Safe to call twice."""
+        if self.closed:
+            return
+        self.flush()
+        self.closed = True
+        _OPEN.discard(self)
+        if not self.disabled:
+            try:
+                self._close()
+            except Exception as exc:
+                self._fail(exc)
+
+
+class Sinks(Sink):
+    """Several sinks behind one: reads device values once, then hands each sink a host record.
+
+    Any object with ``log(record, step)`` may be in the list (``close()`` is called when
+    present). One that raises is reported with a ``SinkDisabledWarning`` and dropped; the others
+    and the run go on. The guard wraps its sinks in this.
+    """
+
+    def __init__(self, sinks: Iterable[SinkLike], *, defer: bool | None = None) -> None:
+        super().__init__(defer=defer)
+        self.sinks = list(sinks)
+        for s in self.sinks:
+            if not callable(getattr(s, "log", None)):
+                raise ValueError(f"sink {s!r} has no log(record, step) method")
+        self.failed: dict[str, BaseException] = {}
+
+    def _drop(self, sink: Any, exc: BaseException) -> None:
+        self.sinks = [s for s in self.sinks if s is not sink]
+        self.failed[type(sink).__name__] = exc
+        warnings.warn(f"sink {type(sink).__name__} failed and is disabled for the rest of the run; "
+                      f"training continues. {type(exc).__name__}: {exc}", SinkDisabledWarning,
+                      stacklevel=4)
+
+    def _write(self, record: dict[str, Any], step: int) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.log(record, step)
+            except Exception as exc:
+                self._drop(sink, exc)
+
+    def _close(self) -> None:
+        for sink in list(self.sinks):
+            close = getattr(sink, "close", None)
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as exc:
+                self._drop(sink, exc)

@@ -1,0 +1,193 @@
+"""Running median and EMA: host and device versions against brute force, with flagged steps."""
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spikeguard.detect.stats import EMA, DeviceEMA, DeviceRunningMedian, RunningMedian
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+# values with many ties (a few small integers) mixed with arbitrary finite floats
+values = st.one_of(st.sampled_from([0.0, 1.0, 2.0, 3.0]),
+                   st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False))
+streams = st.lists(st.tuples(values, st.booleans()), max_size=150)
+
+
+def brute_ema(kept: list[float], alpha: float) -> float:
+    """Bias-corrected EMA from its closed form: sum_j a (1-a)^(n-1-j) x_j / (1 - (1-a)^n)."""
+    n = len(kept)
+    if n == 0:
+        return math.nan
+    num = math.fsum(alpha * (1 - alpha) ** (n - 1 - j) * x for j, x in enumerate(kept))
+    return num / (1 - (1 - alpha) ** n)
+
+
+@settings(max_examples=60, deadline=None)
+@given(window=st.integers(1, 12), stream=streams, k=st.sampled_from([1.0, 3.0]))
+def test_running_median_matches_brute_force_host_and_device(window, stream, k):
+    host, dev = RunningMedian(window), DeviceRunningMedian(window)
+    kept: list[float] = []
+    for x, flagged in stream:
+        # the gate's rule reads the history before the step joins it
+        expect = len(kept) > 0 and x > k * statistics.median(kept[-window:])
+        assert bool(dev.exceeds(x, k)) == expect
+        dev.update(x, torch.tensor(flagged))
+        if not flagged:
+            host.update(x)
+            kept.append(x)
+        want = statistics.median(kept[-window:]) if kept else math.nan
+        got_host, got_dev = host.value, dev.value.item()
+        assert got_host == want or (math.isnan(want) and math.isnan(got_host))
+        assert got_dev == got_host or (math.isnan(got_dev) and math.isnan(got_host))
+        assert int(dev.count) == len(host) == min(len(kept), window)
+    assert host.values() == dev.values() == kept[-window:]
+
+
+@settings(max_examples=60, deadline=None)
+@given(alpha=st.sampled_from([1e-3, 0.01, 0.3, 1.0]), stream=streams)
+def test_ema_matches_brute_force_host_and_device(alpha, stream):
+    host, dev = EMA(alpha), DeviceEMA(alpha)
+    kept: list[float] = []
+    for x, flagged in stream:
+        # the ratio at step t divides by EMA_{t-1}, the value before this step's update
+        prev, ratio = host.value, dev.ratio(x).item()
+        if not kept:
+            assert math.isnan(ratio)
+        elif prev != 0:
+            assert ratio == x / prev
+        dev.update(x, flagged)
+        if not flagged:
+            host.update(x)
+            kept.append(x)
+        want = brute_ema(kept, alpha)
+        scale = max((abs(v) for v in kept), default=1.0)
+        assert host.value == pytest.approx(want, rel=1e-9, abs=1e-9 * scale, nan_ok=True)
+        d = dev.value.item()
+        assert d == host.value or (math.isnan(d) and math.isnan(host.value))
+        assert int(dev.count) == host.count == len(kept)
+
+
+def test_ema_seed_alpha_and_bias_correction():
+    # alpha = 1/1000: after one update the corrected EMA is the value itself, not 1/1000 of it
+    ema = EMA()
+    ema.update(2.41)
+    assert ema.value == pytest.approx(2.41, rel=1e-15)
+    for _ in range(999):
+        ema.update(2.41)
+    assert ema.value == pytest.approx(2.41, rel=1e-12)
+    assert 2.89 / ema.value == pytest.approx(1.1992, abs=1e-4)  # the seed's scenario 1 ratio
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_versions_skip_nonfinite_values(device):
+    dev, ema = DeviceRunningMedian(4, device=device), DeviceEMA(0.5, device=device)
+    host, hema = RunningMedian(4), EMA(0.5)
+    for x in [1.0, math.nan, 5.0, math.inf, -math.inf, 3.0, 2.0, 7.0]:
+        kept_m, kept_e = dev.update(x), ema.update(torch.tensor(x, dtype=torch.float32))
+        assert bool(kept_m) == bool(kept_e) == math.isfinite(x)
+        if math.isfinite(x):
+            host.update(x)
+            hema.update(x)
+    assert dev.values() == host.values() == [5.0, 3.0, 2.0, 7.0]
+    assert dev.value.item() == host.value == 4.0
+    assert ema.value.item() == hema.value
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_float32_inputs_equal_host_floats(device):
+    """A float32 loss on the device and its host float() give the same history."""
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.rand(300, generator=gen) * 3 + 1
+    dev, ema = DeviceRunningMedian(50, device=device), DeviceEMA(1e-3, device=device)
+    host, hema = RunningMedian(50), EMA(1e-3)
+    for x in xs:
+        flagged = dev.exceeds(x.to(device), 1.5)
+        dev.update(x.to(device), flagged)
+        ema.update(x.to(device), flagged)
+        if not x.item() > 1.5 * host.value:
+            host.update(x.item())
+            hema.update(x.item())
+        assert dev.value.item() == host.value and ema.value.item() == hema.value
+
+
+def test_device_versions_never_read_a_value_to_the_host(monkeypatch):
+    """Every way Python reads a tensor's value (.item, bool, float, int, index, tolist, numpy)
+    raises inside the gate's calls: they only queue device kernels. (CUDA's own check, with
+    torch.cuda.set_sync_debug_mode, is in benchmarks/gpu_check.py.)"""
+    med, ema = DeviceRunningMedian(8), DeviceEMA()
+    xs = [torch.tensor(v, dtype=torch.float64) for v in (1.0, 1.2, 9.0, math.nan, 1.1)]
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a device value was read on the host")
+
+    for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    spikes = []
+    for x in xs:
+        spike = med.exceeds(x, 3.0) | (ema.ratio(x) > 2.0)
+        med.update(x, spike)
+        ema.update(x, spike)
+        spikes.append(spike)
+    median, average = med.value, ema.value
+    with pytest.raises(AssertionError, match="read on the host"):
+        bool(spikes[2])  # the instrument works
+    monkeypatch.undo()
+    assert [bool(s) for s in spikes] == [False, False, True, False, False]
+    host = EMA()
+    for v in (1.0, 1.2, 1.1):  # 9.0 was flagged, NaN is never kept
+        host.update(v)
+    assert median.item() == 1.1 and average.item() == host.value
+
+
+@settings(max_examples=40, deadline=None)
+@given(window=st.integers(1, 10), stream=st.lists(values, min_size=1, max_size=80),
+       cut=st.integers(0, 80), cross=st.booleans())
+def test_state_round_trip_equals_never_stopping(window, stream, cut, cross):
+    """Stop after `cut` values, save through JSON, load into a fresh object (of the other kind
+    when `cross`: host and device state dicts are interchangeable), continue."""
+    cut = min(cut, len(stream))
+    kinds = [(lambda: RunningMedian(window), lambda: DeviceRunningMedian(1)),
+             (lambda: EMA(0.2), lambda: DeviceEMA(0.5))]
+    for make, make_twin in kinds:
+        whole, first = make(), make()
+        for x in stream:
+            whole.update(x)
+        for x in stream[:cut]:
+            first.update(x)
+        state = json.loads(json.dumps(first.state_dict()))
+        # a fresh object with other settings: everything must come from the state dict
+        second = make_twin() if cross else type(first)(*([1] if hasattr(first, "window") else [0.5]))
+        second.load_state_dict(state)
+        for x in stream[cut:]:
+            second.update(x)
+        got, want = float(second.value), whole.value
+        assert got == want or (math.isnan(got) and math.isnan(want))
+        if isinstance(whole, RunningMedian):
+            assert second.values() == whole.values()
+        else:
+            assert int(second.count) == whole.count
+
+
+def test_old_ema_state_without_decay_loads():
+    ema = EMA(0.1)
+    for x in (1.0, 2.0, 3.0):
+        ema.update(x)
+    state = ema.state_dict()
+    del state["decay"]
+    for cls in (EMA, DeviceEMA):
+        other = cls(0.1)
+        other.load_state_dict(state)
+        assert float(other.value) == pytest.approx(ema.value, rel=1e-15)
+
+
+def test_bad_arguments_name_the_field():
+    with pytest.raises(ValueError, match="window=0"):
+        DeviceRunningMedian(0)
+    with pytest.raises(ValueError, match="alpha=0"):
+        DeviceEMA(0.0)
