@@ -55,3 +55,12 @@ def test_layer_grad_norms_equal_float64_reference_and_respect_interval():
 def test_probe_config_validation():
     with pytest.raises(ValueError, match="activation_every=0"):
         ProbeConfig(activation_every=0)
+
+
+def test_probe_benchmark_smoke(sub_env):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "benchmarks/bench_probes.py", "--smoke"], env=sub_env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "every-step" in out and "ratio" in out
