@@ -1,0 +1,79 @@
+"""Probe overhead on GPTConfig.bench() training steps (CPU).
+
+Arms, interleaved run by run: no probes (baseline), probes at their default intervals, and
+every probe on every step. Prints the median step time of each arm and the ratios to the
+baseline; the target is <= 1.03 at the default intervals.
+
+    PYTHONPATH=src:. python benchmarks/bench_probes.py            # 5 runs x 30 steps
+    PYTHONPATH=src:. python benchmarks/bench_probes.py --smoke    # a quick check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import spikeguard as sg
+from spikeguard.detect.probes import ProbeConfig, Probes
+
+
+def run_arm(config: ProbeConfig | None, *, steps: int, batch: int, model_cfg: sg.GPTConfig) -> float:
+    torch.manual_seed(0)
+    model = sg.GPT(model_cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    probes = Probes(model, config) if config is not None else None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.seq_len), generator=gen)
+    y = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.seq_len), generator=gen)
+    times = []
+    for step in range(steps + 2):  # two warm-up steps, not timed
+        t0 = time.perf_counter()
+        if probes:
+            probes.start_step(step)
+        loss = model.loss(model(x), y)
+        loss.backward()
+        if probes:
+            probes.collect()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step >= 2:
+            times.append(time.perf_counter() - t0)
+    if probes:
+        probes.remove()
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 1 run of 3 steps")
+    args = ap.parse_args()
+    model_cfg = sg.GPTConfig.bench()
+    if args.smoke:
+        args.runs, args.steps, args.batch, model_cfg = 1, 3, 2, sg.GPTConfig.tiny()
+    arms = {
+        "baseline": None,
+        "default": ProbeConfig(),
+        "every-step": ProbeConfig(activation_every=1, grad_norms_every=1),
+    }
+    medians: dict[str, list[float]] = {k: [] for k in arms}
+    for _ in range(args.runs):
+        for name, cfg in arms.items():
+            medians[name].append(run_arm(cfg, steps=args.steps, batch=args.batch, model_cfg=model_cfg))
+    base = statistics.median(medians["baseline"])
+    print(f"model {'tiny' if args.smoke else 'bench'}, batch {args.batch}, {args.runs} interleaved "
+          f"runs x {args.steps} steps; baseline median step {base * 1e3:.1f} ms")
+    for name in arms:
+        m = statistics.median(medians[name])
+        ratios = [a / b for a, b in zip(medians[name], medians["baseline"])]
+        print(f"  {name:<11} {m * 1e3:8.1f} ms  ratio {m / base:.3f}  "
+              f"(per-run ratios {', '.join(f'{r:.3f}' for r in ratios)})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Probes: activation max, attention-logit p99 per head, per-layer gradient norms.
+
+Each probe is armed by a flag and runs every ``*_every`` steps. Forward hooks only record device
+tensors (one ``amax`` reduction per hooked module); :meth:`Probes.collect` stacks them and does a
+single host read per probe step, after the step's work has been queued. The values land in the
+step record under their names: ``activation_max``, ``activation_max_module``,
+``attn_logit_p99`` (the largest over layers and heads) with ``attn_logit_p99_layer``, and
+``layer_grad_norm/<layer>`` for each top-level block.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ProbeConfig", "Probes", "layer_grad_norms"]
+
+_SKIP_TYPES = (nn.Dropout, nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ProbeConfig:
+    """Which probes run, and how often."""
+
+    activation_max: bool = True
+    """Record max |output| over every leaf module (the seeds: watch it from step zero)."""
+    activation_every: int = 1
+    """Steps between activation-max readings."""
+    attn_logit_p99: bool = False
+    """Record the per-head p99 of |pre-softmax attention logits| (needs model support)."""
+    attn_every: int = 100
+    """Steps between attention-logit readings."""
+    layer_grad_norms: bool = True
+    """Record the gradient norm of each layer."""
+    grad_norms_every: int = 100
+    """Steps between per-layer gradient norms (the seeds' interval)."""
+
+    def __post_init__(self) -> None:
+        for name in ("activation_every", "attn_every", "grad_norms_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ProbeConfig.{name}={getattr(self, name)} must be >= 1")
+
+
+def _layer_of(name: str) -> str:
+    """'blocks.3.attn.qkv.weight' -> 'blocks.3'; 'wte.weight' -> 'wte'."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1].isdigit():
+        return ".".join(parts[:2])
+    return parts[0] if len(parts) > 1 else name
+
+
+def layer_grad_norms(model: nn.Module) -> dict[str, float]:
+    """L2 norm of the gradients of each layer (top-level module, or ``blocks.i``), combined in
+    fp64 from per-tensor norms. Local tensors only: under sharding, each rank's shard."""
+    groups: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            groups[_layer_of(name)].append(g.to_local() if hasattr(g, "to_local") else g)
+    if not groups:
+        return {}
+    names = list(groups)
+    sums = []
+    for n in names:
+        norms = torch._foreach_norm(groups[n], 2.0)
+        sums.append(torch.stack([x.double() for x in norms]).square().sum())
+    values = torch.stack(sums).sqrt().tolist()
+    return dict(zip(names, values))
+
+
+class Probes:
+    """Attach to a model; call :meth:`start_step` before the forward and :meth:`collect` after the
+    backward (and before ``zero_grad``)."""
+
+    def __init__(self, model: nn.Module, config: ProbeConfig | None = None) -> None:
+        self.model = model
+        self.config = config or ProbeConfig()
+        self._step = -1
+        self._act: list[torch.Tensor] = []
+        self._act_names: list[str] = []
+        self._handles = []
+        if self.config.activation_max:
+            for name, module in model.named_modules():
+                if name and not list(module.children()) and not isinstance(module, _SKIP_TYPES):
+                    self._handles.append(module.register_forward_hook(self._make_hook(name)))
+        self._attn_modules = [m for m in model.modules() if hasattr(m, "logit_p99_request")]
+        if self.config.attn_logit_p99 and not self._attn_modules:
+            raise ValueError("ProbeConfig.attn_logit_p99=True but the model has no attention module "
+                             "that can report logits (GPT's Attention has one); turn the probe off")
+
+    def _make_hook(self, name: str):
+        def hook(module, args, output):
+            if self._act_on and isinstance(output, torch.Tensor) and output.is_floating_point():
+                self._act.append(output.detach().abs().amax().float())
+                self._act_names.append(name)
+        return hook
+
+    @property
+    def _act_on(self) -> bool:
+        return self.config.activation_max and self._step % self.config.activation_every == 0
+
+    def _attn_on(self, step: int) -> bool:
+        return self.config.attn_logit_p99 and step % self.config.attn_every == 0
+
+    def start_step(self, step: int) -> None:
+        """Arm the probes due at ``step``."""
+        self._step = step
+        self._act.clear()
+        self._act_names.clear()
+        for m in self._attn_modules:
+            m.logit_p99_request = self._attn_on(step)
+            m.last_logit_p99 = None
+
+    def collect(self) -> dict[str, Any]:
+        """The due probes' values for the current step, as host numbers (one host read)."""
+        record: dict[str, Any] = {}
+        step = self._step
+        pending: list[torch.Tensor] = []
+        if self._act:
+            acts = torch.stack(self._act)
+            pending += [acts.max(), acts.argmax().float()]
+        p99 = [m.last_logit_p99 for m in self._attn_modules if m.last_logit_p99 is not None]
+        if p99:
+            per_layer = torch.stack([t.float().max() for t in p99])
+            pending += [per_layer.max(), per_layer.argmax().float()]
+        values = torch.stack(pending).tolist() if pending else []
+        if self._act:
+            record["activation_max"] = values.pop(0)
+            record["activation_max_module"] = self._act_names[int(values.pop(0))]
+        if p99:
+            record["attn_logit_p99"] = values.pop(0)
+            record["attn_logit_p99_layer"] = int(values.pop(0))
+        if self.config.layer_grad_norms and step % self.config.grad_norms_every == 0:
+            for layer, norm in layer_grad_norms(self.model).items():
+                record[f"layer_grad_norm/{layer}"] = norm
+        return record
+
+    def remove(self) -> None:
+        """Detach every hook."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for m in self._attn_modules:
+            m.logit_p99_request = False

@@ -1,0 +1,148 @@
+import math
+
+import pytest
+import torch
+
+import spikeguard as sg
+from spikeguard.detect.fp8 import AmaxMonitor, Fp8HeadroomWarning, fp8_eligible
+from spikeguard.detect.precision import PrecisionPolicy
+
+
+# ---------------------------------------------------------------- fp8 amax monitor
+def _expected_warnings(series, history_len=16, margin=0, below=0.5):
+    out = []
+    for t, a in enumerate(series):
+        hist = series[max(0, t - history_len):t]
+        if hist and 2.0**margin * max(hist) / a < below:
+            out.append(t)
+    return out
+
+
+def test_fp8_warnings_fire_exactly_where_headroom_drops_under_half():
+    gen = torch.Generator().manual_seed(0)
+    series = (1.0 + 0.2 * torch.rand(80, generator=gen, dtype=torch.float64)).tolist()
+    series[20] = 2.5     # 2.5 / max(1.2) > 2: warns
+    series[40] = 2.3     # within 16 steps of the 2.5: history max 2.5, no warning
+    series[60] = 2.39    # 2.39 / 1.2 < 2: just under the line, no warning
+    series[70] = 9.0     # warns
+    expected = _expected_warnings(series)
+    assert expected == [20, 70]
+    mon = AmaxMonitor()
+    with pytest.warns(Fp8HeadroomWarning) as record:
+        heads = [mon.update(t, "mlp.fc", a) for t, a in enumerate(series)]
+    assert [e.step for e in mon.events] == expected
+    assert len(record) == len(expected)
+    assert math.isinf(heads[0])
+    for t in range(1, len(series)):  # headroom_t = max(history) / amax_t at margin 0
+        ref = max(series[max(0, t - 16):t]) / series[t]
+        assert heads[t] == pytest.approx(ref, rel=1e-12)
+    assert mon.scale("mlp.fc") == pytest.approx(448.0 / max(series[-16:]))
+
+
+def test_fp8_margin_and_format():
+    mon = AmaxMonitor(margin=1, fmt="e5m2")
+    mon.update(0, "x", 1.0)
+    assert mon.scale("x") == 57344.0 / 2.0
+    # margin 1 doubles the headroom: 2.5x the history is 0.8, no warning
+    assert mon.update(1, "x", 2.5) == pytest.approx(0.8)
+    assert mon.events == []
+    with pytest.raises(ValueError, match="fmt='e3m4'"):
+        AmaxMonitor(fmt="e3m4")
+
+
+def test_fp8_eligibility_keeps_norms_embeddings_head_and_router_out():
+    model = sg.GPT(sg.GPTConfig.tiny(tie_embeddings=False))
+    names = {n for n, m in model.named_modules() if fp8_eligible(n, m)}
+    assert "blocks.0.mlp.fc" in names and "blocks.1.attn.qkv" in names
+    assert not any(k in n for n in names for k in ("wte", "lm_head", "ln"))
+    assert not fp8_eligible("moe.router", torch.nn.Linear(64, 64))
+    assert not fp8_eligible("mlp.odd", torch.nn.Linear(64, 30))
+
+
+def test_fp8_hook_reads_input_amax_once_per_step():
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    mon = AmaxMonitor()
+    seen = {}
+    mon.hook(model)
+    model.blocks[0].mlp.fc.register_forward_pre_hook(
+        lambda m, a: seen.__setitem__("fc", float(a[0].detach().abs().max())))
+    model(torch.randint(0, 256, (2, 8)))
+    rec = mon.flush(0)
+    assert mon.last["blocks.0.mlp.fc"]["amax"] == pytest.approx(seen["fc"])
+    assert math.isinf(rec["fp8_headroom_min"])
+    model(torch.randint(0, 256, (2, 8)))
+    assert math.isfinite(mon.flush(1)["fp8_headroom_min"])
+
+
+# ---------------------------------------------------------------- fp16 / GradScaler
+def _fp16_step(model, policy, opt, x, y, *, plant_inf=False, skip=False):
+    opt.zero_grad(set_to_none=True)
+    with policy.autocast():
+        loss = model.loss(model(x), y)
+    policy.scale(loss).backward()
+    if plant_inf:
+        model.blocks[0].mlp.fc.weight.grad[0, 0] = float("inf")
+    policy.unscale_(opt)
+    policy.step(opt, skip=skip)
+
+
+def _snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_fp16_planted_overflow_is_skipped_by_the_scaler_and_the_scale_halves():
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    policy = PrecisionPolicy(kind="fp16-mixed", device="cpu", init_scale=2.0**10)
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    _fp16_step(model, policy, opt, x, y)
+    assert policy.grad_scale() == 2.0**10
+    before, steps = _snapshot(model), [s["step"].clone() for s in opt.state.values()]
+    _fp16_step(model, policy, opt, x, y, plant_inf=True)
+    assert policy.grad_scale() == 2.0**9
+    for a, b in zip(before, _snapshot(model)):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, s["step"]) for a, s in zip(steps, opt.state.values()))
+
+
+def test_guard_skip_merges_with_the_scaler_without_touching_the_scale():
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    policy = PrecisionPolicy(kind="fp16-mixed", device="cpu", init_scale=2.0**10)
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    _fp16_step(model, policy, opt, x, y)
+    before = _snapshot(model)
+    _fp16_step(model, policy, opt, x, y, skip=True)  # a spike skip: no overflow
+    assert policy.grad_scale() == 2.0**10
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model)))
+    _fp16_step(model, policy, opt, x, y)
+    assert not all(torch.equal(a, b) for a, b in zip(before, _snapshot(model)))
+
+
+def test_policy_dtypes_and_validation():
+    assert PrecisionPolicy(kind="fp32").autocast().__class__.__name__ == "nullcontext"
+    assert PrecisionPolicy(kind="fp16-mixed").compute_dtype == torch.float16
+    bf16_cpu = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert (PrecisionPolicy().compute_dtype == torch.bfloat16) == bf16_cpu
+    mp = PrecisionPolicy().fsdp_mp_policy()
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert PrecisionPolicy(kind="fp32").fsdp_mp_policy() is None
+    with pytest.raises(ValueError, match="kind='fp8'"):
+        PrecisionPolicy(kind="fp8")
+    with pytest.raises(ValueError, match="init_scale"):
+        PrecisionPolicy(kind="fp16-mixed", init_scale=0)
+
+
+def test_bf16_accumulator_loses_small_grads_fp32_keeps_them():
+    contribs = [1.0] + [1e-3] * 64
+    ref = math.fsum(contribs)
+    acc32 = torch.zeros((), dtype=torch.float32)
+    acc16 = torch.zeros((), dtype=torch.bfloat16)
+    for c in contribs:
+        acc32 += c
+        acc16 += c
+    assert abs(float(acc32) - ref) < 1e-5
+    assert abs(float(acc16) - ref) > 0.05  # bf16 spacing at 1.0 is 2^-7: every 1e-3 is absorbed

@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+import spikeguard as sg
+from spikeguard.detect.probes import ProbeConfig, Probes, layer_grad_norms
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
+
+
+def test_activation_max_equals_a_direct_computation():
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    outputs = {}
+    for name, m in model.named_modules():
+        if name and not list(m.children()) and not isinstance(m, torch.nn.Dropout):
+            m.register_forward_hook(lambda mod, a, out, n=name: outputs.__setitem__(n, out.detach()))
+    probes = Probes(model)
+    x, y = _batch()
+    probes.start_step(0)
+    model.loss(model(x), y).backward()
+    rec = probes.collect()
+    ref_name, ref = max(((n, float(o.abs().max())) for n, o in outputs.items()), key=lambda t: t[1])
+    assert rec["activation_max"] == pytest.approx(ref, rel=1e-6)
+    assert rec["activation_max_module"] == ref_name
+
+
+def test_layer_grad_norms_equal_float64_reference_and_respect_interval():
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    probes = Probes(model, ProbeConfig(grad_norms_every=3, activation_every=2))
+    x, y = _batch()
+    seen = []
+    for step in range(4):
+        model.zero_grad()
+        probes.start_step(step)
+        model.loss(model(x), y).backward()
+        seen.append(probes.collect())
+    assert [("layer_grad_norm/blocks.0" in r) for r in seen] == [True, False, False, True]
+    assert [("activation_max" in r) for r in seen] == [True, False, True, False]
+    norms = layer_grad_norms(model)
+    assert set(norms) == {"wte", "wpe", "blocks.0", "blocks.1", "ln_f"}
+    for layer in norms:
+        grads = [p.grad.double().flatten() for n, p in model.named_parameters()
+                 if n == layer or n.startswith(layer + ".")]
+        assert norms[layer] == pytest.approx(float(torch.cat(grads).norm()), rel=1e-6)  # per-tensor norms in fp32, combined in fp64
+    probes.remove()
+    probes.start_step(0)
+    model(x)
+    assert "activation_max" not in probes.collect()
+
+
+def test_probe_config_validation():
+    with pytest.raises(ValueError, match="activation_every=0"):
+        ProbeConfig(activation_every=0)
+
+
+def test_probe_benchmark_smoke(sub_env):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "benchmarks/bench_probes.py", "--smoke"], env=sub_env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "every-step" in out and "ratio" in out
