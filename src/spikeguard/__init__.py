@@ -7,18 +7,38 @@ from .corpus import Corpus, load_corpus
 from .detect.metrics import StepMetrics
 from .model import GPT, GPTConfig
 from .prevent import schedules
+from .prevent.attention import QKNorm, StackedLogitBoundsWarning, attention, logit_p99, softcap
 from .prevent.budget import MemoryBudget, memory_budget
+from .prevent.init import (
+    DeepNormConstants,
+    deepnorm_constants,
+    fan_in_init_,
+    fan_in_std,
+    gpt2_residual_init_,
+    residual_scale,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GPT",
     "Corpus",
+    "DeepNormConstants",
     "GPTConfig",
     "MemoryBudget",
+    "QKNorm",
+    "StackedLogitBoundsWarning",
     "StepMetrics",
     "__version__",
+    "attention",
+    "deepnorm_constants",
+    "fan_in_init_",
+    "fan_in_std",
+    "gpt2_residual_init_",
     "load_corpus",
+    "logit_p99",
     "memory_budget",
+    "residual_scale",
     "schedules",
+    "softcap",
 ]
