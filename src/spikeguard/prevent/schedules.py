@@ -3,6 +3,8 @@
 Every schedule is a frozen dataclass, so it pickles, compares by value, and round-trips through
 ``LambdaLR.state_dict`` (which stores a callable object's ``__dict__``). Steps count from 0, as
 LambdaLR's ``last_epoch`` does: step s is the multiplier used by the s-th optimizer update.
+Note that ``LambdaLR.load_state_dict`` writes the saved fields into the schedule object the
+scheduler holds, so give each scheduler its own schedule object.
 
 - warmup: (s + 1) / W for s < W, so the last warmup step is at the peak 1.0;
 - ``warmup_cosine``: a half cosine from 1.0 at s = W to ``min_ratio`` at s = T, held after T;
