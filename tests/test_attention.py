@@ -1,10 +1,13 @@
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 import spikeguard as sg
 from spikeguard.model import Attention, _apply_rope
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _reference(q, k, v, *, causal, cap, mask_first=False):
@@ -211,3 +214,18 @@ def test_gpt_knobs_cap_logits_and_train():
     with torch.no_grad():
         torch.testing.assert_close(wide(idx), plain(idx), atol=1e-5, rtol=1e-5)
         assert (tight(idx) - plain(idx)).abs().max() > 1e-4
+
+
+def test_bench_attention_smoke_and_gpu_check_skip_on_cpu(sub_env, capsys):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "benchmarks/bench_attention.py", "--smoke", "--threads", "1"],
+                       capture_output=True, text=True, timeout=120, env=sub_env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "capped eager vs uncapped eager:" in r.stdout and "QK-norm training step" in r.stdout
+    if not torch.cuda.is_available():
+        from benchmarks import gpu_check
+
+        assert gpu_check.main([]) == 0
+        assert "skipping" in capsys.readouterr().out

@@ -135,7 +135,7 @@ def test_extend_wsd_in_its_stable_phase():
     # (LambdaLR.load_state_dict writes into the schedule object it holds: give it its own)
     fresh = S.wsd(warmup_steps=10, total_steps=100, decay_fraction=0.2, min_ratio=0.1)
     assert fresh(150) == pytest.approx(0.1)
-    opt2, sched2 = _lambda_lr(fresh)
+    _, sched2 = _lambda_lr(fresh)
     sched2.load_state_dict(sched.state_dict())
     assert sched2.lr_lambdas[0] == longer and sched2.lr_lambdas[0](150) == 1.0
 
