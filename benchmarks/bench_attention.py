@@ -63,7 +63,8 @@ def _step_case(cfg: sg.GPTConfig, batch: int) -> Callable[[], None]:
     x, y = idx[:, :-1], idx[:, 1:]
 
     def run() -> None:
-        loss = model.loss(model(x), y)
+        out = model.loss(model(x), y)
+        loss = getattr(out, "loss", out)  # a LossOutput once GPT.loss returns one
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
