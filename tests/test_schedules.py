@@ -152,3 +152,14 @@ def test_extend_refuses_once_decay_has_begun_and_other_misuse():
     _, cosine = _lambda_lr(S.warmup_cosine(warmup_steps=1, total_steps=10))
     with pytest.raises(ValueError, match="built on spikeguard.schedules.wsd"):
         S.extend(cosine, total_steps=20)
+
+
+def test_train_warms_up_within_a_short_run_and_says_so():
+    from spikeguard.train import TrainConfig, train
+
+    cfg = TrainConfig(steps=2, model="tiny", batch_size=1, eval_batches=1, warmup_steps=20)
+    with pytest.warns(UserWarning, match="warming up over 1 steps instead"):
+        result = train(cfg, echo=False)
+    assert len(result.losses) == 2
+    with pytest.raises(ValueError, match="--min-lr-ratio=2"):
+        TrainConfig(min_lr_ratio=2)
