@@ -8,6 +8,7 @@ from .detect.metrics import StepMetrics, metrics_record
 from .detect.stats import EMA, DeviceEMA, DeviceRunningMedian, RunningMedian
 from .model import GPT, GPTConfig
 from .prevent import schedules
+from .prevent.attention import QKNorm, StackedLogitBoundsWarning, attention, logit_p99, softcap
 from .prevent.budget import MemoryBudget, memory_budget
 from .respond.detector import Action, DetectorConfig, SpikeDetector, Verdict
 from .sinks import (
@@ -18,6 +19,13 @@ from .sinks import (
     TensorBoardSink,
     WandbSink,
     read_metrics,
+from .prevent.init import (
+    DeepNormConstants,
+    deepnorm_constants,
+    fan_in_init_,
+    fan_in_std,
+    gpt2_residual_init_,
+    residual_scale,
 )
 
 __version__ = "0.1.0"
@@ -31,6 +39,7 @@ __all__ = [
     "DetectorConfig",
     "DeviceEMA",
     "DeviceRunningMedian",
+    "DeepNormConstants",
     "GPTConfig",
     "JsonlSink",
     "MemoryBudget",
@@ -38,14 +47,24 @@ __all__ = [
     "SinkDisabledWarning",
     "Sinks",
     "SpikeDetector",
+    "QKNorm",
+    "StackedLogitBoundsWarning",
     "StepMetrics",
     "TensorBoardSink",
     "Verdict",
     "WandbSink",
     "__version__",
+    "attention",
+    "deepnorm_constants",
+    "fan_in_init_",
+    "fan_in_std",
+    "gpt2_residual_init_",
     "load_corpus",
+    "logit_p99",
     "memory_budget",
     "metrics_record",
     "read_metrics",
+    "residual_scale",
     "schedules",
+    "softcap",
 ]

@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .prevent.attention import QKNorm, attention, check_logit_bounds, check_softcap, softcap
+from .prevent.init import gpt2_residual_init_
+
 __all__ = ["GPT", "GPTConfig", "count_params"]
 
 
@@ -39,6 +42,14 @@ class GPTConfig:
     """Share the token embedding with the output layer."""
     dropout: float = 0.0
     """Dropout on attention output and MLP output."""
+    qk_norm: bool = False
+    """RMS-normalise queries and keys per head before RoPE and attention (learned gain, no bias)."""
+    attn_softcap: float | None = None
+    """Soft-cap the attention scores, cap * tanh(s / cap), before the mask (Gemma 2: 50.0)."""
+    final_logit_softcap: float | None = None
+    """Soft-cap the output logits in GPT.logits (Gemma 2: 30.0)."""
+    init: Literal["standard", "gpt2-residual"] = "standard"
+    """N(0, 0.02) everywhere, or with residual-branch output projections at 0.02 / sqrt(2L)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio"):
@@ -55,6 +66,12 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.pos={self.pos!r} must be 'learned' or 'rope'")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"GPTConfig.qk_norm={self.qk_norm!r} must be True or False")
+        check_softcap(self.final_logit_softcap, "GPTConfig.final_logit_softcap")
+        if self.init not in ("standard", "gpt2-residual"):
+            raise ValueError(f"GPTConfig.init={self.init!r} must be 'standard' or 'gpt2-residual'")
+        check_logit_bounds(qk_norm=self.qk_norm, attn_softcap=self.attn_softcap, prefix="GPTConfig.")
 
     @property
     def head_dim(self) -> int:
@@ -98,6 +115,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
+        self.qk_norm = QKNorm(cfg.head_dim, kind="rms") if cfg.qk_norm else None
         if cfg.pos == "rope":
             cos, sin = _rope_tables(cfg.seq_len, cfg.head_dim)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -106,10 +124,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.cfg.n_head, self.cfg.head_dim).permute(2, 0, 3, 1, 4)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
         if self.cfg.pos == "rope":
             q = _apply_rope(q, self.rope_cos, self.rope_sin)
             k = _apply_rope(k, self.rope_cos, self.rope_sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # SDPA without a cap; with one, flex on CUDA or the eager fp32 path
+        y = attention(q, k, v, causal=True, softcap=self.cfg.attn_softcap)
         return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
 
 
@@ -152,7 +173,9 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2's standard init: N(0, 0.02) for matrices and embeddings, LayerNorm at (1, 0)."""
+        """GPT-2's standard init: N(0, 0.02) for matrices and embeddings, LayerNorm at (1, 0),
+        QK-norm gains at 1; with ``init="gpt2-residual"`` the two residual-branch output
+        projections of every block start at 0.02 / sqrt(2 n_layer)."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
@@ -163,6 +186,11 @@ class GPT(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
+            elif isinstance(module, QKNorm):
+                module.reset_parameters()
+        if self.cfg.init == "gpt2-residual":
+            branch_outputs = [w for b in self.blocks for w in (b.attn.proj.weight, b.mlp.proj.weight)]
+            gpt2_residual_init_(branch_outputs, self.cfg.n_layer, std=0.02)
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -188,8 +216,10 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., d_model] -> [..., vocab] logits."""
-        return F.linear(hidden, self.output_weight)
+        """[..., d_model] -> [..., vocab] logits, soft-capped when ``final_logit_softcap`` is set."""
+        logits = F.linear(hidden, self.output_weight)
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else softcap(logits, cap)
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy in nats over all positions."""

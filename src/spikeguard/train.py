@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -18,7 +19,7 @@ import torch
 
 from .corpus import Corpus, load_corpus
 from .model import GPT, GPTConfig
-from .prevent.schedules import constant_with_warmup
+from .prevent.schedules import warmup_cosine
 
 __all__ = ["TrainConfig", "TrainResult", "evaluate", "random_batch", "train"]
 
@@ -39,6 +40,8 @@ class TrainConfig:
     """Peak learning rate of AdamW."""
     warmup_steps: int = 20
     """Linear warmup steps before the peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a fraction of the peak learning rate, reached at the last step."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay."""
     grad_clip: float = 1.0
@@ -60,6 +63,8 @@ class TrainConfig:
             raise ValueError(f"--lr={self.lr} must be positive (3e-3 suits the demo model)")
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps={self.warmup_steps} must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"--min-lr-ratio={self.min_lr_ratio} must be in [0, 1] (0.1 is usual)")
 
     def gpt_config(self) -> GPTConfig:
         return getattr(GPTConfig, self.model)()
@@ -110,7 +115,13 @@ def train(cfg: TrainConfig, *, corpus: Corpus | None = None, echo: bool = True) 
     model = GPT(cfg.gpt_config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, constant_with_warmup(cfg.warmup_steps))
+    warmup = cfg.warmup_steps
+    if warmup >= cfg.steps:
+        warmup = cfg.steps - 1
+        warnings.warn(f"--warmup-steps={cfg.warmup_steps} is not below --steps={cfg.steps}; "
+                      f"warming up over {warmup} steps instead", stacklevel=2)
+    schedule = warmup_cosine(warmup_steps=warmup, total_steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     gen = torch.Generator().manual_seed(cfg.seed)
     result = TrainResult(unigram_entropy=corpus.unigram_entropy())
     console.print(f"{corpus.describe()}; model {cfg.model}: {model.num_params():,} params")
