@@ -8,7 +8,12 @@ from .detect.metrics import StepMetrics
 from .model import GPT, GPTConfig
 from .prevent import schedules
 from .prevent.budget import MemoryBudget, memory_budget
-from .respond.checkpoint import CheckpointError, CheckpointInfo, CheckpointManager, CheckpointWarning
+from .respond.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointManager,
+    CheckpointWarning,
+)
 from .respond.data import TokenStream
 
 __version__ = "0.1.0"

@@ -133,7 +133,7 @@ class TokenStream(torch.utils.data.IterableDataset):
         return {"position": self.position, "skip_ranges": [list(r) for r in self.skip_ranges],
                 "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
                 "batch_size": self.batch_size, "seq_len": self.seq_len,
-                "n_tokens": int(len(self.tokens))}
+                "n_tokens": len(self.tokens)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("seed", "rank", "world_size", "batch_size", "seq_len", "n_tokens"):
