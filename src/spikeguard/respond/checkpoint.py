@@ -18,10 +18,12 @@ refused with a :class:`CheckpointWarning` and the previous healthy one is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -38,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import _ckpt_io as io
-from ._safe_dcp import SafeLoadPlanner, SafeReader
+from ._safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointWarning", "verify"]
 
@@ -79,6 +82,19 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence DCP's note that it runs in one process (that is the intent when no process
+    group is initialised)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
 
 
 def _barrier() -> None:
@@ -200,10 +216,12 @@ class CheckpointManager:
                 "meta": meta or {}}
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         if self.async_save:
-            fut = dcp.async_save(tensors, storage_writer=writer)
+            with _quiet():
+                fut = dcp.async_save(tensors, storage_writer=writer, no_dist=_no_dist())
             self._pending = (fut, tmp, final, info)
             return final
-        dcp.save(tensors, storage_writer=writer)
+        with _quiet():
+            dcp.save(tensors, storage_writer=writer, no_dist=_no_dist())
         self._commit(tmp, final, info)
         return final
 
@@ -299,11 +317,20 @@ class CheckpointManager:
             local = str(e)
         if not _all_ok(local is None):
             raise _Refused(local or "another rank refused it")
+        reader = SafeReader(c.path, sizes)
+        try:
+            reader.read_metadata()  # the allowlist and storage checks, before DCP reads it
+        except UnsafeCheckpointError as e:
+            local = str(e)
+        if not _all_ok(local is None):
+            raise _Refused(local or "another rank refused it")
         msd, osd = _model_optim(model, optimizer)
         tensors, _ = io.split({"model": msd, "optim": osd})
         try:
-            dcp.load(tensors, storage_reader=SafeReader(c.path, sizes), planner=SafeLoadPlanner())
-        except Exception as e:  # DCP wraps per-rank failures; every rank raises alike
+            with _quiet():
+                dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(),
+                         no_dist=_no_dist())
+        except (Exception, CheckpointException) as e:  # DCP gathers per-rank failures to all
             raise _Refused(f"loading its tensors failed: {_short(e)}") from e
         state = io.join(tensors, side["rest"])
         if optimizer is None:
