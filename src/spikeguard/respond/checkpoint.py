@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -153,7 +154,7 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.every, self.keep, self.async_save = every, keep, async_save
         self._pending: Any = None
-        self._pending_error: BaseException | None = None
+        self._stager: Any = None
 
     # -- listing ------------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
@@ -216,8 +217,14 @@ class CheckpointManager:
                 "meta": meta or {}}
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         if self.async_save:
+            if self._stager is None:  # one stager: its CPU buffers are reused save after save
+                gpu = torch.cuda.is_available()
+                self._stager = DefaultStager(StagingOptions(
+                    use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+                    use_non_blocking_copy=gpu))
             with _quiet():
-                fut = dcp.async_save(tensors, storage_writer=writer, no_dist=_no_dist())
+                fut = dcp.async_save(tensors, storage_writer=writer, async_stager=self._stager,
+                                     no_dist=_no_dist())
             self._pending = (fut, tmp, final, info)
             return final
         with _quiet():
@@ -233,6 +240,13 @@ class CheckpointManager:
         self._pending = None
         fut.result()
         self._commit(tmp, final, info)
+
+    def close(self) -> None:
+        """Commit a pending async save and free the staging buffers."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _commit(self, tmp: Path, final: Path, info: dict) -> None:
         _barrier()  # every rank's files are written
