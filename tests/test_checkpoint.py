@@ -342,3 +342,35 @@ def test_benchmark_smoke(sub_env):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "restore/dcp.load" in out.stdout and "async/sync blocking" in out.stdout
     assert time.monotonic() - start < 60
+
+
+def test_rollback_replays_to_onset_skips_the_anomaly_and_records_it(tmp_path):
+    def run(rollback: bool, steps: int):
+        model, opt, _ = _setup()
+        data = TokenStream.from_corpus("pydoc", batch_size=2, seq_len=16, seed=3)
+        mgr = CheckpointManager(tmp_path / f"r{rollback}", every=3)
+        fed, step, rolled = [], 0, False
+        while step < steps:
+            x, y = next(data)
+            fed.append(x)
+            loss = model.loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            # an anomaly from onset 5, detected at 8: checkpoint 6's window saw alerts
+            mgr.maybe_save(step, model=model, optimizer=opt, data=data,
+                           healthy=rolled or step != 6)
+            if rollback and step == 8 and not rolled:
+                info = mgr.rollback(onset=5, detection=8, model=model, optimizer=opt, data=data)
+                assert info.step == 3
+                step, rolled = info.step, True
+            step += 1
+        return fed, mgr
+
+    plain, _ = run(False, 16)
+    fed, mgr = run(True, 10)
+    # batches 0..8 fed; roll back to 3: batch 4 replayed, 5..8 skipped, then 9, 10, ...
+    expect = plain[:9] + [plain[4]] + plain[9:14]
+    assert len(fed) == len(expect) and all(torch.equal(a, b) for a, b in zip(fed, expect))
+    last = mgr.list()[-1]
+    assert last.step == 9 and last.skip_ranges == ((5, 8),)

@@ -317,6 +317,24 @@ class CheckpointManager:
         raise CheckpointError(f"no healthy checkpoint{where} in {self.directory} could be restored"
                               + "".join(f"\n  {r}" for r in refusals))
 
+    def rollback(self, *, onset: int, detection: int, data: Any, **objects: Any) -> CheckpointInfo:
+        """Roll back past an anomaly seen from step ``onset`` to step ``detection``.
+
+        Restores the newest healthy checkpoint before ``onset`` (``at_or_before=onset - 1``),
+        then makes ``data`` skip the batches of steps onset..detection, so the batches between
+        the checkpoint and the onset are replayed. Steps count from 0 as in spikeguard.train:
+        step s consumes the s-th batch the stream yields (``data.index_of(s)``). The range is
+        kept in the data state and in every later checkpoint's info. Other keyword arguments
+        go to :meth:`restore`.
+        """
+        if not 0 <= onset <= detection:
+            raise ValueError(f"onset={onset}, detection={detection}: need 0 <= onset <= detection")
+        index = getattr(data, "index_of", lambda s: s)
+        lo, hi = index(onset), index(detection)  # under the skips the stream made so far
+        info = self.restore(at_or_before=onset - 1, data=data, **objects)
+        data.skip(lo, hi)
+        return info
+
     def _load(self, c: CheckpointInfo, model: torch.nn.Module, optimizer: Any,
               statefuls: dict[str, Any], restore_rng: bool) -> None:
         local: str | None = None
