@@ -46,11 +46,11 @@ def _model(smoke: bool, device: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 3 runs")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 runs")
     ap.add_argument("--runs", type=int, default=11)
     ap.add_argument("--device", default="cpu", help="cuda: async save blocks only for the copy")
     args = ap.parse_args()
-    runs = 3 if args.smoke else args.runs
+    runs = 2 if args.smoke else args.runs
     warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
     torch.set_num_threads(1)
     model, opt = _model(args.smoke, args.device)

@@ -50,16 +50,25 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _two_checkpoints(tmp_path):
-    """Checkpoints at steps 2 and 4 of one run; returns the manager and the step-2 params."""
+@pytest.fixture(scope="module")
+def _pair(tmp_path_factory):
+    """Checkpoints at steps 2 and 4 of one run, built once; with the step-2 params."""
+    root = tmp_path_factory.mktemp("pair")
     model, opt, sched = _setup()
-    mgr = CheckpointManager(tmp_path / "ck", every=2)
+    mgr = CheckpointManager(root / "ck", every=2)
     _train(model, opt, sched, 2)
     mgr.save(2, model=model, optimizer=opt, scheduler=sched)
     at2 = _params(model)
     _train(model, opt, sched, 2)
     mgr.save(4, model=model, optimizer=opt, scheduler=sched)
-    return mgr, at2, _params(model)
+    return root / "ck", at2
+
+
+@pytest.fixture
+def two_checkpoints(_pair, tmp_path):
+    """A private copy of the pair: (manager, params at step 2)."""
+    shutil.copytree(_pair[0], tmp_path / "ck")
+    return CheckpointManager(tmp_path / "ck", every=2), _pair[1]
 
 
 def _restore_fresh(mgr, **kw):
@@ -162,8 +171,9 @@ def _drop_shard(path):
 
 @pytest.mark.parametrize(("damage", "message"), [(_truncate, "truncated"), (_flip, "sha256"),
                                                  (_drop_shard, "missing")])
-def test_damaged_checkpoint_is_refused_and_the_previous_healthy_one_used(tmp_path, damage, message):
-    mgr, at2, _ = _two_checkpoints(tmp_path)
+def test_damaged_checkpoint_is_refused_and_the_previous_healthy_one_used(two_checkpoints, damage,
+                                                                         message):
+    mgr, at2 = two_checkpoints
     damage(mgr.list()[-1].path)
     with pytest.warns(CheckpointWarning, match=message):
         info, model, _, sched = _restore_fresh(mgr)
@@ -171,8 +181,8 @@ def test_damaged_checkpoint_is_refused_and_the_previous_healthy_one_used(tmp_pat
     assert sched.state_dict()["last_epoch"] == 2
 
 
-def test_every_checkpoint_refused_raises_with_each_reason(tmp_path):
-    mgr, _, _ = _two_checkpoints(tmp_path)
+def test_every_checkpoint_refused_raises_with_each_reason(two_checkpoints):
+    mgr, _ = two_checkpoints
     for c in mgr.list():
         _flip(c.path)
     with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError, match="step_00000002"):
@@ -200,8 +210,8 @@ def _stock_load_runs(path, tmp_path, marker) -> bool:
     return ran
 
 
-def test_payload_in_metadata_is_refused_and_never_runs(tmp_path):
-    mgr, at2, _ = _two_checkpoints(tmp_path)
+def test_payload_in_metadata_is_refused_and_never_runs(two_checkpoints, tmp_path):
+    mgr, at2 = two_checkpoints
     path, marker = mgr.list()[-1].path, tmp_path / "pwned-metadata"
     md = pickle.loads((path / ".metadata").read_bytes())  # our own file, before tampering
     md.planner_data = {"x": _Payload(marker)}
@@ -214,8 +224,8 @@ def test_payload_in_metadata_is_refused_and_never_runs(tmp_path):
     assert info.step == 2 and _same(_params(model), at2)
 
 
-def test_payload_in_a_bytes_entry_is_refused_and_never_runs(tmp_path):
-    mgr, at2, _ = _two_checkpoints(tmp_path)
+def test_payload_in_a_bytes_entry_is_refused_and_never_runs(two_checkpoints, tmp_path):
+    mgr, at2 = two_checkpoints
     path, marker = mgr.list()[-1].path, tmp_path / "pwned-bytes"
     md = pickle.loads((path / ".metadata").read_bytes())
     fqn = next(k for k in md.state_dict_metadata if "optim" in k)
@@ -239,8 +249,8 @@ def test_payload_in_a_bytes_entry_is_refused_and_never_runs(tmp_path):
     assert info.step == 2 and _same(_params(model), at2)
 
 
-def test_storage_entry_pointing_outside_the_checkpoint_is_refused(tmp_path):
-    mgr, _, _ = _two_checkpoints(tmp_path)
+def test_storage_entry_pointing_outside_the_checkpoint_is_refused(two_checkpoints):
+    mgr, _ = two_checkpoints
     path = mgr.list()[-1].path
     md = pickle.loads((path / ".metadata").read_bytes())
     key = next(iter(md.storage_data))
@@ -280,8 +290,8 @@ def test_rotation_keeps_keep_and_never_the_last_healthy(tmp_path):
     assert mgr.restore(model=model).step == 3
 
 
-def test_incomplete_checkpoints_are_invisible_and_cleaned(tmp_path):
-    mgr, _, _ = _two_checkpoints(tmp_path)
+def test_incomplete_checkpoints_are_invisible_and_cleaned(two_checkpoints, tmp_path):
+    mgr, _ = two_checkpoints
     shutil.copytree(mgr.list()[-1].path, tmp_path / "ck" / ".tmp-step_00000006")
     (tmp_path / "ck" / ".tmp-step_00000006" / "MANIFEST.json").unlink()
     shutil.copytree(tmp_path / "ck" / ".tmp-step_00000006", tmp_path / "ck" / "step_00000008")
@@ -358,8 +368,9 @@ def test_rollback_replays_to_onset_skips_the_anomaly_and_records_it(tmp_path):
             loss.backward()
             opt.step()
             # an anomaly from onset 5, detected at 8: checkpoint 6's window saw alerts
-            mgr.maybe_save(step, model=model, optimizer=opt, data=data,
-                           healthy=rolled or step != 6)
+            if rollback:
+                mgr.maybe_save(step, model=model, optimizer=opt, data=data,
+                               healthy=rolled or step != 6)
             if rollback and step == 8 and not rolled:
                 info = mgr.rollback(onset=5, detection=8, model=model, optimizer=opt, data=data)
                 assert info.step == 3
@@ -370,7 +381,7 @@ def test_rollback_replays_to_onset_skips_the_anomaly_and_records_it(tmp_path):
     plain, _ = run(False, 16)
     fed, mgr = run(True, 10)
     # batches 0..8 fed; roll back to 3: batch 4 replayed, 5..8 skipped, then 9, 10, ...
-    expect = plain[:9] + [plain[4]] + plain[9:14]
+    expect = [*plain[:9], plain[4], *plain[9:14]]
     assert len(fed) == len(expect) and all(torch.equal(a, b) for a, b in zip(fed, expect))
     last = mgr.list()[-1]
     assert last.step == 9 and last.skip_ranges == ((5, 8),)

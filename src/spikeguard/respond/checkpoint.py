@@ -345,7 +345,7 @@ class CheckpointManager:
             missing = [k for k in [*statefuls, "rest"] if k not in side]
             if missing:
                 local = f"it holds no state for {missing}"
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             local = str(e)
         if not _all_ok(local is None):
             raise _Refused(local or "another rank refused it")
