@@ -14,13 +14,15 @@ import hashlib
 import json
 import math
 import os
+import random
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["decode", "encode", "fsync_dir", "hash_file", "join", "split", "write_json"]
+__all__ = ["decode", "encode", "fsync_dir", "hash_file", "join", "rng_state", "set_rng_state",
+           "split", "write_json"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -171,3 +173,21 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch CPU (and CUDA), ``random``, numpy's global."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(tuple(state["numpy"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -28,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -112,23 +110,6 @@ def _all_ok(ok: bool) -> bool:
     return int(flag) == 0
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np.random.set_state(tuple(state["numpy"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _model_optim(model: torch.nn.Module, optimizer: Any) -> tuple[dict, dict | None]:
     if optimizer is None:
         return get_model_state_dict(model), None
@@ -209,7 +190,7 @@ class CheckpointManager:
         for name, obj in self._statefuls(scheduler, scaler, data, extra_state).items():
             side[name] = obj.state_dict()
         if save_rng:
-            side["rng"] = rng_state()
+            side["rng"] = io.rng_state()
         io.write_json(tmp / f"rank{_rank()}.json", io.encode(side))
         skips = data.state_dict().get("skip_ranges", []) if data is not None else []
         info = {"format": _FORMAT, "step": step, "healthy": healthy, "alerts": list(alerts),
@@ -373,7 +354,7 @@ class CheckpointManager:
         for name, obj in statefuls.items():
             obj.load_state_dict(side[name])
         if restore_rng and "rng" in side:
-            set_rng_state(side["rng"])
+            io.set_rng_state(side["rng"])
 
 
 class _Refused(Exception):
