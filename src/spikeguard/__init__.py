@@ -27,6 +27,13 @@ from .prevent.init import (
     gpt2_residual_init_,
     residual_scale,
 )
+from .respond.checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointManager,
+    CheckpointWarning,
+)
+from .respond.data import TokenStream
 
 __version__ = "0.1.0"
 
@@ -35,6 +42,10 @@ __all__ = [
     "GPT",
     "Action",
     "ConsoleSink",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointWarning",
     "Corpus",
     "DetectorConfig",
     "DeviceEMA",
@@ -53,6 +64,7 @@ __all__ = [
     "TensorBoardSink",
     "Verdict",
     "WandbSink",
+    "TokenStream",
     "__version__",
     "attention",
     "deepnorm_constants",

@@ -1,0 +1,193 @@
+"""Checkpoint plumbing: the JSON sidecar codec, state-dict splitting, the integrity manifest.
+
+The sidecar holds every non-tensor value (and small host tensors such as RNG states) as JSON
+with a few tagged forms, so reading it back never unpickles anything:
+``{"__tuple__": [...]}``, ``{"__float__": "nan"}``, ``{"__bytes__": b64}``,
+``{"__tensor__": {"dtype", "shape", "b64"}}``, ``{"__ndarray__": {...}}``, and
+``{"__dict__": [[key, value], ...]}`` for dicts whose keys are not all strings.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["decode", "encode", "fsync_dir", "hash_file", "join", "rng_state", "set_rng_state",
+           "split", "write_json"]
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
+_NP_DTYPES = frozenset({"float64", "float32", "float16", "int64", "int32", "int16", "int8",
+                        "uint64", "uint32", "uint16", "uint8", "bool"})
+
+
+def encode(obj: Any) -> Any:
+    """Turn a state value into JSON-able data (tagged forms for tuples, tensors, bytes, ...)."""
+    if obj is None or isinstance(obj, bool | str | int):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise TypeError(f"tensor dtype {t.dtype} cannot go into the JSON sidecar")
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {"__tensor__": {"dtype": name, "shape": list(t.shape),
+                               "b64": base64.b64encode(raw).decode()}}
+    if isinstance(obj, np.ndarray):
+        a = np.ascontiguousarray(obj)
+        if a.dtype.name not in _NP_DTYPES:
+            raise TypeError(f"array dtype {a.dtype} cannot go into the JSON sidecar")
+        return {"__ndarray__": {"dtype": a.dtype.name, "shape": list(a.shape),
+                                "b64": base64.b64encode(a.tobytes()).decode()}}
+    if isinstance(obj, np.generic):
+        return encode(obj.item())
+    if isinstance(obj, bytes | bytearray):
+        return {"__bytes__": base64.b64encode(bytes(obj)).decode()}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode(v) for v in obj]}
+    if isinstance(obj, list):
+        return [encode(v) for v in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: encode(v) for k, v in obj.items()}
+        return {"__dict__": [[encode(k), encode(v)] for k, v in obj.items()]}
+    raise TypeError(f"a {type(obj).__name__} cannot go into the JSON sidecar; state_dict() "
+                    "must return plain data (numbers, strings, lists, dicts, tensors)")
+
+
+def decode(obj: Any) -> Any:
+    """Inverse of :func:`encode`; builds only plain data, tensors and arrays."""
+    if isinstance(obj, list):
+        return [decode(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1:
+        (tag, val), = obj.items()
+        if tag == "__float__":
+            return float(val)
+        if tag == "__tuple__":
+            return tuple(decode(v) for v in val)
+        if tag == "__bytes__":
+            return base64.b64decode(val)
+        if tag == "__dict__":
+            return {_hashable(decode(k)): decode(v) for k, v in val}
+        if tag == "__tensor__":
+            raw = bytearray(base64.b64decode(val["b64"]))
+            dtype = _DTYPES[val["dtype"]]
+            if not raw:
+                return torch.empty(val["shape"], dtype=dtype)
+            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(val["shape"])
+        if tag == "__ndarray__":
+            if val["dtype"] not in _NP_DTYPES:
+                raise ValueError(f"array dtype {val['dtype']!r} is not allowed in the sidecar")
+            raw = base64.b64decode(val["b64"])
+            return np.frombuffer(raw, dtype=val["dtype"]).reshape(val["shape"]).copy()
+    return {k: decode(v) for k, v in obj.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list | tuple) else key
+
+
+def split(tree: Any, path: tuple = ()) -> tuple[dict[str, Any], list]:
+    """Split a nested state dict into tensors (flat dict keyed by the JSON of their path, for
+    DCP) and the rest (a list of [path, value] pairs, for the sidecar). Dicts and lists are
+    walked; any other value is a leaf."""
+    tensors: dict[str, Any] = {}
+    rest: list = []
+    if isinstance(tree, dict) and tree and all(isinstance(k, str | int) for k in tree):
+        for k, v in tree.items():
+            t, r = split(v, (*path, k))
+            tensors.update(t)
+            rest.extend(r)
+    elif isinstance(tree, list) and tree:
+        for i, v in enumerate(tree):
+            t, r = split(v, (*path, i))
+            tensors.update(t)
+            rest.extend(r)
+    elif isinstance(tree, torch.Tensor):
+        tensors[json.dumps(list(path))] = tree
+    else:
+        rest.append([list(path), tree])
+    return tensors, rest
+
+
+def join(tensors: dict[str, Any], rest: list) -> Any:
+    """Rebuild the nested state dict that :func:`split` took apart."""
+    leaves = [(json.loads(k), v) for k, v in tensors.items()] + [(p, v) for p, v in rest]
+    if len(leaves) == 1 and leaves[0][0] == []:
+        return leaves[0][1]
+    root: dict = {}
+    for path, value in leaves:
+        node = root
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = value
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    """Dicts whose keys are exactly 0..n-1 (ints) were lists."""
+    if not isinstance(node, dict):
+        return node
+    out = {k: _lists(v) for k, v in node.items()}
+    if out and all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
+        return [out[i] for i in range(len(out))]
+    return out
+
+
+def hash_file(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON and fsync it."""
+    with open(path, "w") as f:
+        json.dump(obj, f, allow_nan=False, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch CPU (and CUDA), ``random``, numpy's global."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(tuple(state["numpy"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,145 @@
+"""A resumable token stream that can skip a poisoned range of batches.
+
+``TokenStream`` cuts a token array (a memory-mapped uint16 ``.bin`` file, or the default corpus
+of :func:`spikeguard.load_corpus`) into non-overlapping windows of ``seq_len + 1`` tokens and
+deals them out in a seeded random order, epoch after epoch. Batch ``b`` of rank ``r`` is a pure
+function of (seed, b, r, world_size): the ranks see disjoint windows, and a stream resumed from
+its state_dict yields exactly the batches it would have yielded.
+
+Its state is JSON: ``position`` (index of the next batch) and ``skip_ranges`` (inclusive batch
+ranges never yielded). After a rollback to a checkpoint taken at position c+1 with an anomaly
+whose batches ran from onset o to detection d, ``skip(o, d)`` makes the stream replay c+1..o-1
+and continue at d+1. It follows the torchdata StatefulDataLoader protocol (``state_dict`` /
+``load_state_dict``) and is a torch IterableDataset, so a DataLoader with ``batch_size=None``
+can wrap it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["TokenStream"]
+
+
+class TokenStream(torch.utils.data.IterableDataset):
+    """Batches of (inputs, targets), int64 [batch_size, seq_len], from a token array.
+
+    Deterministic per (seed, rank, world_size); resumable; skips inclusive batch ranges.
+    """
+
+    def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size={batch_size} and seq_len={seq_len} must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        self.tokens = tokens
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.n_windows = (len(tokens) - 1) // seq_len
+        if self.n_windows < batch_size * world_size:
+            raise ValueError(f"corpus of {len(tokens)} tokens holds {self.n_windows} windows of "
+                             f"{seq_len + 1}, fewer than one global batch of "
+                             f"{batch_size * world_size}; use a shorter seq_len or batch_size")
+        self.position = 0
+        self.skip_ranges: list[tuple[int, int]] = []
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    @classmethod
+    def from_bin(cls, path: str | Path, **kwargs: Any) -> TokenStream:
+        """A stream over a tokenized corpus stored as raw uint16 (memory-mapped, not read)."""
+        return cls(np.memmap(path, dtype=np.uint16, mode="r"), **kwargs)
+
+    @classmethod
+    def from_corpus(cls, name: str = "pydoc", *, split: str = "train", **kwargs: Any) -> TokenStream:
+        """A stream over the default corpus of :func:`spikeguard.load_corpus` (byte tokens)."""
+        from ..corpus import load_corpus
+
+        if split not in ("train", "val"):
+            raise ValueError(f"split={split!r} must be 'train' or 'val'")
+        return cls(getattr(load_corpus(name), split), **kwargs)  # type: ignore[arg-type]
+
+    # -- addressing ---------------------------------------------------------------------------
+    def _window_ids(self, batch: int) -> np.ndarray:
+        """Global window ids of batch ``batch`` on this rank (epochs reshuffle)."""
+        per_batch = self.batch_size * self.world_size
+        first = batch * per_batch + self.rank * self.batch_size
+        samples = np.arange(first, first + self.batch_size, dtype=np.int64)
+        epochs, slots = np.divmod(samples, self.n_windows)
+        out = np.empty(self.batch_size, dtype=np.int64)
+        for e in np.unique(epochs):
+            out[epochs == e] = self._permutation(int(e))[slots[epochs == e]]
+        return out
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``index`` of this rank regardless of position and skips (inputs, targets)."""
+        starts = self._window_ids(index) * self.seq_len
+        w = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts])
+        w = torch.from_numpy(w.astype(np.int64))
+        return w[:, :-1], w[:, 1:]
+
+    def _skipped_to(self, index: int) -> int:
+        moved = True
+        while moved:
+            moved = False
+            for lo, hi in self.skip_ranges:
+                if lo <= index <= hi:
+                    index, moved = hi + 1, True
+        return index
+
+    # -- iteration ----------------------------------------------------------------------------
+    def next_index(self) -> int:
+        """Index of the batch the next call to ``next`` returns."""
+        return self._skipped_to(self.position)
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        index = self.next_index()
+        self.position = index + 1
+        return self.batch(index)
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def skip(self, start: int, stop: int) -> None:
+        """Never yield batches ``start..stop`` (inclusive). Recorded in the state."""
+        if not 0 <= start <= stop:
+            raise ValueError(f"skip range [{start}, {stop}] must satisfy 0 <= start <= stop")
+        self.skip_ranges.append((int(start), int(stop)))
+
+    def index_of(self, count: int) -> int:
+        """Index of the ``count``-th batch (0-based) yielded from position 0 under the current
+        skip ranges: turns a step count into a batch index when ranges were skipped."""
+        index = -1
+        for _ in range(count + 1):
+            index = self._skipped_to(index + 1)
+        return index
+
+    # -- state (torchdata StatefulDataLoader protocol) ----------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able: position, skip ranges and the identity of the stream."""
+        return {"position": self.position, "skip_ranges": [list(r) for r in self.skip_ranges],
+                "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+                "batch_size": self.batch_size, "seq_len": self.seq_len,
+                "n_tokens": len(self.tokens)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("seed", "rank", "world_size", "batch_size", "seq_len", "n_tokens"):
+            mine = self.state_dict()[key]
+            if key in state and state[key] != mine:
+                raise ValueError(f"stream state has {key}={state[key]} but this stream has "
+                                 f"{key}={mine}; build the stream as it was when saved")
+        self.position = int(state["position"])
+        self.skip_ranges = [(int(a), int(b)) for a, b in state.get("skip_ranges", [])]

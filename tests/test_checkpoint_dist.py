@@ -1,0 +1,81 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import run_distributed
+
+
+def _fsdp_model_and_optimizer(seed: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from spikeguard import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig.tiny())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _train(model, opt, rank: int, steps: int) -> None:
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randint(0, 256, (2, 17), generator=gen)
+        loss = model.loss(model(x[:, :-1]), x[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _local(model, opt) -> dict[str, torch.Tensor]:
+    out = {f"p.{k}": v.to_local().clone() for k, v in model.state_dict().items()}
+    for i, state in opt.state_dict()["state"].items():
+        for name, t in state.items():
+            out[f"o.{i}.{name}"] = (t.to_local() if hasattr(t, "to_local") else t).clone()
+    return out
+
+
+def _save_restore(rank: int, world_size: int, directory: str) -> dict:
+    from spikeguard import CheckpointManager, TokenStream
+
+    model, opt = _fsdp_model_and_optimizer(seed=0)
+    data = TokenStream.from_corpus("pydoc", batch_size=2, seq_len=32, seed=1, rank=rank,
+                                   world_size=world_size)
+    mgr = CheckpointManager(directory, every=2)
+    _train(model, opt, rank, 2)
+    for _ in range(2):
+        next(data)
+    torch.manual_seed(1000 + rank)  # per-rank RNG stream
+    mgr.save(2, model=model, optimizer=opt, data=data)
+    want, want_rng = _local(model, opt), torch.get_rng_state()
+    _train(model, opt, rank, 2)
+    next(data)
+    mgr.save(4, model=model, optimizer=opt, data=data, healthy=False)
+
+    model2, opt2 = _fsdp_model_and_optimizer(seed=7)
+    data2 = TokenStream.from_corpus("pydoc", batch_size=2, seq_len=32, seed=1, rank=rank,
+                                    world_size=world_size)
+    info = mgr.restore(model=model2, optimizer=opt2, data=data2)
+    got = _local(model2, opt2)
+    files = sorted(p.name for p in info.path.iterdir())
+    return {"step": info.step, "same": want.keys() == got.keys()
+            and all(torch.equal(want[k], got[k]) for k in want),
+            "n": len(want), "rng": torch.equal(torch.get_rng_state(), want_rng),
+            "position": data2.position, "files": files,
+            "listed": [(c.step, c.healthy) for c in mgr.list()]}
+
+
+@pytest.mark.dist
+def test_fsdp2_sharded_save_and_restore_on_two_gloo_ranks(tmp_path):
+    results = run_distributed(_save_restore, 2, str(tmp_path / "ck"), timeout=180)
+    for r in results:
+        assert r["step"] == 2 and r["same"] and r["n"] > 10
+        assert r["rng"] and r["position"] == 2
+        assert r["listed"] == [(2, True), (4, False)]
+    assert results[0]["files"] == results[1]["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", "rank0.json", "rank1.json", "MANIFEST.json",
+            ".metadata", "info.json"} == set(results[0]["files"])
