@@ -10,15 +10,6 @@ from .model import GPT, GPTConfig
 from .prevent import schedules
 from .prevent.attention import QKNorm, StackedLogitBoundsWarning, attention, logit_p99, softcap
 from .prevent.budget import MemoryBudget, memory_budget
-from .respond.detector import Action, DetectorConfig, SpikeDetector, Verdict
-from .sinks import (
-    ConsoleSink,
-    JsonlSink,
-    SinkDisabledWarning,
-    Sinks,
-    TensorBoardSink,
-    WandbSink,
-    read_metrics,
 from .prevent.init import (
     DeepNormConstants,
     deepnorm_constants,
@@ -34,6 +25,16 @@ from .respond.checkpoint import (
     CheckpointWarning,
 )
 from .respond.data import TokenStream
+from .respond.detector import Action, DetectorConfig, SpikeDetector, Verdict
+from .sinks import (
+    ConsoleSink,
+    JsonlSink,
+    SinkDisabledWarning,
+    Sinks,
+    TensorBoardSink,
+    WandbSink,
+    read_metrics,
+)
 
 __version__ = "0.1.0"
 
@@ -41,30 +42,30 @@ __all__ = [
     "EMA",
     "GPT",
     "Action",
-    "ConsoleSink",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointWarning",
+    "ConsoleSink",
     "Corpus",
+    "DeepNormConstants",
     "DetectorConfig",
     "DeviceEMA",
     "DeviceRunningMedian",
-    "DeepNormConstants",
     "GPTConfig",
     "JsonlSink",
     "MemoryBudget",
+    "QKNorm",
     "RunningMedian",
     "SinkDisabledWarning",
     "Sinks",
     "SpikeDetector",
-    "QKNorm",
     "StackedLogitBoundsWarning",
     "StepMetrics",
     "TensorBoardSink",
+    "TokenStream",
     "Verdict",
     "WandbSink",
-    "TokenStream",
     "__version__",
     "attention",
     "deepnorm_constants",
