@@ -4,6 +4,7 @@
 """
 
 from .corpus import Corpus, load_corpus
+from .detect.gradnorm import GradStats, clip_grad_norm_, grad_stats
 from .detect.metrics import StepMetrics
 from .model import GPT, GPTConfig
 from .prevent import schedules
@@ -15,9 +16,12 @@ __all__ = [
     "GPT",
     "Corpus",
     "GPTConfig",
+    "GradStats",
     "MemoryBudget",
     "StepMetrics",
     "__version__",
+    "clip_grad_norm_",
+    "grad_stats",
     "load_corpus",
     "memory_budget",
     "schedules",
