@@ -53,7 +53,7 @@ def _reference(model: nn.Module, max_norm: float | None = None) -> dict:
     loss.backward()
     grads = {n: p.grad.double() for n, p in ref.named_parameters()}
     norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
-    out = {"norm": norm, "loss": float(loss), "grads": grads}
+    out = {"norm": norm, "loss": loss.item(), "grads": grads}
     if max_norm is not None:
         out["clipped"] = {n: g * min(1.0, max_norm / (norm + 1e-6)) for n, g in grads.items()}
     return out
@@ -118,8 +118,9 @@ def _ddp(rank: int, world: int) -> dict:
 
 
 def _fsdp(rank: int, world: int) -> dict:
-    import spikeguard as sg
     from torch.distributed.fsdp import fully_shard
+
+    import spikeguard as sg
 
     torch.manual_seed(0)
     model = Toy()
