@@ -16,14 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist import run_distributed
+from tests.test_gradnorm import no_host_reads
 
 pytestmark = pytest.mark.dist
 
 
 class Toy(nn.Module):
-    """LayerNorm, an MLP (colwise/rowwise under TP) and a head with an odd first dim (5)."""
+    """LayerNorm, an MLP (colwise/rowwise under TP), a head with an odd first dim (5) and a
+    one-element gain (an empty shard on the second FSDP rank)."""
 
-    NUMEL = 16 + (8 * 16 + 16) + (16 * 8 + 8) + (5 * 8 + 5)
+    NUMEL = 16 + (8 * 16 + 16) + (16 * 8 + 8) + (5 * 8 + 5) + 1
 
     def __init__(self) -> None:
         super().__init__()
@@ -31,13 +33,14 @@ class Toy(nn.Module):
         self.up = nn.Linear(8, 16)
         self.down = nn.Linear(16, 8)
         self.head = nn.Linear(8, 5)
+        self.gain = nn.Parameter(torch.ones(1))
 
     def trunk(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
         return h + self.down(torch.relu(self.up(h)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.trunk(x))
+        return self.head(self.trunk(x)) * self.gain
 
 
 def batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,9 +140,12 @@ def _fsdp(rank: int, world: int) -> dict:
 
     dist.all_reduce = spy
     try:
-        out = _measure(model, ref, loss)
+        with no_host_reads():
+            stats = sg.grad_stats(model.parameters(), extras=loss.reshape(1))
+            stats.clip_(1e9)
     finally:
         dist.all_reduce = real
+    out = _measure(model, ref, loss)
     out["all_reduces"] = calls
     out["shapes"] = [tuple(g.shape) for g in _locals(model)]
     snapshot = [g.clone() for g in _locals(model)]
@@ -244,10 +250,10 @@ def _pipeline(rank: int, world: int) -> dict:
         h = torch.empty(x.shape[0], 8)
         dist.recv(h, 0)
         h.requires_grad_(True)
-        loss = F.cross_entropy(model.head(h), y)
+        loss = F.cross_entropy(model.head(h) * model.gain, y)
         loss.backward()
         dist.send(h.grad, 0)
-        params, loss = list(model.head.parameters()), loss.detach()
+        params, loss = [*model.head.parameters(), model.gain], loss.detach()
     model_view = nn.Module()
     model_view.params = nn.ParameterList(params)
     with warnings.catch_warnings():
@@ -257,10 +263,42 @@ def _pipeline(rank: int, world: int) -> dict:
     return out
 
 
+def _partial(rank: int, world: int) -> dict:
+    """A Partial(sum) gradient: its norm is the norm of the sum, not of the summands."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+    import spikeguard as sg
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = nn.Parameter(distribute_tensor(torch.zeros(6), mesh, [Replicate()]))
+    p.grad = DTensor.from_local(torch.arange(6.0) * (rank + 1), mesh, [Partial()])
+    stats = sg.grad_stats([p])
+    stats.clip_(1.0)
+    summed = p.grad.full_tensor()
+    return {"norm": float(stats.norm), "ref": float((torch.arange(6.0) * 3).norm()),
+            "numel": stats.numel, "clipped": float(summed.norm())}
+
+
+def _manual_tp(rank: int, world: int) -> dict:
+    """Plain tensors sharded by hand over tp_group, plus a TP duplicate marked as such."""
+    import spikeguard as sg
+
+    full = torch.randn(4, 3, generator=torch.Generator().manual_seed(3))
+    shard = nn.Parameter(torch.zeros(2, 3))
+    shard.grad = full[2 * rank:2 * rank + 2].clone()
+    dup = nn.Parameter(torch.zeros(3))
+    dup.grad = torch.tensor([1.0, -2.0, 2.0])
+    dup.tensor_model_parallel = False
+    stats = sg.grad_stats([shard, dup], tp_group=dist.group.WORLD)
+    return {"norm": _gather(stats.norm), "numel": stats.numel,
+            "ref": math.sqrt(float(full.double().square().sum()) + 9.0)}
+
+
 def _two_ranks(rank: int, world: int) -> dict:
     return {name: fn(rank, world) for name, fn in
             (("ddp", _ddp), ("fsdp", _fsdp), ("tp", _tp), ("meshes", _several_meshes),
-             ("pp", _pipeline))}
+             ("pp", _pipeline), ("partial", _partial), ("manual_tp", _manual_tp))}
 
 
 def _four_ranks(rank: int, world: int) -> dict:
@@ -321,7 +359,8 @@ def test_ddp_two_ranks(two):
 
 def test_fsdp2_two_ranks_uneven_shards(two):
     _check_exact([r["fsdp"] for r in two], 2)
-    assert [r["fsdp"]["shapes"][-1] for r in two] == [(3,), (2,)]  # head.bias, 5 rows over 2
+    assert [r["fsdp"]["shapes"][0] for r in two] == [(1,), (0,)]  # gain: one rank holds nothing
+    assert [r["fsdp"]["shapes"][-1] for r in two] == [(3,), (2,)]  # head.bias: 5 rows over 2
     assert all(r["fsdp"]["all_reduces"] == [3] for r in two)  # one small all-reduce per step
 
 
@@ -360,6 +399,20 @@ def test_several_meshes_in_one_model(two):
 
 def test_pipeline_two_stages(two):
     _check_exact([r["pp"] for r in two], 2)
+
+
+def test_partial_gradient_is_reduced_before_squaring(two):
+    for r in two:
+        p = r["partial"]
+        assert p["norm"] == pytest.approx(p["ref"], rel=1e-6) and p["numel"] == 6
+        assert p["clipped"] == pytest.approx(1.0, rel=1e-5)  # scaling the summands scales the sum
+
+
+def test_manual_tp_group_sums_plain_shards(two):
+    for r in two:
+        m = r["manual_tp"]
+        assert m["norm"][0] == m["norm"][1] == pytest.approx(m["ref"], rel=1e-6)
+        assert m["numel"] == 12 + 3
 
 
 @pytest.mark.slow
