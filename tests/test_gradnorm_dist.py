@@ -14,7 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+import spikeguard as sg
 from tests.dist import run_distributed
 from tests.test_gradnorm import no_host_reads
 
@@ -63,14 +68,10 @@ def _reference(model: nn.Module, max_norm: float | None = None) -> dict:
 
 
 def _full(g: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return (g.full_tensor() if isinstance(g, DTensor) else g).double()
 
 
 def _locals(model: nn.Module) -> list[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
     return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             for p in model.parameters() if p.grad is not None]
 
@@ -90,48 +91,44 @@ def _step(model: nn.Module, rows: slice) -> torch.Tensor:
 
 
 def _ones_norm(model: nn.Module, **kw) -> float:
-    import spikeguard as sg
-
     for g in _locals(model):
         g.fill_(1.0)
     return float(sg.grad_stats(model.parameters(), **kw).norm)
 
 
 def _measure(model: nn.Module, ref: dict, loss: torch.Tensor | None = None, **kw) -> dict:
-    import spikeguard as sg
-
     stats = sg.grad_stats(model.parameters(), extras=None if loss is None else loss.reshape(1),
                           **kw)
     return {"norm": _gather(stats.norm), "ref": ref["norm"], "numel": stats.numel,
             "extras": None if loss is None else float(stats.extras[0]), "ref_loss": ref["loss"]}
 
 
-def _ddp(rank: int, world: int) -> dict:
+def _sharded(shard, rows: slice, **kw) -> tuple[nn.Module, dict, dict]:
+    """Seeded Toy, its reference, ``shard(model)`` (may return a wrapper to run), one step on
+    ``rows``, measured; also the reference's full grads clipped at 0.3."""
     torch.manual_seed(0)
     model = Toy()
-    ref = _reference(model)
-    ddp = nn.parallel.DistributedDataParallel(model)
+    ref = _reference(model, max_norm=0.3)
+    out = _measure(model, ref, _step(shard(model) or model, rows), **kw)
+    out["placements"] = sorted({str(p.placements) for p in model.parameters()
+                                if hasattr(p, "placements")})
+    out["meshes"] = len({(p.device_mesh.mesh.tolist().__repr__(), p.device_mesh.mesh_dim_names)
+                         for p in model.parameters() if hasattr(p, "device_mesh")})
+    return model, out, ref["clipped"]
+
+
+def _ddp(rank: int, world: int) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loss = _step(ddp, slice(4 * rank, 4 * rank + 4))
-        out = _measure(model, ref, loss)
+        model, out, _ = _sharded(nn.parallel.DistributedDataParallel, slice(4 * rank, 4 * rank + 4))
         out["ones"] = _ones_norm(model)
     out["warnings"] = [str(w.message) for w in caught if "treated as replicated" in str(w.message)]
     return out
 
 
 def _fsdp(rank: int, world: int) -> dict:
-    from torch.distributed.fsdp import fully_shard
-
-    import spikeguard as sg
-
-    torch.manual_seed(0)
-    model = Toy()
-    ref = _reference(model, max_norm=0.3)
-    fully_shard(model)
-    loss = _step(model, slice(4 * rank, 4 * rank + 4))
-    # the healthy path: count collectives with a spy around the real all_reduce
-    calls = []
+    model, out, clipped = _sharded(fully_shard, slice(4 * rank, 4 * rank + 4))
+    calls = []  # the healthy path: a spy around the real all_reduce counts collectives
     real = dist.all_reduce
 
     def spy(tensor, *args, **kwargs):
@@ -141,11 +138,9 @@ def _fsdp(rank: int, world: int) -> dict:
     dist.all_reduce = spy
     try:
         with no_host_reads():
-            stats = sg.grad_stats(model.parameters(), extras=loss.reshape(1))
-            stats.clip_(1e9)
+            sg.grad_stats(model.parameters(), extras=torch.ones(1)).clip_(1e9)
     finally:
         dist.all_reduce = real
-    out = _measure(model, ref, loss)
     out["all_reduces"] = calls
     out["shapes"] = [tuple(g.shape) for g in _locals(model)]
     snapshot = [g.clone() for g in _locals(model)]
@@ -153,13 +148,13 @@ def _fsdp(rank: int, world: int) -> dict:
     wrong = (0.3 / (torch.nn.utils.get_total_norm(_locals(model)) + 1e-6)).clamp(max=1.0)
     torch._foreach_mul_(_locals(model), wrong)
     out["wrong_coef"] = _gather(wrong)
-    out["wrong_err"] = max(float((_full(p.grad) - ref["clipped"][n]).abs().max())
+    out["wrong_err"] = max(float((_full(p.grad) - clipped[n]).abs().max())
                            for n, p in model.named_parameters())
     for g, s in zip(_locals(model), snapshot):
         g.copy_(s)
     stats = sg.grad_stats(model.parameters())
     out["coef"] = _gather(stats.clip_(0.3))
-    out["ours_err"] = max(float((_full(p.grad) - ref["clipped"][n]).abs().max())
+    out["ours_err"] = max(float((_full(p.grad) - clipped[n]).abs().max())
                           for n, p in model.named_parameters())
     # one NaN in one element of one shard (rank 1's head.weight shard)
     for g, s in zip(_locals(model), snapshot):
@@ -190,21 +185,12 @@ def _fsdp(rank: int, world: int) -> dict:
 
 
 def _tp_plan() -> dict:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
     return {"up": ColwiseParallel(), "down": RowwiseParallel()}
 
 
 def _tp(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    torch.manual_seed(0)
-    model = Toy()
-    ref = _reference(model)
-    parallelize_module(model, init_device_mesh("cpu", (world,)), _tp_plan())
-    loss = _step(model, slice(None))
-    out = _measure(model, ref, loss)
+    model, out, _ = _sharded(lambda m: parallelize_module(m, init_device_mesh("cpu", (world,)),
+                                                       _tp_plan()), slice(None))
     try:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         out["torch_error"] = ""
@@ -215,19 +201,12 @@ def _tp(rank: int, world: int) -> dict:
 
 
 def _several_meshes(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
+    def shard(m: nn.Module) -> None:
+        parallelize_module(m, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
+                           _tp_plan())
+        fully_shard(m.head, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
 
-    torch.manual_seed(0)
-    model = Toy()
-    ref = _reference(model)
-    parallelize_module(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
-                       _tp_plan())
-    fully_shard(model.head, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
-    loss = _step(model, slice(None))
-    out = _measure(model, ref, loss)
-    out["meshes"] = len({id(p.device_mesh) for p in model.parameters() if hasattr(p, "device_mesh")})
+    model, out, _ = _sharded(shard, slice(None))
     out["ones"] = _ones_norm(model)
     return out
 
@@ -265,11 +244,6 @@ def _pipeline(rank: int, world: int) -> dict:
 
 def _partial(rank: int, world: int) -> dict:
     """A Partial(sum) gradient: its norm is the norm of the sum, not of the summands."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
-
-    import spikeguard as sg
-
     mesh = init_device_mesh("cpu", (world,))
     p = nn.Parameter(distribute_tensor(torch.zeros(6), mesh, [Replicate()]))
     p.grad = DTensor.from_local(torch.arange(6.0) * (rank + 1), mesh, [Partial()])
@@ -282,8 +256,6 @@ def _partial(rank: int, world: int) -> dict:
 
 def _manual_tp(rank: int, world: int) -> dict:
     """Plain tensors sharded by hand over tp_group, plus a TP duplicate marked as such."""
-    import spikeguard as sg
-
     full = torch.randn(4, 3, generator=torch.Generator().manual_seed(3))
     shard = nn.Parameter(torch.zeros(2, 3))
     shard.grad = full[2 * rank:2 * rank + 2].clone()
@@ -302,31 +274,20 @@ def _two_ranks(rank: int, world: int) -> dict:
 
 
 def _four_ranks(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
-
     out = {}
-    torch.manual_seed(0)
-    model = Toy()
-    ref = _reference(model)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    fully_shard(model, mesh=mesh)
-    loss = _step(model, slice(2 * rank, 2 * rank + 2))
-    out["hsdp"] = _measure(model, ref, loss)
-    out["hsdp"]["placements"] = sorted({str(p.placements) for p in model.parameters()})
+    model, out["hsdp"], _ = _sharded(lambda m: fully_shard(m, mesh=mesh),
+                                  slice(2 * rank, 2 * rank + 2))
     out["hsdp"]["ones"] = _ones_norm(model)
 
-    torch.manual_seed(0)
-    model = Toy()
-    ref = _reference(model)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], _tp_plan())
-    fully_shard(model, mesh=mesh["dp"])
-    dp = mesh["dp"].get_local_rank()
-    loss = _step(model, slice(4 * dp, 4 * dp + 4))
-    out["fsdp_tp"] = _measure(model, ref, loss)
-    out["fsdp_tp"]["placements"] = sorted({str(p.placements) for p in model.parameters()})
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def fsdp_tp(m: nn.Module) -> None:
+        parallelize_module(m, mesh2["tp"], _tp_plan())
+        fully_shard(m, mesh=mesh2["dp"])
+
+    dp = mesh2["dp"].get_local_rank()
+    model, out["fsdp_tp"], _ = _sharded(fsdp_tp, slice(4 * dp, 4 * dp + 4))
     out["fsdp_tp"]["ones"] = _ones_norm(model)
     return out
 
@@ -395,6 +356,7 @@ def test_tensor_parallel_with_plain_layernorm(two):
 def test_several_meshes_in_one_model(two):
     _check_exact([r["meshes"] for r in two], 2)
     assert two[0]["meshes"]["meshes"] == 2
+    assert len(two[0]["meshes"]["placements"]) == 3  # Shard(0), Shard(1), Shard(0) on dp
 
 
 def test_pipeline_two_stages(two):
@@ -424,4 +386,4 @@ def test_hsdp_on_a_2x2_mesh(four):
 @pytest.mark.slow
 def test_fsdp_plus_tp_on_a_2x2_mesh(four):
     _check_exact([r["fsdp_tp"] for r in four], 4)
-    assert len(four[0]["fsdp_tp"]["placements"]) > 1  # 2-D (dp, tp) params and 1-D dp params
+    assert four[0]["fsdp_tp"]["meshes"] == 2  # 2-D (dp, tp) params and 1-D dp params

@@ -46,7 +46,7 @@ def group_size(group: object | None, name: str) -> int:
     """Size of ``group`` (1 for None); ValueError when it is given without a process group."""
     if group is None:
         return 1
-    if world_size() == 1 and not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{name}={group!r} was given but torch.distributed is not initialized; "
                          f"call init_process_group first or pass {name}=None")
     return dist.get_world_size(group)
@@ -72,13 +72,13 @@ class GradLayout:
     """How many DTensor gradients there are."""
 
     def device(self) -> torch.device:
-        """Device of the first piece; for none, where the default group's collectives run."""
-        for tensors in self.pieces.values():
-            if tensors:
-                return tensors[0].device
-        if self.world > 1 and dist.get_backend() == "nccl":
+        """Where the reduction runs: the first piece's device, unless that is the CPU and the
+        default group cannot reduce CPU tensors (NCCL alone, e.g. FSDP2 with CPU offload)."""
+        device = next((t[0].device for t in self.pieces.values() if t), torch.device("cpu"))
+        if (self.world > 1 and device.type == "cpu" and "gloo" not in dist.get_backend()
+                and torch.cuda.is_available()):
             return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return device
 
 
 def _copies(world: int, distinct: int, what: str) -> int:

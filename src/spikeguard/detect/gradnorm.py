@@ -9,6 +9,9 @@ float64 sum of the squared per-tensor norms, and ONE all-reduce (default group) 
 float64 vector ``[sum of squares, element count share, *extras]``. It never reads a device value
 on the host and never branches on one. See ``_grad_layout`` for how each local piece is weighted
 so that every distinct element counts once (DTensor placements, plain tensors, pp_group, tp_group).
+All ranks compute the norm from the same all-reduced bits, so they hold the same norm (tested
+with gloo: gathered and compared exactly). A DTensor gradient with a Partial placement costs one
+more collective (it is reduced before squaring; see ``_grad_layout``).
 
 The non-finite path costs more, only when asked: the first read of ``nonfinite``, ``nan_frac`` or
 ``exact_norm()`` reads the norm on the host (a sync) and, only if it is not finite, counts
@@ -69,6 +72,8 @@ class GradStats:
     flags the step. ``extras``: the ``extras`` vector averaged over data-parallel ranks (None
     when none was given). ``numel``: elements of the unsharded model (reading it syncs).
     ``nonfinite``, ``nan_frac`` and ``exact_norm()``: the non-finite path (module docstring).
+    The object holds references to the local gradients (for ``clip_`` and the non-finite path)
+    until it is dropped.
     """
 
     def __init__(self, layout: GradLayout, norms: dict[int, torch.Tensor], vec: torch.Tensor,
@@ -83,11 +88,15 @@ class GradStats:
         if extras_dtype is not None:
             self.extras = (vec[2:] / (layout.world // layout.pp)).to(extras_dtype)
         self._slow: tuple[float, torch.Tensor] | None = None
+        self._numel = round(layout.numel_share) if layout.world == 1 else None
 
     @property
     def numel(self) -> int:
-        """Elements of the unsharded model: an int (a host read of one all-reduced scalar)."""
-        return round(float(self._vec[1]))
+        """Elements of the unsharded model: an int (with world size > 1, a host read of one
+        all-reduced scalar)."""
+        if self._numel is None:
+            self._numel = round(float(self._vec[1]))
+        return self._numel
 
     @property
     def nonfinite(self) -> int:
