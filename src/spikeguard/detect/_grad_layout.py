@@ -42,7 +42,7 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def group_size(group: object | None, name: str) -> int:
+def group_size(group: dist.ProcessGroup | None, name: str) -> int:
     """Size of ``group`` (1 for None); ValueError when it is given without a process group."""
     if group is None:
         return 1
@@ -107,8 +107,8 @@ def _dtensor_piece(grad: torch.Tensor, world: int, pp: int) -> tuple[torch.Tenso
     return grad.to_local(), copies
 
 
-def collect(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: object | None,
-            tp_group: object | None) -> GradLayout:
+def collect(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: dist.ProcessGroup | None,
+            tp_group: dist.ProcessGroup | None) -> GradLayout:
     """Walk ``parameters`` once and group their local gradients by copy count (host only)."""
     from torch.distributed.tensor import DTensor
 

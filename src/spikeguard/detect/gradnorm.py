@@ -166,7 +166,7 @@ def _check_max_norm(max_norm: float) -> None:
                          f"1.0 for 7B-70B models")
 
 
-def _warn_plain_replicated(layout: GradLayout, tp_group: object | None) -> None:
+def _warn_plain_replicated(layout: GradLayout, tp_group: dist.ProcessGroup | None) -> None:
     global _warned_plain_replicated
     if (layout.world > 1 and layout.dtensors == 0 and layout.plain and tp_group is None
             and not _warned_plain_replicated):
@@ -178,8 +178,8 @@ def _warn_plain_replicated(layout: GradLayout, tp_group: object | None) -> None:
 
 
 @torch.no_grad()
-def grad_stats(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: object | None = None,
-               tp_group: object | None = None, extras: torch.Tensor | None = None) -> GradStats:
+def grad_stats(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: dist.ProcessGroup | None = None,
+               tp_group: dist.ProcessGroup | None = None, extras: torch.Tensor | None = None) -> GradStats:
     """Global gradient statistics of ``parameters`` (their ``.grad``; None grads are skipped).
 
     ``pp_group``: the ranks holding the other pipeline stages; the sum runs over it.
@@ -216,7 +216,7 @@ def grad_stats(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: o
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, *,
-                    pp_group: object | None = None, tp_group: object | None = None) -> torch.Tensor:
+                    pp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip the global gradient norm in place; returns the pre-clip norm (0-dim float32).
 
     A drop-in for ``torch.nn.utils.clip_grad_norm_`` (L2, foreach) that is also right under
