@@ -4,6 +4,7 @@
 """
 
 from .corpus import Corpus, load_corpus
+from .detect.gradnorm import GradStats, clip_grad_norm_, grad_stats
 from .detect.metrics import StepMetrics, metrics_record
 from .detect.stats import EMA, DeviceEMA, DeviceRunningMedian, RunningMedian
 from .model import GPT, GPTConfig
@@ -53,6 +54,7 @@ __all__ = [
     "DeviceEMA",
     "DeviceRunningMedian",
     "GPTConfig",
+    "GradStats",
     "JsonlSink",
     "MemoryBudget",
     "QKNorm",
@@ -68,10 +70,12 @@ __all__ = [
     "WandbSink",
     "__version__",
     "attention",
+    "clip_grad_norm_",
     "deepnorm_constants",
     "fan_in_init_",
     "fan_in_std",
     "gpt2_residual_init_",
+    "grad_stats",
     "load_corpus",
     "logit_p99",
     "memory_budget",
