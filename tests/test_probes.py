@@ -64,3 +64,39 @@ def test_probe_benchmark_smoke(sub_env):
     out = subprocess.run([sys.executable, "benchmarks/bench_probes.py", "--smoke"], env=sub_env,
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert "every-step" in out and "ratio" in out
+
+
+def test_attention_logit_p99_per_head_and_layer_equals_torch_quantile():
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    qs = {}
+    for i, blk in enumerate(model.blocks):
+        blk.attn.qkv.register_forward_hook(lambda m, a, out, i=i: qs.__setitem__(i, out.detach()))
+    probes = Probes(model, ProbeConfig(attn_logit_p99=True, attn_every=2, activation_max=False))
+    x, _ = _batch()
+    x = x[:, :12]  # 2 x 78 visible pairs: fewer than the sample, so the p99 is exact
+    seen = []
+    for step in range(3):
+        probes.start_step(step)
+        model(x)
+        seen.append(probes.collect())
+    assert "attn_logit_p99" not in seen[1]
+    rec = seen[2]
+    cfg = model.cfg
+    ref = []
+    for i in range(cfg.n_layer):
+        q, k, _ = qs[i].view(2, 12, 3, cfg.n_head, cfg.head_dim).permute(2, 0, 3, 1, 4)
+        logits = (q.double() @ k.double().transpose(-1, -2)) / cfg.head_dim**0.5
+        mask = torch.ones(12, 12, dtype=torch.bool).tril()
+        vals = logits.abs().permute(1, 0, 2, 3)[:, :, mask]  # [H, B, pairs]
+        ref.append(torch.quantile(vals.flatten(1), 0.99, dim=1, interpolation="higher").tolist())
+    for got_layer, ref_layer in zip(rec["attn_logit_p99_heads"], ref):
+        assert got_layer == pytest.approx(ref_layer, rel=1e-5)
+    assert rec["attn_logit_p99"] == pytest.approx(max(max(r) for r in ref), rel=1e-5)
+    flat_max = [max(r) for r in ref]
+    assert rec["attn_logit_p99_layer"] == flat_max.index(max(flat_max))
+
+
+def test_attn_probe_needs_a_model_that_reports_logits():
+    with pytest.raises(ValueError, match="attn_logit_p99=True"):
+        Probes(torch.nn.Linear(4, 4), ProbeConfig(attn_logit_p99=True))

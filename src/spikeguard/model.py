@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .prevent.attention import QKNorm, attention, check_logit_bounds, check_softcap, softcap
+from .prevent.attention import (
+    QKNorm,
+    attention,
+    check_logit_bounds,
+    check_softcap,
+    logit_p99,
+    softcap,
+)
 from .prevent.init import gpt2_residual_init_
 
 __all__ = ["GPT", "GPTConfig", "count_params"]
@@ -109,9 +116,15 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class Attention(nn.Module):
+    """Causal self-attention. Set ``logit_p99_request = True`` (the probes do) and the next
+    forward stores the per-head p99 of |q.k * scale| before any cap in ``last_logit_p99``
+    ([n_head] float32, on the device, no host sync)."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.logit_p99_request = False
+        self.last_logit_p99: torch.Tensor | None = None
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
@@ -129,6 +142,8 @@ class Attention(nn.Module):
         if self.cfg.pos == "rope":
             q = _apply_rope(q, self.rope_cos, self.rope_sin)
             k = _apply_rope(k, self.rope_cos, self.rope_sin)
+        if self.logit_p99_request:
+            self.last_logit_p99 = logit_p99(q.detach(), k.detach(), causal=True)
         # SDPA without a cap; with one, flex on CUDA or the eager fp32 path
         y = attention(q, k, v, causal=True, softcap=self.cfg.attn_softcap)
         return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))

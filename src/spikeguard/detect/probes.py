@@ -4,7 +4,8 @@ Each probe is armed by a flag and runs every ``*_every`` steps. Forward hooks on
 tensors (one ``amax`` reduction per hooked module); :meth:`Probes.collect` stacks them and does a
 single host read per probe step, after the step's work has been queued. The values land in the
 step record under their names: ``activation_max``, ``activation_max_module``,
-``attn_logit_p99`` (the largest over layers and heads) with ``attn_logit_p99_layer``, and
+``attn_logit_p99`` (the largest over layers and heads) with ``attn_logit_p99_layer`` and the
+full [layer][head] table ``attn_logit_p99_heads``, and
 ``layer_grad_norm/<layer>`` for each top-level block.
 """
 
@@ -125,8 +126,8 @@ class Probes:
             pending += [acts.max(), acts.argmax().float()]
         p99 = [m.last_logit_p99 for m in self._attn_modules if m.last_logit_p99 is not None]
         if p99:
-            per_layer = torch.stack([t.float().max() for t in p99])
-            pending += [per_layer.max(), per_layer.argmax().float()]
+            heads = torch.stack([t.float() for t in p99])  # [layers, heads]
+            pending += [heads.max(), heads.max(dim=1).values.argmax().float(), *heads.flatten()]
         values = torch.stack(pending).tolist() if pending else []
         if self._act:
             record["activation_max"] = values.pop(0)
@@ -134,6 +135,9 @@ class Probes:
         if p99:
             record["attn_logit_p99"] = values.pop(0)
             record["attn_logit_p99_layer"] = int(values.pop(0))
+            n_layers, n_heads = heads.shape
+            record["attn_logit_p99_heads"] = [values[i * n_heads:(i + 1) * n_heads]
+                                              for i in range(n_layers)]
         if self.config.layer_grad_norms and step % self.config.grad_norms_every == 0:
             for layer, norm in layer_grad_norms(self.model).items():
                 record[f"layer_grad_norm/{layer}"] = norm
