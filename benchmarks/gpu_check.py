@@ -6,7 +6,8 @@ Each check is a function returning (passed, detail); add yours to CHECKS.
   throughput of uncapped flex_attention (causal), bf16, interleaved runs;
 - flex_softcap_matches_eager: the capped flex output and gradients equal the eager fp32 path;
 - stats_and_sinks: device running median / EMA equal the host versions bit for bit on CUDA, and
-  the gate's calls plus a JsonlSink.log of CUDA tensors run under set_sync_debug_mode("error").
+  the gate's calls plus a JsonlSink.log of CUDA tensors run under set_sync_debug_mode("error");
+- torchao_fp8_step: fp8 training through torchao on the eligible linears, with the amax monitor.
 
     PYTHONPATH=src:. python benchmarks/gpu_check.py [--smoke]
 """
@@ -14,6 +15,7 @@ Each check is a function returning (passed, detail); add yours to CHECKS.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -25,7 +27,7 @@ import torch
 
 import spikeguard as sg
 
-__all__ = ["CHECKS", "flex_softcap_matches_eager", "flex_softcap_speed", "main", "stats_and_sinks"]
+__all__ = ["CHECKS", "flex_softcap_matches_eager", "flex_softcap_speed", "main", "stats_and_sinks", "torchao_fp8_step"]
 
 
 def _qkv(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0):
@@ -145,6 +147,46 @@ def stats_and_sinks(smoke: bool = False) -> tuple[bool, str]:
 
 
 CHECKS["stats_and_sinks"] = stats_and_sinks
+
+
+def torchao_fp8_step(smoke: bool = False) -> tuple[bool, str]:
+    """Real fp8 training through torchao (the optional ``fp8`` extra) on the bench GPT: only the
+    fp8-eligible linears are converted, a few bf16-autocast steps run with finite loss, and the
+    AmaxMonitor reports a finite headroom for every converted linear after its first step."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        return False, "torchao is not installed (pip install 'spikeguard[fp8]'); fp8 step not run"
+    from spikeguard.detect.fp8 import AmaxMonitor, fp8_eligible
+
+    torch.manual_seed(0)
+    cfg = sg.GPTConfig.tiny() if smoke else sg.GPTConfig.bench()
+    model = sg.GPT(cfg).cuda()
+    eligible = {n for n, m in model.named_modules() if fp8_eligible(n, m)}
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fp8_eligible(fqn, m))
+    converted = {n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+    if converted != eligible:
+        return False, f"converted {sorted(converted ^ eligible)} differ from the eligible set"
+    monitor = AmaxMonitor()
+    monitor.hook(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), device="cuda")
+    losses, heads = [], []
+    for step in range(5):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model.loss(model(x), x)
+        loss = getattr(out, "loss", out)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        heads.append(monitor.flush(step).get("fp8_headroom_min", float("nan")))
+    ok = all(map(math.isfinite, losses)) and all(map(math.isfinite, heads[1:])) and len(converted) > 0
+    return ok, (f"{len(converted)} Float8Linear layers, losses {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                f"min headroom per step {[round(h, 3) for h in heads[1:]]}")
+
+
+CHECKS["torchao_fp8_step"] = torchao_fp8_step
 
 
 def main(argv: list[str] | None = None) -> int:
