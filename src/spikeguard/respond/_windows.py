@@ -1,4 +1,5 @@
-"""Sliding windows for the detector: a windowed median, a windowed minimum, an event log.
+"""Sliding windows for the detector: a windowed minimum and an event log (the windowed median
+is spikeguard.detect.stats.RunningMedian).
 
 All round-trip through plain lists (JSON-ready).
 """
@@ -6,71 +7,10 @@ All round-trip through plain lists (JSON-ready).
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
 from collections import deque
 from typing import Any
 
-__all__ = ["EventWindow", "SlidingMin", "WindowMedian"]
-
-
-class WindowMedian:
-    """Median of the last ``window`` values: a FIFO plus a sorted list kept with bisect.
-
-    Same contract and state_dict as :class:`spikeguard.detect.stats.RunningMedian` (an even
-    count gives the mean of the two middle values), about twice as fast per update at
-    window 5,000 on CPython: an insert and a delete in a sorted list of floats are a short
-    memmove, cheaper than the heaps' pushes, pops and lazy-deletion bookkeeping.
-    """
-
-    __slots__ = ("_fifo", "_sorted", "window")
-
-    def __init__(self, window: int = 5000) -> None:
-        if window < 1:
-            raise ValueError(f"window={window} must be >= 1")
-        self.window = window
-        self._fifo: deque[float] = deque()
-        self._sorted: list[float] = []
-
-    def __len__(self) -> int:
-        return len(self._fifo)
-
-    def update(self, value: float) -> None:
-        """Add a finite value; the oldest leaves once the window is full."""
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"WindowMedian.update({value}): only finite values belong in "
-                             "the history")
-        self.add_finite(value)
-
-    def add_finite(self, value: float) -> None:
-        """``update`` without the checks, for a caller that already holds a finite float."""
-        fifo, srt = self._fifo, self._sorted
-        fifo.append(value)
-        insort(srt, value)
-        if len(fifo) > self.window:
-            del srt[bisect_left(srt, fifo.popleft())]
-
-    @property
-    def value(self) -> float:
-        """The median of the window; NaN while empty."""
-        srt = self._sorted
-        n = len(srt)
-        if n == 0:
-            return math.nan
-        h = n >> 1
-        return srt[h] if n & 1 else (srt[h - 1] + srt[h]) / 2.0
-
-    def values(self) -> list[float]:
-        """The window's values, oldest first."""
-        return list(self._fifo)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"window": self.window, "values": self.values()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.window = int(state["window"])
-        self._fifo = deque(float(v) for v in state["values"])
-        self._sorted = sorted(self._fifo)
+__all__ = ["EventWindow", "SlidingMin"]
 
 
 class SlidingMin:

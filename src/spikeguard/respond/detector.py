@@ -28,9 +28,9 @@ import math
 from typing import Any, NamedTuple
 
 from ..detect.metrics import StepMetrics
-from ..detect.stats import EMA
+from ..detect.stats import EMA, RunningMedian
 from ._detector_config import DetectorConfig
-from ._windows import EventWindow, SlidingMin, WindowMedian
+from ._windows import EventWindow, SlidingMin
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
@@ -115,9 +115,8 @@ class SpikeDetector:
     def reset(self) -> None:
         """Forget all history (same config)."""
         c = self.config
-        # WindowMedian: RunningMedian's contract and state, ~2x faster (see _windows)
-        self._gmed = WindowMedian(c.median_window)
-        self._zmed = WindowMedian(c.median_window)
+        self._gmed = RunningMedian(c.median_window)
+        self._zmed = RunningMedian(c.median_window)
         self._ema = EMA(1.0 / c.loss_ema_steps)
         self._e50 = EMA(1.0 / c.recovery_ema_steps)
         self._floor = SlidingMin(c.median_window)
@@ -226,7 +225,7 @@ class SpikeDetector:
 
         flagged = skip or bool(t3)
         if not flagged:
-            self._gmed.add_finite(g)
+            self._gmed.update(g)
             self._ema.update(loss)
             self._e50.update(loss)
             e50 = self._e50.value
@@ -272,7 +271,7 @@ class SpikeDetector:
                     self._zx_rise_fired = False
                 advice = lz > c.z_loss_advice_log_z and dev > c.log_z_onset
             if not flagged:
-                self._zmed.add_finite(lz)
+                self._zmed.update(lz)
                 self._zmin.push(j, lz, step)
 
         p = self._pending
