@@ -1,0 +1,161 @@
+"""The two autograd functions behind ``spikeguard.prevent.losses`` (private; inputs are checked there).
+
+Both walk the tokens in row chunks, so only one chunk of logits lives in the compute dtype at a time
+(fp32 for bf16/fp16 inputs, the input dtype otherwise). One pass per chunk gives the log-softmax,
+from which cross-entropy (-log p_target) and log Z (x_target - log p_target) fall out together; the
+gradient needs softmax = exp(x - log Z), which uses the saved log Z instead of a second logsumexp.
+
+Gradient of alpha * logZ^2 + CE with respect to the (capped) logit c_j of one token:
+    softmax_j * (1 + 2 * alpha * logZ) - onehot_j
+and with a softcap c = cap * tanh(x / cap) the chain rule adds a factor 1 - (c / cap)^2.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__: list[str] = []
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """max(fp32, dtype): fp64 stays fp64, bf16/fp16/fp32 compute in fp32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _capped(x: torch.Tensor, softcap: float | None, *, owned: bool) -> torch.Tensor:
+    """cap * tanh(x / cap), in place when the caller owns ``x``."""
+    if softcap is None:
+        return x
+    y = x.div_(softcap) if owned else x / softcap
+    return y.tanh_().mul_(softcap)
+
+
+def _logsoftmax_stats(c: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log_softmax(c), ce, log Z) for one chunk; tgt is [rows, 1] with valid class ids."""
+    lsm = torch.log_softmax(c, dim=-1)
+    lsm_t = lsm.gather(1, tgt).squeeze(1)
+    return lsm, -lsm_t, c.gather(1, tgt).squeeze(1) - lsm_t
+
+
+def _grad_in_place(p: torch.Tensor, c: torch.Tensor, tgt: torch.Tensor, lse: torch.Tensor,
+                   scale: torch.Tensor, alpha: float, softcap: float | None) -> torch.Tensor:
+    """Turn softmax ``p`` into d(loss)/d(raw logits) in place; ``c`` (the capped logits, owned) is
+    consumed when there is a softcap. scale: [rows] per-token weight (0 at ignored tokens)."""
+    p.mul_((scale * (1.0 + 2.0 * alpha * lse)).unsqueeze(1))
+    p.scatter_add_(1, tgt, -scale.unsqueeze(1))
+    if softcap is not None:
+        p.mul_(c.div_(softcap).square_().neg_().add_(1.0))
+    return p
+
+
+class CrossEntropyFn(torch.autograd.Function):
+    """Per-token (ce + alpha * logZ^2) * mask from logits [N, V]; also returns log Z and ce per
+    token (masked, not differentiable). Backward scales by the incoming per-token gradient."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tgt: torch.Tensor, mask: torch.Tensor, alpha: float,
+                softcap: float | None, chunk_rows: int):
+        n = logits.shape[0]
+        cd = compute_dtype(logits.dtype)
+        lse = torch.empty(n, dtype=cd, device=logits.device)
+        ce = torch.empty(n, dtype=cd, device=logits.device)
+        for s in range(0, n, chunk_rows):
+            x = logits[s: s + chunk_rows]
+            xc = x.to(cd)
+            c = _capped(xc, softcap, owned=xc is not x)
+            _, ce[s: s + chunk_rows], lse[s: s + chunk_rows] = _logsoftmax_stats(
+                c, tgt[s: s + chunk_rows])
+        ctx.save_for_backward(logits, tgt, mask, lse)
+        ctx.alpha, ctx.softcap, ctx.chunk_rows = alpha, softcap, chunk_rows
+        m = mask.to(cd)
+        lse_out, ce_out = lse * m, ce * m
+        loss = ce_out + alpha * lse_out.square()
+        ctx.mark_non_differentiable(lse_out, ce_out)
+        return loss, lse_out, ce_out
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_lse, _g_ce):
+        logits, tgt, mask, lse = ctx.saved_tensors
+        alpha, softcap, rows = ctx.alpha, ctx.softcap, ctx.chunk_rows
+        cd = lse.dtype
+        scale = g_loss.to(cd) * mask.to(cd)
+        grad = torch.empty_like(logits)
+        into_grad = logits.dtype == cd  # write straight into the gradient: no chunk buffer
+        for s in range(0, logits.shape[0], rows):
+            sl = slice(s, s + rows)
+            x, lse_c = logits[sl], lse[sl].unsqueeze(1)
+            if softcap is None:
+                c = None
+                p = (torch.sub(x, lse_c, out=grad[sl]) if into_grad else x.to(cd).sub_(lse_c)).exp_()
+            else:
+                c = _capped(x.to(cd, copy=True), softcap, owned=True)
+                p = torch.sub(c, lse_c, out=grad[sl] if into_grad else None).exp_()
+            p = _grad_in_place(p, c, tgt[sl], lse[sl], scale[sl], alpha, softcap)
+            if not into_grad:
+                grad[sl].copy_(p)
+        return grad, None, None, None, None, None
+
+
+class LinearCrossEntropyFn(torch.autograd.Function):
+    """Mean over counted tokens of ce + alpha * logZ^2 for logits = hidden @ weight.T + bias,
+    chunked over tokens. With grad enabled the gradients are computed in the forward pass (one
+    matmul per chunk fewer than recomputing in backward) and only scaled in backward.
+
+    Returns (loss, ce, alpha * mean logZ^2, mean logZ), scalars in the compute dtype; only loss
+    is differentiable."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                tgt: torch.Tensor, mask: torch.Tensor, alpha: float, softcap: float | None,
+                chunk_rows: int):
+        n, dev, dtype = hidden.shape[0], hidden.device, hidden.dtype
+        cd = compute_dtype(dtype)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
+        need_any = need_h or need_w or need_b
+        m = mask.to(cd)
+        inv_n = 1.0 / m.sum().clamp(min=1.0)  # all tokens ignored: every output and grad is 0
+        lse = torch.empty(n, dtype=cd, device=dev)
+        ce = torch.empty(n, dtype=cd, device=dev)
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=cd, device=dev) if need_w else None
+        db = torch.zeros(weight.shape[0], dtype=cd, device=dev) if need_b else None
+        for s in range(0, n, chunk_rows):
+            sl = slice(s, s + chunk_rows)
+            h, t = hidden[sl], tgt[sl]
+            c = F.linear(h, weight, bias).to(cd)  # fresh tensor: ours to modify in place
+            c = _capped(c, softcap, owned=True)
+            lsm, ce[sl], lse[sl] = _logsoftmax_stats(c, t)
+            if not need_any:
+                continue
+            p = _grad_in_place(lsm.exp_(), c, t, lse[sl], m[sl] * inv_n, alpha, softcap)
+            g = p.to(dtype)
+            if need_h:
+                torch.mm(g, weight, out=dh[sl])
+            if need_w:
+                if g.dtype == cd:
+                    dw.addmm_(g.t(), h)
+                else:
+                    dw.add_(g.t() @ h)
+            if need_b:
+                db.add_(p.sum(0))
+        ctx.save_for_backward(
+            dh, None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype))
+        lse_sum = (lse * m).sum()
+        ce_mean = (ce * m).sum() * inv_n
+        z_term = alpha * (lse.square() * m).sum() * inv_n
+        log_z = lse_sum * inv_n
+        loss = ce_mean + z_term
+        ctx.mark_non_differentiable(ce_mean, z_term, log_z)
+        return loss, ce_mean, z_term, log_z
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_ce, _g_z, _g_logz):
+        dh, dw, db = ctx.saved_tensors
+
+        def scaled(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t * g_loss.to(t.dtype)
+
+        return scaled(dh), scaled(dw), scaled(db), None, None, None, None, None
