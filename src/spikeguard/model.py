@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .prevent.losses import LossOutput, linear_cross_entropy
+
 __all__ = ["GPT", "GPTConfig", "count_params"]
 
 
@@ -39,6 +41,8 @@ class GPTConfig:
     """Share the token embedding with the output layer."""
     dropout: float = 0.0
     """Dropout on attention output and MLP output."""
+    z_loss: float = 1e-4
+    """z-loss coefficient alpha in the output loss (PaLM's 1e-4; 0 turns it off)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio"):
@@ -55,6 +59,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.pos={self.pos!r} must be 'learned' or 'rope'")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+        if not 0.0 <= self.z_loss < float("inf"):
+            raise ValueError(f"GPTConfig.z_loss={self.z_loss} must be >= 0; 1e-4 is PaLM's value")
 
     @property
     def head_dim(self) -> int:
@@ -138,7 +144,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """The reference decoder. ``forward(idx) -> hidden``; ``loss(hidden, targets) -> scalar``."""
+    """The reference decoder. ``forward(idx) -> hidden``; ``loss(hidden, targets) -> LossOutput``."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -191,10 +197,12 @@ class GPT(nn.Module):
         """[..., d_model] -> [..., vocab] logits."""
         return F.linear(hidden, self.output_weight)
 
-    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy in nats over all positions."""
-        logits = self.logits(hidden)
-        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> LossOutput:
+        """Fused output layer + cross-entropy + z-loss (``cfg.z_loss``); never builds the logits.
+
+        Returns a LossOutput: ``.loss`` to backpropagate, ``.ce`` (mean next-token cross-entropy
+        in nats), ``.z_loss`` and ``.log_z`` detached."""
+        return linear_cross_entropy(hidden, self.output_weight, targets, z_loss=self.cfg.z_loss)
 
     @torch.no_grad()
     def estimate_flops_per_token(self) -> float:

@@ -31,7 +31,7 @@ __all__ = ["LossOutput", "cross_entropy", "linear_cross_entropy", "router_z_loss
 
 _CHUNK_BYTES = 64 * 2**20
 """Default budget for one chunk of compute-dtype logits in linear_cross_entropy."""
-_CE_CHUNK_BYTES_CPU = 8 * 2**20
+_CE_CHUNK_BYTES_CPU = 16 * 2**20
 """cross_entropy's chunk on CPU: small enough to stay in cache and reuse malloc'd buffers."""
 _Z_LOSS_WARN = 1e-3
 
