@@ -199,6 +199,26 @@ def test_linear_cross_entropy_shapes_defaults_and_no_grad():
     assert torch.equal(gw, torch.zeros_like(weight))
 
 
+def test_linear_cross_entropy_bf16_matches_fp32_reference():
+    torch.manual_seed(11)
+    hidden = torch.randn(300, 32).bfloat16().requires_grad_()
+    weight = (torch.randn(500, 32) * 0.5).bfloat16().requires_grad_()
+    t = _targets(300, 500)
+    out = linear_cross_entropy(hidden, weight, t, chunk_size=64)
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    hf, wf = (hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_())
+    ref = cross_entropy(F.linear(hf, wf), t)
+    ref.loss.backward()
+    # bf16 logits carry ~3 significant digits; everything after the matmul is fp32
+    torch.testing.assert_close(out.loss.detach(), ref.loss.detach(), rtol=2e-3, atol=0)
+    torch.testing.assert_close(out.log_z, ref.log_z, rtol=2e-3, atol=0)
+    for got, want in ((hidden.grad, hf.grad), (weight.grad, wf.grad)):
+        rel = (got.float() - want).norm() / want.norm()
+        assert rel < 1e-2, rel
+
+
 def _peak_alloc_bytes(fn) -> int:
     """Peak of the running total of bytes allocated by torch's CPU allocator while ``fn`` runs,
     relative to the start."""

@@ -175,8 +175,9 @@ def linear_cross_entropy(
     gradient ever exist. With grad enabled, the gradients of hidden, weight and bias are computed
     during the forward pass (3 matmuls in all, like the unfused path) and held until backward:
     that costs one [V, H] buffer in the compute dtype plus one [N, H]. Returns a mean-reduced
-    LossOutput (scalars in the compute dtype). Matmuls run in the input dtype; softmax math and
-    the weight/bias gradient accumulation across chunks in max(fp32, dtype).
+    LossOutput (scalars in the compute dtype). The logits and hidden-gradient matmuls run in the
+    input dtype; softmax math and the weight/bias gradients (matmul and the sum across chunks)
+    in max(fp32, dtype).
     """
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
@@ -203,7 +204,7 @@ def linear_cross_entropy(
                               ignore_index)
     rows = _chunk_rows(chunk_size, v, hidden.dtype, _CHUNK_BYTES)
     loss, ce, z, log_z = LinearCrossEntropyFn.apply(hidden.reshape(-1, h), weight, bias, tgt, mask,
-                                                    alpha, cap, rows)
+                                                    alpha, cap, rows, torch.is_grad_enabled())
     return LossOutput(loss, ce, z, log_z)
 
 
