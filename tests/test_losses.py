@@ -326,6 +326,8 @@ def test_public_names_and_model_loss():
     torch.testing.assert_close(out.log_z, lse.mean())
     torch.testing.assert_close(out.loss, out.ce + 1e-4 * lse.square().mean())
     assert math.isclose(model.cfg.z_loss, 1e-4)
+    with pytest.raises(ValueError, match="GPTConfig.z_loss=-0.001 must be >= 0"):
+        sg.GPTConfig(z_loss=-1e-3)
 
 
 def test_benchmark_smoke(sub_env):
