@@ -39,7 +39,7 @@ def _model(smoke: bool, device: str):
     model = GPT(GPTConfig.tiny() if smoke else GPTConfig.bench()).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (2, 33), device=device)
-    model.loss(model(x[:, :-1]), x[:, 1:]).backward()
+    model.loss(model(x[:, :-1]), x[:, 1:]).loss.backward()
     opt.step()
     return model, opt
 

@@ -33,7 +33,7 @@ def run_arm(config: ProbeConfig | None, *, steps: int, batch: int, model_cfg: sg
         t0 = time.perf_counter()
         if probes:
             probes.start_step(step)
-        loss = model.loss(model(x), y)
+        loss = model.loss(model(x), y).loss
         loss.backward()
         if probes:
             probes.collect()

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         x = x.to(dev)
         sync()
         t0 = time.perf_counter()
-        loss = model.loss(model(x[:, :-1]), x[:, 1:])
+        loss = model.loss(model(x[:, :-1]), x[:, 1:]).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

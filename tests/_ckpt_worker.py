@@ -67,7 +67,7 @@ def main() -> None:
         start = mgr.restore(**objects).step + 1
     for step in range(start, args.steps + 1):
         x, y = next(data)
-        loss = model.loss(model(x), y)
+        loss = model.loss(model(x), y).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == (args.kill_after or -1) + 1:

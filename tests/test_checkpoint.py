@@ -35,7 +35,7 @@ def _setup(seed: int = 0):
 def _train(model, opt, sched, steps: int = 1) -> None:
     x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(steps))
     for _ in range(steps):
-        loss = model.loss(model(x[:, :-1]), x[:, 1:])
+        loss = model.loss(model(x[:, :-1]), x[:, 1:]).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -363,7 +363,7 @@ def test_rollback_replays_to_onset_skips_the_anomaly_and_records_it(tmp_path):
         while step < steps:
             x, y = next(data)
             fed.append(x)
-            loss = model.loss(model(x), y)
+            loss = model.loss(model(x), y).loss
             opt.zero_grad()
             loss.backward()
             opt.step()

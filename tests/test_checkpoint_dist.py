@@ -25,7 +25,7 @@ def _train(model, opt, rank: int, steps: int) -> None:
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
         x = torch.randint(0, 256, (2, 17), generator=gen)
-        loss = model.loss(model(x[:, :-1]), x[:, 1:])
+        loss = model.loss(model(x[:, :-1]), x[:, 1:]).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

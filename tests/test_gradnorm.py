@@ -18,7 +18,7 @@ def _gpt_with_grads(seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     model = GPT(GPTConfig.tiny())
     idx = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(seed + 1))
-    model.loss(model(idx[:, :-1]), idx[:, 1:]).backward()
+    model.loss(model(idx[:, :-1]), idx[:, 1:]).loss.backward()
     return model
 
 

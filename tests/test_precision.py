@@ -76,15 +76,26 @@ def test_fp8_hook_reads_input_amax_once_per_step():
 
 
 # ---------------------------------------------------------------- fp16 / GradScaler
-def _fp16_step(model, policy, opt, x, y, *, plant_inf=False, skip=False):
+def _fp16_step(model, policy, opt, x, y, *, plant_inf=False, skip=False, detector=None, step=0):
+    """One fp16 step; with a detector, its verdict decides the skip and is returned."""
     opt.zero_grad(set_to_none=True)
     with policy.autocast():
-        loss = model.loss(model(x), y)
+        loss = model.loss(model(x), y).loss
     policy.scale(loss).backward()
     if plant_inf:
         model.blocks[0].mlp.fc.weight.grad[0, 0] = float("inf")
     policy.unscale_(opt)
+    verdict = None
+    if detector is not None:
+        grads = [p.grad for p in model.parameters()]
+        norm = torch.nn.utils.get_total_norm(grads)
+        bad = sum(int((~torch.isfinite(g)).sum()) for g in grads)
+        verdict = detector.update(sg.StepMetrics(
+            step=step, loss=float(loss.detach()), grad_norm=float(norm),
+            nan_frac=bad / sum(g.numel() for g in grads), grad_scale=policy.grad_scale()))
+        skip = verdict.skip
     policy.step(opt, skip=skip)
+    return verdict
 
 
 def _snapshot(model):
@@ -149,24 +160,6 @@ def test_bf16_accumulator_loses_small_grads_fp32_keeps_them():
 
 
 # ---------------------------------------------------------------- fp16 + the spike detector
-def _fp16_detected_step(model, policy, opt, detector, step, x, y, *, plant_inf):
-    opt.zero_grad(set_to_none=True)
-    with policy.autocast():
-        loss = model.loss(model(x), y)
-    policy.scale(loss).backward()
-    if plant_inf:
-        model.blocks[0].mlp.fc.weight.grad[0, 0] = float("inf")
-    policy.unscale_(opt)
-    grads = [p.grad for p in model.parameters()]
-    norm = torch.nn.utils.get_total_norm(grads)
-    bad = sum(int((~torch.isfinite(g)).sum()) for g in grads)
-    verdict = detector.update(sg.StepMetrics(
-        step=step, loss=float(loss.detach()), grad_norm=float(norm),
-        nan_frac=bad / sum(g.numel() for g in grads), grad_scale=policy.grad_scale()))
-    policy.step(opt, skip=verdict.skip)
-    return verdict
-
-
 def test_fp16_overflow_is_a_scaler_skip_not_a_spike_and_ten_in_a_row_halt():
     torch.manual_seed(0)
     model = sg.GPT(sg.GPTConfig.tiny())
@@ -175,16 +168,17 @@ def test_fp16_overflow_is_a_scaler_skip_not_a_spike_and_ten_in_a_row_halt():
     detector = sg.SpikeDetector(sg.DetectorConfig())
     x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     for step in range(3):
-        v = _fp16_detected_step(model, policy, opt, detector, step, x, y, plant_inf=False)
+        v = _fp16_step(model, policy, opt, x, y, detector=detector, step=step)
         assert v.action == sg.Action.CONTINUE
     before = _snapshot(model)
-    v = _fp16_detected_step(model, policy, opt, detector, 3, x, y, plant_inf=True)
+    v = _fp16_step(model, policy, opt, x, y, plant_inf=True, detector=detector, step=3)
     assert (v.tier, v.action, tuple(v.reasons)) == (0, sg.Action.SKIP, ("scaler",))
     assert policy.grad_scale() == 2.0**15
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(model)))
-    v = _fp16_detected_step(model, policy, opt, detector, 4, x, y, plant_inf=False)
+    v = _fp16_step(model, policy, opt, x, y, detector=detector, step=4)
     assert v.action == sg.Action.CONTINUE and v.tier == 0  # the overflow was no Tier 3
-    verdicts = [_fp16_detected_step(model, policy, opt, detector, 5 + i, x, y, plant_inf=True)
+    verdicts = [_fp16_step(model, policy, opt, x, y, plant_inf=True, detector=detector,
+                           step=5 + i)
                 for i in range(10)]
     assert all(v.tier == 0 and v.action == sg.Action.SKIP for v in verdicts[:9])
     assert (verdicts[9].tier, verdicts[9].action) == (3, sg.Action.HALT)

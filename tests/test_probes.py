@@ -20,7 +20,7 @@ def test_activation_max_equals_a_direct_computation():
     probes = Probes(model)
     x, y = _batch()
     probes.start_step(0)
-    model.loss(model(x), y).backward()
+    model.loss(model(x), y).loss.backward()
     rec = probes.collect()
     ref_name, ref = max(((n, float(o.abs().max())) for n, o in outputs.items()), key=lambda t: t[1])
     assert rec["activation_max"] == pytest.approx(ref, rel=1e-6)
@@ -36,7 +36,7 @@ def test_layer_grad_norms_equal_float64_reference_and_respect_interval():
     for step in range(4):
         model.zero_grad()
         probes.start_step(step)
-        model.loss(model(x), y).backward()
+        model.loss(model(x), y).loss.backward()
         seen.append(probes.collect())
     assert [("layer_grad_norm/blocks.0" in r) for r in seen] == [True, False, False, True]
     assert [("activation_max" in r) for r in seen] == [True, False, True, False]

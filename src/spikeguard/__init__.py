@@ -19,6 +19,7 @@ from .prevent.init import (
     gpt2_residual_init_,
     residual_scale,
 )
+from .prevent.losses import LossOutput, cross_entropy, linear_cross_entropy, router_z_loss
 from .respond.checkpoint import (
     CheckpointError,
     CheckpointInfo,
@@ -56,6 +57,7 @@ __all__ = [
     "GPTConfig",
     "GradStats",
     "JsonlSink",
+    "LossOutput",
     "MemoryBudget",
     "QKNorm",
     "RunningMedian",
@@ -71,17 +73,20 @@ __all__ = [
     "__version__",
     "attention",
     "clip_grad_norm_",
+    "cross_entropy",
     "deepnorm_constants",
     "fan_in_init_",
     "fan_in_std",
     "gpt2_residual_init_",
     "grad_stats",
+    "linear_cross_entropy",
     "load_corpus",
     "logit_p99",
     "memory_budget",
     "metrics_record",
     "read_metrics",
     "residual_scale",
+    "router_z_loss",
     "schedules",
     "softcap",
 ]

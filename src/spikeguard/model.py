@@ -23,6 +23,7 @@ from .prevent.attention import (
     softcap,
 )
 from .prevent.init import gpt2_residual_init_
+from .prevent.losses import LossOutput, linear_cross_entropy
 
 __all__ = ["GPT", "GPTConfig", "count_params"]
 
@@ -57,6 +58,8 @@ class GPTConfig:
     """Soft-cap the output logits in GPT.logits (Gemma 2: 30.0)."""
     init: Literal["standard", "gpt2-residual"] = "standard"
     """N(0, 0.02) everywhere, or with residual-branch output projections at 0.02 / sqrt(2L)."""
+    z_loss: float = 1e-4
+    """z-loss coefficient alpha in the output loss (PaLM's 1e-4; 0 turns it off)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio"):
@@ -79,6 +82,8 @@ class GPTConfig:
         if self.init not in ("standard", "gpt2-residual"):
             raise ValueError(f"GPTConfig.init={self.init!r} must be 'standard' or 'gpt2-residual'")
         check_logit_bounds(qk_norm=self.qk_norm, attn_softcap=self.attn_softcap, prefix="GPTConfig.")
+        if not 0.0 <= self.z_loss < float("inf"):
+            raise ValueError(f"GPTConfig.z_loss={self.z_loss} must be >= 0; 1e-4 is PaLM's value")
 
     @property
     def head_dim(self) -> int:
@@ -174,7 +179,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """The reference decoder. ``forward(idx) -> hidden``; ``loss(hidden, targets) -> scalar``."""
+    """The reference decoder. ``forward(idx) -> hidden``; ``loss(hidden, targets) -> LossOutput``."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -236,10 +241,14 @@ class GPT(nn.Module):
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else softcap(logits, cap)
 
-    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy in nats over all positions."""
-        logits = self.logits(hidden)
-        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> LossOutput:
+        """Fused output layer + cross-entropy + z-loss (``cfg.z_loss``); never builds the logits.
+
+        Returns a LossOutput: ``.loss`` to backpropagate, ``.ce`` (mean next-token cross-entropy
+        in nats), ``.z_loss`` and ``.log_z`` detached. The final logit cap, when set, is applied
+        inside the fused loss exactly as in :meth:`logits`."""
+        return linear_cross_entropy(hidden, self.output_weight, targets, z_loss=self.cfg.z_loss,
+                                    softcap=self.cfg.final_logit_softcap)
 
     @torch.no_grad()
     def estimate_flops_per_token(self) -> float:

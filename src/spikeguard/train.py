@@ -100,7 +100,7 @@ def evaluate(model: GPT, tokens: np.ndarray, *, batches: int, batch_size: int, s
     total = 0.0
     for _ in range(batches):
         x, y = random_batch(tokens, batch_size, model.cfg.seq_len, gen)
-        total += float(model.loss(model(x), y))
+        total += float(model.loss(model(x), y).ce)
     model.train(was_training)
     return total / batches
 
@@ -128,7 +128,7 @@ def train(cfg: TrainConfig, *, corpus: Corpus | None = None, echo: bool = True) 
     start = time.perf_counter()
     for step in range(cfg.steps):
         x, y = random_batch(corpus.train, cfg.batch_size, model.cfg.seq_len, gen)
-        loss = model.loss(model(x), y)
+        loss = model.loss(model(x), y).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

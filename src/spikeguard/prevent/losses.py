@@ -1,0 +1,223 @@
+"""Losses that keep the softmax normalizer in range: cross-entropy with z-loss and log Z in one
+pass, a chunked linear cross-entropy that never builds the [N, V] logits, and the router z-loss.
+
+z-loss (PaLM): add alpha * (log Z)^2 per token, log Z = logsumexp of the logits. It leaves the
+predicted distribution alone and pulls log Z toward 0, so exponentials stay in range in bf16.
+alpha = 1e-4 is the default here (PaLM, OLMo 2); above 1e-3 it visibly hurts the loss.
+
+Conventions shared by every function here:
+- classes are the last dimension: logits [..., V], target [...] (integer class ids);
+- math runs in max(fp32, input dtype): fp64 stays fp64, bf16/fp16 are upcast one chunk at a time,
+  and the outputs come back in that compute dtype (fp32 for bf16 logits, unlike F.cross_entropy);
+- "counted" tokens are those whose target is not ``ignore_index``; means are over counted tokens;
+- if every token is ignored, loss, ce, z_loss and log_z are all 0 and every gradient is 0
+  (F.cross_entropy returns NaN there); a fully padded micro-batch adds nothing to an accumulated
+  step instead of poisoning it;
+- no host-device sync: the count of counted tokens stays a tensor. Target range is checked with
+  a ValueError on CPU; on an accelerator the same check is an asynchronous device assert.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Literal, NamedTuple
+
+import torch
+
+from ._losses_autograd import CrossEntropyFn, LinearCrossEntropyFn, compute_dtype
+
+__all__ = ["LossOutput", "cross_entropy", "linear_cross_entropy", "router_z_loss"]
+
+_CHUNK_BYTES = 64 * 2**20
+"""Default budget for one chunk of compute-dtype logits in linear_cross_entropy."""
+_CE_CHUNK_BYTES_CPU = 16 * 2**20
+"""cross_entropy's chunk on CPU: small enough to stay in cache and reuse malloc'd buffers."""
+_Z_LOSS_WARN = 1e-3
+
+
+class LossOutput(NamedTuple):
+    """What the losses return. ``loss`` is differentiable; the other three are detached.
+
+    With reduction "mean" (the default) all four are scalars: ``loss = ce + z_loss``, ``ce`` is
+    the mean cross-entropy in nats, ``z_loss`` the weighted term alpha * mean(logZ^2), ``log_z``
+    the mean log Z, all over counted tokens. With "sum", loss, ce and z_loss are sums over counted
+    tokens and log_z is still the mean. With "none" each has the target's shape, 0 at ignored
+    positions."""
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    z_loss: torch.Tensor
+    log_z: torch.Tensor
+
+
+def _check_z_loss(z_loss: float) -> float:
+    if not isinstance(z_loss, (int, float)) or isinstance(z_loss, bool) or not math.isfinite(z_loss):
+        raise ValueError(f"z_loss={z_loss!r} must be a finite float; PaLM uses 1e-4")
+    if z_loss < 0:
+        raise ValueError(f"z_loss={z_loss} is negative, which rewards a drifting log Z; "
+                         "use 0 to turn it off or 1e-4 (PaLM)")
+    if z_loss > _Z_LOSS_WARN:
+        warnings.warn(f"z_loss={z_loss} is above {_Z_LOSS_WARN}, which visibly hurts the training "
+                      "loss by over-constraining the logit scale; PaLM uses 1e-4", stacklevel=3)
+    return float(z_loss)
+
+
+def _check_softcap(softcap: float | None) -> float | None:
+    if softcap is None:
+        return None
+    if not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0:
+        raise ValueError(f"softcap={softcap!r} must be a positive float or None "
+                         "(Gemma 2 caps final logits at 30.0)")
+    return float(softcap)
+
+
+def _check_target(target: torch.Tensor, name: str, lead: tuple[int, ...], n_classes: int,
+                  device: torch.device, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flattened (safe target [N, 1] int64 with ignored -> 0, mask [N] bool)."""
+    if not isinstance(target, torch.Tensor):
+        raise ValueError(f"target must be a tensor of class ids, got {type(target).__name__}")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise ValueError(f"target dtype {target.dtype} must be an integer type (class ids, "
+                         "torch.long); class probabilities are not supported")
+    if tuple(target.shape) != lead:
+        raise ValueError(f"target shape {tuple(target.shape)} must equal {name}.shape[:-1] = "
+                         f"{lead}; flatten or slice them to match")
+    if target.device != device:
+        raise ValueError(f"target is on {target.device} but {name} is on {device}; "
+                         "move them to one device")
+    if not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index={ignore_index!r} must be an int (default -100)")
+    t = target.reshape(-1).long()
+    mask = t != ignore_index
+    bad = mask & ((t < 0) | (t >= n_classes))
+    if t.device.type == "cpu":
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"target[{i}] (flattened) = {int(t[i])} is outside [0, {n_classes}) "
+                             f"and is not ignore_index={ignore_index}; check the vocabulary "
+                             "size or the padding id")
+    else:
+        torch._assert_async(~bad.any(), f"target outside [0, {n_classes}) and not ignore_index")
+    safe = torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+    return safe.unsqueeze(1), mask
+
+
+def _chunk_rows(chunk_size: int | None, n_classes: int, dtype: torch.dtype, budget: int) -> int:
+    if chunk_size is None:
+        return max(1, budget // (n_classes * compute_dtype(dtype).itemsize))
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int (tokens per chunk) or "
+                         "None to fit one chunk of logits in 64 MiB")
+    return chunk_size
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    z_loss: float = 1e-4,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+) -> LossOutput:
+    """Cross-entropy plus z-loss, returning log Z from the same pass.
+
+    logits: [..., V] floating point; target: [...] integer class ids (or ``ignore_index``).
+    ``loss = ce + z_loss * mean(logZ^2)`` over counted tokens. Note the default z_loss is 1e-4,
+    not 0: with z_loss=0 and no softcap, ``ce``/``loss`` equal F.cross_entropy. With ``softcap``
+    the logits are first mapped to softcap * tanh(logits / softcap), and log Z is the logsumexp of
+    the capped logits. Gradient w.r.t. a (capped) logit: (p_j * (1 + 2 z_loss logZ) - y_j) / N.
+    The gradient has the logits' dtype; nothing syncs with the host (see the module docstring).
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point:
+        raise ValueError(f"logits must be a floating-point tensor, got "
+                         f"{getattr(logits, 'dtype', type(logits).__name__)}")
+    if logits.dim() < 1:
+        raise ValueError("logits must have a class dimension last: [..., V]")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} must be 'mean', 'sum' or 'none'")
+    alpha, cap = _check_z_loss(z_loss), _check_softcap(softcap)
+    lead, v = tuple(logits.shape[:-1]), logits.shape[-1]
+    tgt, mask = _check_target(target, "logits", lead, v, logits.device, ignore_index)
+    budget = _CE_CHUNK_BYTES_CPU if logits.device.type == "cpu" else _CHUNK_BYTES
+    rows = _chunk_rows(None, v, logits.dtype, budget)
+    loss_t, lse_t, ce_t = CrossEntropyFn.apply(logits.reshape(-1, v).contiguous(), tgt, mask,
+                                               alpha, cap, rows)
+    if reduction == "none":
+        return LossOutput(loss_t.view(lead), ce_t.view(lead), (alpha * lse_t.square()).view(lead),
+                          lse_t.view(lead))
+    total = loss_t.sum()
+    ce, z = ce_t.sum(), alpha * lse_t.square().sum()
+    inv_n = 1.0 / mask.sum().clamp(min=1).to(total.dtype)
+    log_z = lse_t.sum() * inv_n
+    if reduction == "sum":
+        return LossOutput(total, ce, z, log_z)
+    return LossOutput(total * inv_n, ce * inv_n, z * inv_n, log_z)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    z_loss: float = 1e-4,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+) -> LossOutput:
+    """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without the [N, V] logits.
+
+    hidden: [..., H]; weight: [V, H]; bias: [V] or None; target: [...] class ids. All floating
+    tensors share one dtype and device. Tokens are processed ``chunk_size`` at a time (None: as
+    many as fit one chunk of compute-dtype logits in 64 MiB); neither the full logits nor their
+    gradient ever exist. With grad enabled, the gradients of hidden, weight and bias are computed
+    during the forward pass (3 matmuls in all, like the unfused path) and held until backward:
+    that costs one [V, H] buffer in the compute dtype plus one [N, H]. Returns a mean-reduced
+    LossOutput (scalars in the compute dtype). The logits and hidden-gradient matmuls run in the
+    input dtype; softmax math and the weight/bias gradients (matmul and the sum across chunks)
+    in max(fp32, dtype).
+    """
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
+    v, h = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != h:
+        raise ValueError(f"hidden shape {tuple(hidden.shape)} must end in H={h} (weight is "
+                         f"{tuple(weight.shape)} = [V, H])")
+    others = [("weight", weight)] + ([("bias", bias)] if bias is not None else [])
+    for name, t in others:
+        if t.dtype != hidden.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} differs from hidden dtype {hidden.dtype}; "
+                             "cast them to one dtype (autocast does not reach inside this op)")
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}; "
+                             "move them to one device")
+    if bias is not None and tuple(bias.shape) != (v,):
+        raise ValueError(f"bias shape {tuple(bias.shape)} must be ({v},) to match weight [V, H]")
+    alpha, cap = _check_z_loss(z_loss), _check_softcap(softcap)
+    tgt, mask = _check_target(target, "hidden", tuple(hidden.shape[:-1]), v, hidden.device,
+                              ignore_index)
+    rows = _chunk_rows(chunk_size, v, hidden.dtype, _CHUNK_BYTES)
+    loss, ce, z, log_z = LinearCrossEntropyFn.apply(hidden.reshape(-1, h), weight, bias, tgt, mask,
+                                                    alpha, cap, rows, torch.is_grad_enabled())
+    return LossOutput(loss, ce, z, log_z)
+
+
+def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: mean over tokens of logsumexp(router_logits, -1)^2.
+
+    router_logits: [..., n_experts]. Returns a differentiable scalar in max(fp32, dtype); the
+    caller multiplies it by its coefficient (ST-MoE uses 1e-3).
+    """
+    if not isinstance(router_logits, torch.Tensor) or not router_logits.dtype.is_floating_point:
+        raise ValueError("router_logits must be a floating-point tensor [..., n_experts]")
+    if router_logits.dim() < 1 or router_logits.shape[-1] == 0:
+        raise ValueError(f"router_logits shape {tuple(router_logits.shape)} needs a non-empty "
+                         "expert dimension last")
+    x = router_logits.to(compute_dtype(router_logits.dtype))
+    return torch.logsumexp(x, dim=-1).square().mean()
