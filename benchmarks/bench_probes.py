@@ -1,8 +1,8 @@
 """Probe overhead on GPTConfig.bench() training steps (CPU).
 
-Arms, interleaved run by run: no probes (baseline), probes at their default intervals, and
-every probe on every step. Prints the median step time of each arm and the ratios to the
-baseline; the target is <= 1.03 at the default intervals.
+Arms, interleaved run by run: no probes (baseline, twice: the A/A pair shows the noise),
+probes at their default intervals, and every probe on every step. Prints the median step
+time of each arm and the ratios to the baseline; the target is <= 1.03 at the default intervals.
 
     PYTHONPATH=src:. python benchmarks/bench_probes.py            # 5 runs x 30 steps
     PYTHONPATH=src:. python benchmarks/bench_probes.py --smoke    # a quick check that it runs
@@ -58,6 +58,7 @@ def main() -> None:
         args.runs, args.steps, args.batch, model_cfg = 1, 3, 2, sg.GPTConfig.tiny()
     arms = {
         "baseline": None,
+        "baseline-again": None,  # A/A: the noise between two identical arms
         "default": ProbeConfig(),
         "every-step": ProbeConfig(activation_every=1, grad_norms_every=1),
     }

@@ -96,7 +96,8 @@ class Probes:
     def _make_hook(self, name: str):
         def hook(module, args, output):
             if self._act_on and isinstance(output, torch.Tensor) and output.is_floating_point():
-                self._act.append(output.detach().abs().amax().float())
+                lo, hi = torch.aminmax(output.detach())  # one pass, no |x| temporary
+                self._act.append(torch.maximum(-lo, hi).float())
                 self._act_names.append(name)
         return hook
 
