@@ -98,16 +98,20 @@ def _fp16_step(model, policy, opt, x, y, *, plant_inf=False, skip=False, detecto
     return verdict
 
 
+def _fp16_setup(init_scale):
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    policy = PrecisionPolicy(kind="fp16-mixed", device="cpu", init_scale=init_scale)
+    return model, opt, policy, torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+
+
 def _snapshot(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
 def test_fp16_planted_overflow_is_skipped_by_the_scaler_and_the_scale_halves():
-    torch.manual_seed(0)
-    model = sg.GPT(sg.GPTConfig.tiny())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    policy = PrecisionPolicy(kind="fp16-mixed", device="cpu", init_scale=2.0**10)
-    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    model, opt, policy, x, y = _fp16_setup(2.0**10)
     _fp16_step(model, policy, opt, x, y)
     assert policy.grad_scale() == 2.0**10
     before, steps = _snapshot(model), [s["step"].clone() for s in opt.state.values()]
@@ -119,11 +123,7 @@ def test_fp16_planted_overflow_is_skipped_by_the_scaler_and_the_scale_halves():
 
 
 def test_guard_skip_merges_with_the_scaler_without_touching_the_scale():
-    torch.manual_seed(0)
-    model = sg.GPT(sg.GPTConfig.tiny())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    policy = PrecisionPolicy(kind="fp16-mixed", device="cpu", init_scale=2.0**10)
-    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    model, opt, policy, x, y = _fp16_setup(2.0**10)
     _fp16_step(model, policy, opt, x, y)
     before = _snapshot(model)
     _fp16_step(model, policy, opt, x, y, skip=True)  # a spike skip: no overflow
@@ -161,12 +161,8 @@ def test_bf16_accumulator_loses_small_grads_fp32_keeps_them():
 
 # ---------------------------------------------------------------- fp16 + the spike detector
 def test_fp16_overflow_is_a_scaler_skip_not_a_spike_and_ten_in_a_row_halt():
-    torch.manual_seed(0)
-    model = sg.GPT(sg.GPTConfig.tiny())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    policy = PrecisionPolicy(kind="fp16-mixed", device="cpu", init_scale=2.0**16)
+    model, opt, policy, x, y = _fp16_setup(2.0**16)
     detector = sg.SpikeDetector(sg.DetectorConfig())
-    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     for step in range(3):
         v = _fp16_step(model, policy, opt, x, y, detector=detector, step=step)
         assert v.action == sg.Action.CONTINUE
