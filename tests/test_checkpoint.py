@@ -210,18 +210,25 @@ def _stock_load_runs(path, tmp_path, marker) -> bool:
     return ran
 
 
+def _plant_and_expect_refusal(mgr, path, md, tmp_path, marker, at2, *, match):
+    """Write the tampered metadata with a matching manifest, show stock dcp.load runs the payload
+    on a copy, then show our restore refuses it, never runs it, and falls back to step 2."""
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    _remanifest(path)
+    assert _stock_load_runs(path, tmp_path, marker), "the planted payload must be live"
+    with pytest.warns(CheckpointWarning, match=match):
+        info, model, _, _ = _restore_fresh(mgr)
+    assert not marker.exists()
+    assert info.step == 2 and _same(_params(model), at2)
+
+
 def test_payload_in_metadata_is_refused_and_never_runs(two_checkpoints, tmp_path):
     mgr, at2 = two_checkpoints
     path, marker = mgr.list()[-1].path, tmp_path / "pwned-metadata"
     md = pickle.loads((path / ".metadata").read_bytes())  # our own file, before tampering
     md.planner_data = {"x": _Payload(marker)}
-    (path / ".metadata").write_bytes(pickle.dumps(md))
-    _remanifest(path)
-    assert _stock_load_runs(path, tmp_path, marker), "the planted payload must be live"
-    with pytest.warns(CheckpointWarning, match="posix.mkdir, which DCP never writes"):
-        info, model, _, _ = _restore_fresh(mgr)
-    assert not marker.exists()
-    assert info.step == 2 and _same(_params(model), at2)
+    _plant_and_expect_refusal(mgr, path, md, tmp_path, marker, at2,
+                              match="posix.mkdir, which DCP never writes")
 
 
 def test_payload_in_a_bytes_entry_is_refused_and_never_runs(two_checkpoints, tmp_path):
@@ -240,13 +247,7 @@ def test_payload_in_a_bytes_entry_is_refused_and_never_runs(two_checkpoints, tmp
     md.state_dict_metadata[fqn] = BytesStorageMetadata()
     md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != fqn}
     md.storage_data[MetadataIndex(fqn)] = _StorageInfo("__0_0.distcp", offset, len(buf.getvalue()))
-    (path / ".metadata").write_bytes(pickle.dumps(md))
-    _remanifest(path)
-    assert _stock_load_runs(path, tmp_path, marker), "the planted payload must be live"
-    with pytest.warns(CheckpointWarning, match="weights_only"):
-        info, model, _, _ = _restore_fresh(mgr)
-    assert not marker.exists()
-    assert info.step == 2 and _same(_params(model), at2)
+    _plant_and_expect_refusal(mgr, path, md, tmp_path, marker, at2, match="weights_only")
 
 
 def test_storage_entry_pointing_outside_the_checkpoint_is_refused(two_checkpoints):
