@@ -16,7 +16,7 @@ import time
 
 from spikeguard.detect.stats import RunningMedian
 from spikeguard.respond.detector import Action, SpikeDetector
-from spikeguard.respond.scenarios import clean_run, data_anomaly, logit_drift
+from spikeguard.testing.scenarios import clean_run, data_anomaly, logit_drift
 
 __all__ = ["main"]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from spikeguard.detect.metrics import StepMetrics, metrics_record
 from spikeguard.model import GPT, GPTConfig
+from spikeguard.record import StepMetrics, metrics_record
 from spikeguard.sinks import ConsoleSink, JsonlSink
 
 __all__ = ["main"]

@@ -94,8 +94,8 @@ CHECKS: dict[str, Callable[[bool], tuple[bool, str]]] = {
 def stats_and_sinks(smoke: bool = False) -> tuple[bool, str]:
     """Device running median / EMA equal the host versions bit for bit on CUDA, and the gate's
     calls plus a JsonlSink.log of CUDA tensors run under ``set_sync_debug_mode("error")``."""
-    from spikeguard.detect.metrics import StepMetrics, metrics_record
     from spikeguard.detect.stats import EMA, DeviceEMA, DeviceRunningMedian, RunningMedian
+    from spikeguard.record import StepMetrics, metrics_record
     from spikeguard.sinks import JsonlSink, read_metrics
 
     dev = torch.device("cuda")

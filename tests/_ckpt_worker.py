@@ -17,10 +17,10 @@ import signal
 import numpy as np
 import torch
 
+from spikeguard.data import TokenStream
 from spikeguard.detect.stats import EMA, RunningMedian
 from spikeguard.model import GPT, GPTConfig
 from spikeguard.respond.checkpoint import CheckpointManager
-from spikeguard.respond.data import TokenStream
 
 
 class Detector:

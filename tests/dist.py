@@ -1,7 +1,8 @@
 """The one helper that runs a function on N real torch.distributed ranks (gloo, CPU).
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo
-process group on a free loopback port, calls ``fn(rank, world_size, *args)`` in each and returns
+process group through a TCPStore that this process hosts on a port the OS picks (bound before
+any rank starts, so two test runs can never race for one port), calls ``fn(rank, world_size, *args)`` in each and returns
 the per-rank results (picklable values) in rank order. A failure on any rank raises with that
 rank's traceback. ``fn`` must be a module-level function so spawn can import it.
 """
@@ -9,7 +10,6 @@ rank's traceback. ``fn`` must be a module-level function so spawn can import it.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -18,13 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_distributed"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["run_distributed"]
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, queue: Any) -> None:
@@ -32,7 +26,8 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, qu
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException:
@@ -46,7 +41,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = free_port()
+    # the store's server lives here, on a port the OS assigns; the ranks connect as clients
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue), daemon=True)
              for r in range(world_size)]
     for p in procs:

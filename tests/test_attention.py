@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import spikeguard as sg
 from spikeguard.model import Attention, _apply_rope
+from spikeguard.prevent.attention import logit_p99
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,14 +151,14 @@ def test_stacking_qknorm_and_softcap_warns():
 @pytest.mark.parametrize("causal", [True, False])
 def test_logit_p99_is_exact_on_small_inputs(causal):
     q, k, _ = (x.detach() for x in _qkv(t=9, s=9))
-    got = sg.logit_p99(q, k, causal=causal)
+    got = logit_p99(q, k, causal=causal)
     s = (q @ k.transpose(-2, -1)).double() / math.sqrt(8)
     visible = ~torch.ones(9, 9, dtype=torch.bool).triu(1) if causal else torch.ones(9, 9, dtype=torch.bool)
     for h in range(3):
         vals = s[:, h][:, visible].abs().flatten()
         want = torch.quantile(vals, 0.99, interpolation="higher")
         assert float(got[h]) == pytest.approx(float(want), rel=1e-5)
-    capped = sg.logit_p99(q, k, causal=causal, softcap=3.0)
+    capped = logit_p99(q, k, causal=causal, softcap=3.0)
     torch.testing.assert_close(capped, 3.0 * torch.tanh(got / 3.0), atol=1e-5, rtol=1e-5)
 
 
@@ -165,7 +166,7 @@ def test_logit_p99_sample_tracks_the_full_quantile():
     g = torch.Generator().manual_seed(1)
     q, k, _ = _qkv(b=2, h=4, t=192, s=192, d=16, seed=3)
     q = q.detach() * torch.tensor([0.5, 1.0, 2.0, 4.0]).view(1, 4, 1, 1)  # heads of distinct scale
-    got = sg.logit_p99(q, k, sample=8192, generator=g)
+    got = logit_p99(q, k, sample=8192, generator=g)
     s = (q @ k.detach().transpose(-2, -1)) / 4.0
     visible = ~torch.ones(192, 192, dtype=torch.bool).triu(1)
     for h in range(4):

@@ -14,8 +14,8 @@ import pytest
 
 import spikeguard as sg
 from spikeguard._config_cli import add_config_args, config_from_args, field_docs
-from spikeguard.respond import scenarios as sc
 from spikeguard.respond.detector import Action, DetectorConfig, SpikeDetector, Verdict
+from spikeguard.testing import scenarios as sc
 
 SEEDS = range(5)
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import spikeguard as sg
+from spikeguard.prevent import init
 
 
 def _stream_std(n_layer: int, init: str, seed: int) -> float:
@@ -38,8 +39,8 @@ def test_gpt2_residual_init_scales_only_the_branch_outputs():
 
 
 def test_fan_in_init_preserves_variance_through_a_deep_linear_stack():
-    assert sg.fan_in_std(256) == 1 / 16
-    assert sg.fan_in_std(8, gain=math.sqrt(2)) == pytest.approx(0.5)
+    assert init.fan_in_std(256) == 1 / 16
+    assert init.fan_in_std(8, gain=math.sqrt(2)) == pytest.approx(0.5)
     torch.manual_seed(0)
     w = torch.empty(512, 1024)
     sg.fan_in_init_(w)
@@ -56,19 +57,19 @@ def test_fan_in_init_preserves_variance_through_a_deep_linear_stack():
 
 
 def test_residual_scale_and_deepnorm_constants_exact_values():
-    assert sg.residual_scale(6) == pytest.approx(1 / math.sqrt(12))
-    c = sg.deepnorm_constants(8)  # (16)^(1/4) = 2, (64)^(-1/4) = 1 / (2 sqrt 2)
+    assert init.residual_scale(6) == pytest.approx(1 / math.sqrt(12))
+    c = init.deepnorm_constants(8)  # (16)^(1/4) = 2, (64)^(-1/4) = 1 / (2 sqrt 2)
     assert c.alpha == pytest.approx(2.0, abs=1e-12)
     assert c.beta == pytest.approx(1 / (2 * math.sqrt(2)), abs=1e-12)
-    c1 = sg.deepnorm_constants(1)
+    c1 = init.deepnorm_constants(1)
     assert c1.alpha == pytest.approx(2 ** 0.25) and c1.beta == pytest.approx(8 ** -0.25)
 
 
 @pytest.mark.parametrize(("call", "match"), [
-    (lambda: sg.fan_in_std(0), "fan_in=0"),
-    (lambda: sg.fan_in_std(4, gain=0.0), "gain=0.0"),
-    (lambda: sg.residual_scale(0), "n_layer=0"),
-    (lambda: sg.deepnorm_constants(-2), "n_layer=-2"),
+    (lambda: init.fan_in_std(0), "fan_in=0"),
+    (lambda: init.fan_in_std(4, gain=0.0), "gain=0.0"),
+    (lambda: init.residual_scale(0), "n_layer=0"),
+    (lambda: init.deepnorm_constants(-2), "n_layer=-2"),
     (lambda: sg.fan_in_init_(torch.empty(4)), "at least 2 dims|>= 2 dims"),
     (lambda: sg.gpt2_residual_init_([torch.empty(2, 2)], 4, std=0.0), "std=0.0"),
 ])

@@ -102,7 +102,7 @@ def _fp16_setup(init_scale):
     torch.manual_seed(0)
     model = sg.GPT(sg.GPTConfig.tiny())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    policy = PrecisionPolicy(kind="fp16-mixed", device="cpu", init_scale=init_scale)
+    policy = PrecisionPolicy(kind="fp16-mixed", init_scale=init_scale).runtime(model)
     return model, opt, policy, torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
 
 
@@ -134,10 +134,10 @@ def test_guard_skip_merges_with_the_scaler_without_touching_the_scale():
 
 
 def test_policy_dtypes_and_validation():
-    assert PrecisionPolicy(kind="fp32").autocast().__class__.__name__ == "nullcontext"
-    assert PrecisionPolicy(kind="fp16-mixed").compute_dtype == torch.float16
+    assert PrecisionPolicy(kind="fp32").runtime("cpu").autocast().__class__.__name__ == "nullcontext"
+    assert PrecisionPolicy(kind="fp16-mixed").compute_dtype("cpu") == torch.float16
     bf16_cpu = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    assert (PrecisionPolicy().compute_dtype == torch.bfloat16) == bf16_cpu
+    assert (PrecisionPolicy().compute_dtype("cpu") == torch.bfloat16) == bf16_cpu
     mp = PrecisionPolicy().fsdp_mp_policy()
     assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert PrecisionPolicy(kind="fp32").fsdp_mp_policy() is None

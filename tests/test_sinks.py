@@ -19,7 +19,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from spikeguard.detect.metrics import RECORD_KEYS, SCHEMA, StepMetrics, metrics_record
+from spikeguard.record import RECORD_KEYS, SCHEMA, StepMetrics, metrics_record
 from spikeguard.sinks import (
     ConsoleSink,
     JsonlSink,
@@ -67,7 +67,7 @@ def test_metrics_record_keys_and_defaults():
 
 WRITER = textwrap.dedent("""
     import sys, torch
-    from spikeguard.detect.metrics import StepMetrics, metrics_record
+    from spikeguard.record import StepMetrics, metrics_record
     from spikeguard.sinks import JsonlSink
     sink = JsonlSink(sys.argv[1], defer=sys.argv[2] == "1")
     steps = int(sys.argv[3])

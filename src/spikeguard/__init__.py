@@ -1,33 +1,31 @@
 """spikeguard: keep large-model training runs from diverging.
 
-``import spikeguard as sg`` gives the public API; see shared/DESIGN.md for the map.
+``import spikeguard as sg`` gives what a training loop calls; docs/design.md in the repository
+maps the package. Building blocks that a loop does not call directly (the running statistics,
+init constants, the attention-logit probe) stay importable from their modules:
+``spikeguard.detect.stats``, ``spikeguard.prevent.init``, ``spikeguard.prevent.attention``.
 """
 
-from .corpus import Corpus, load_corpus
+from . import schedules
+from .data import Corpus, TokenStream, load_corpus
+from .detect.fp8 import AmaxMonitor
 from .detect.gradnorm import GradStats, clip_grad_norm_, grad_stats
-from .detect.metrics import StepMetrics, metrics_record
-from .detect.stats import EMA, DeviceEMA, DeviceRunningMedian, RunningMedian
+from .detect.precision import PrecisionPolicy
+from .detect.probes import ProbeConfig, Probes
 from .model import GPT, GPTConfig
-from .prevent import schedules
-from .prevent.attention import QKNorm, StackedLogitBoundsWarning, attention, logit_p99, softcap
+from .prevent.attention import QKNorm, StackedLogitBoundsWarning, attention, softcap
 from .prevent.budget import MemoryBudget, memory_budget
-from .prevent.init import (
-    DeepNormConstants,
-    deepnorm_constants,
-    fan_in_init_,
-    fan_in_std,
-    gpt2_residual_init_,
-    residual_scale,
-)
+from .prevent.init import fan_in_init_, gpt2_residual_init_
 from .prevent.losses import LossOutput, cross_entropy, linear_cross_entropy, router_z_loss
+from .record import Action, StepMetrics, metrics_record
 from .respond.checkpoint import (
     CheckpointError,
     CheckpointInfo,
     CheckpointManager,
     CheckpointWarning,
+    verify_checkpoint,
 )
-from .respond.data import TokenStream
-from .respond.detector import Action, DetectorConfig, SpikeDetector, Verdict
+from .respond.detector import DetectorConfig, SpikeDetector, Verdict
 from .sinks import (
     ConsoleSink,
     JsonlSink,
@@ -41,26 +39,25 @@ from .sinks import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "EMA",
     "GPT",
     "Action",
+    "AmaxMonitor",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointWarning",
     "ConsoleSink",
     "Corpus",
-    "DeepNormConstants",
     "DetectorConfig",
-    "DeviceEMA",
-    "DeviceRunningMedian",
     "GPTConfig",
     "GradStats",
     "JsonlSink",
     "LossOutput",
     "MemoryBudget",
+    "PrecisionPolicy",
+    "ProbeConfig",
+    "Probes",
     "QKNorm",
-    "RunningMedian",
     "SinkDisabledWarning",
     "Sinks",
     "SpikeDetector",
@@ -74,19 +71,16 @@ __all__ = [
     "attention",
     "clip_grad_norm_",
     "cross_entropy",
-    "deepnorm_constants",
     "fan_in_init_",
-    "fan_in_std",
     "gpt2_residual_init_",
     "grad_stats",
     "linear_cross_entropy",
     "load_corpus",
-    "logit_p99",
     "memory_budget",
     "metrics_record",
     "read_metrics",
-    "residual_scale",
     "router_z_loss",
     "schedules",
     "softcap",
+    "verify_checkpoint",
 ]

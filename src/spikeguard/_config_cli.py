@@ -14,7 +14,7 @@ import textwrap
 import typing
 from typing import Any, Literal
 
-__all__ = ["add_config_args", "config_from_args", "field_docs"]
+__all__ = ["add_config_args", "config_from_args", "field_docs", "flag_message"]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -67,3 +67,12 @@ def config_from_args(cls: type, args: argparse.Namespace) -> Any:
     """Instantiate ``cls`` from the parsed options it added."""
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def flag_message(exc: BaseException, cls: type) -> str:
+    """A config's ValueError in the words of the command line: ``TrainConfig.steps=0`` becomes
+    ``--steps=0``, so the message names the flag the user typed."""
+    text = str(exc)
+    for f in dataclasses.fields(cls):
+        text = text.replace(f"{cls.__name__}.{f.name}=", f"--{f.name.replace('_', '-')}=")
+    return text

@@ -27,7 +27,11 @@ def _cmd_budget(args: argparse.Namespace) -> int:
     from .prevent.budget import MODELS, memory_budget
 
     shape = MODELS.get(args.model.lower())
-    n_params = shape.n_params if shape else _parse_count(args.model)
+    try:
+        n_params = shape.n_params if shape else _parse_count(args.model)
+    except argparse.ArgumentTypeError as exc:
+        print(f"spikeguard budget: {exc} (named: {', '.join(MODELS)})", file=sys.stderr)
+        return 2
     layers = args.layers or (shape.n_layers if shape else None)
     hidden = args.hidden or (shape.hidden if shape else None)
     heads = args.heads or (shape.n_heads if shape else None)
@@ -68,13 +72,13 @@ def _cmd_budget(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ._config_cli import config_from_args
+    from ._config_cli import config_from_args, flag_message
     from .train import TrainConfig, train
 
     try:
         cfg = config_from_args(TrainConfig, args)
     except ValueError as exc:
-        print(f"spikeguard train: {exc}", file=sys.stderr)
+        print(f"spikeguard train: {flag_message(exc, TrainConfig)}", file=sys.stderr)
         return 2
     train(cfg)
     return 0

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._validate import check_int
 from .prevent.attention import (
     QKNorm,
     attention,
@@ -63,9 +64,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name}={value!r} must be a positive integer")
+            check_int(getattr(self, name), f"GPTConfig.{name}")
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig.d_model={self.d_model} is not divisible by "
                              f"n_head={self.n_head}; pick a head count that divides it")

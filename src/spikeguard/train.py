@@ -17,7 +17,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .corpus import Corpus, load_corpus
+from ._validate import check_int
+from .data import Corpus, load_corpus
 from .model import GPT, GPTConfig
 from .prevent.schedules import warmup_cosine
 
@@ -57,8 +58,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_batches", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be >= 1")
+            check_int(getattr(self, name), f"TrainConfig.{name}", default=getattr(type(self), name))
         if not self.lr > 0:
             raise ValueError(f"--lr={self.lr} must be positive (3e-3 suits the demo model)")
         if self.warmup_steps < 0:

@@ -1,1 +1,1 @@
-"""Detect: see shared/DESIGN.md."""
+"""Detect: measure each step at near-zero cost (docs/design.md, "Layers")."""

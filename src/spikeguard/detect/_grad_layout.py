@@ -34,22 +34,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradLayout", "collect", "group_size", "world_size"]
+from .._dist import collective_device, group_size, world_size
 
-
-def world_size() -> int:
-    """World size of the default group; 1 without torch.distributed."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def group_size(group: dist.ProcessGroup | None, name: str) -> int:
-    """Size of ``group`` (1 for None); ValueError when it is given without a process group."""
-    if group is None:
-        return 1
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"{name}={group!r} was given but torch.distributed is not initialized; "
-                         f"call init_process_group first or pass {name}=None")
-    return dist.get_world_size(group)
+__all__ = ["GradLayout", "collect"]
 
 
 @dataclass
@@ -75,10 +62,7 @@ class GradLayout:
         """Where the reduction runs: the first piece's device, unless that is the CPU and the
         default group cannot reduce CPU tensors (NCCL alone, e.g. FSDP2 with CPU offload)."""
         device = next((t[0].device for t in self.pieces.values() if t), torch.device("cpu"))
-        if (self.world > 1 and device.type == "cpu" and "gloo" not in dist.get_backend()
-                and torch.cuda.is_available()):
-            return torch.device("cuda", torch.cuda.current_device())
-        return device
+        return collective_device(preferred=device) if self.world > 1 else device
 
 
 def _copies(world: int, distinct: int, what: str) -> int:

@@ -21,6 +21,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .._validate import check_int
+
 __all__ = ["FP8_MAX", "AmaxMonitor", "Fp8HeadroomWarning", "HeadroomEvent", "fp8_eligible"]
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -64,8 +66,7 @@ class AmaxMonitor:
 
     def __init__(self, *, history_len: int = 16, margin: int = 0,
                  fmt: Literal["e4m3", "e5m2"] = "e4m3", warn_below: float = 0.5) -> None:
-        if history_len < 1:
-            raise ValueError(f"history_len={history_len} must be >= 1 (16 is usual)")
+        check_int(history_len, "history_len", hint="16 is usual")
         if fmt not in FP8_MAX:
             raise ValueError(f"fmt={fmt!r} must be 'e4m3' (448) or 'e5m2' (57344)")
         if not 0 < warn_below <= 1:

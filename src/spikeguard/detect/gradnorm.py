@@ -105,7 +105,7 @@ class GradStats:
 
     @property
     def nan_frac(self) -> float:
-        """nonfinite / numel: the seeds' nan_frac; any value > 0 is a Tier 3 halt."""
+        """nonfinite / numel, the record's nan_frac; any value > 0 is a Tier 3 halt."""
         return self.nonfinite / max(self.numel, 1)
 
     def exact_norm(self) -> torch.Tensor:
@@ -162,8 +162,8 @@ class GradStats:
 
 def _check_max_norm(max_norm: float) -> None:
     if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"max_norm={max_norm!r} must be a finite number > 0; the seeds clip at "
-                         f"1.0 for 7B-70B models")
+        raise ValueError(f"max_norm={max_norm!r} must be a finite number > 0 (1.0 is "
+                         f"the usual choice for LLM pre-training)")
 
 
 def _warn_plain_replicated(layout: GradLayout, tp_group: dist.ProcessGroup | None) -> None:

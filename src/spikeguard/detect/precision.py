@@ -1,31 +1,43 @@
-"""Precision policies: bf16-mixed (the default), fp16-mixed with torch's GradScaler, fp32.
+"""Precision policies: bf16-mixed, fp16-mixed with torch's GradScaler, fp32.
 
 The rule under all three: compute may be 16-bit, but everything that accumulates over time stays
 fp32 (master weights, AdamW moments, micro-batch gradient accumulation).
 
-How the guard's skip merges with GradScaler's (fp16-mixed):
+``PrecisionPolicy`` is the frozen config (what a run asks for). ``policy.runtime(model)`` builds a
+``PrecisionRuntime`` on the model's device: the live side, which owns the autocast context, the
+GradScaler and its state, and the optimizer step with a skip gate. The device always comes from
+the model (or is given explicitly), so a CPU autocast can never wrap a CUDA model.
 
-1. ``scaler.scale(loss).backward()``, then ``policy.unscale_(optimizer)``: the grads are now true
-   gradients and the scaler has recorded, per device, whether any was inf/NaN (``found_inf``).
+How a skip merges with GradScaler's own (fp16-mixed):
+
+1. ``runtime.scale(loss).backward()``, then ``runtime.unscale_(optimizer)``: the grads are now
+   true gradients and the scaler has recorded, per device, whether any was inf/NaN.
 2. The guard measures those unscaled grads. A non-finite norm there *is* the scaler's overflow:
    the detector reports it as tier 0, SKIP, reason "scaler" (StepMetrics.grad_scale is set).
-3. ``policy.step(optimizer, skip=guard_skip)``: with ``skip`` true the optimizer is never
-   called, so params, moments and step count are untouched; otherwise ``scaler.step`` runs and
-   itself skips on the recorded overflow (on fused AdamW through ``optimizer.found_inf``, which the
-   scaler sets and deletes around its step, so the guard never writes that attribute itself).
-4. ``scaler.update()`` runs in both cases and reads only the overflow recorded in step 1: the scale
-   halves on a real overflow and never because the guard skipped for a spike.
+3. ``runtime.step(optimizer, skip=gate)``: ``gate`` is a bool or a 0-d tensor (1 = skip).
+   On an optimizer that takes ``found_inf`` (fused Adam/AdamW/SGD), the gate is OR-ed with the
+   scaler's overflow into ``optimizer.found_inf`` for this one step: the fused kernel leaves
+   params, moments and the step count untouched, with no host read. Any other optimizer reads the
+   gate once on the host and is not called at all on a skip; otherwise ``scaler.step`` runs and
+   skips on the overflow itself.
+4. ``scaler.update()`` runs in every case and reads only the overflow recorded in step 1: the
+   scale halves on a real overflow and never because the guard skipped for a spike.
+
+Without a scaler (bf16-mixed, fp32) step 3 is the same gate without the overflow.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+from torch import nn
 
-__all__ = ["PrecisionPolicy", "bf16_supported"]
+from .._validate import check_int, check_positive
+
+__all__ = ["PrecisionPolicy", "PrecisionRuntime", "bf16_supported", "gated_step"]
 
 Kind = Literal["bf16-mixed", "fp16-mixed", "fp32"]
 
@@ -40,16 +52,23 @@ def bf16_supported(device: torch.device | str) -> bool:
     return False
 
 
+def _device_of(where: nn.Module | torch.device | str) -> torch.device:
+    if isinstance(where, nn.Module):
+        for p in where.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            return local.device
+        raise ValueError("the model has no parameters to take a device from; pass the device")
+    return torch.device(where)
+
+
 @dataclass(kw_only=True, frozen=True)
 class PrecisionPolicy:
     """Which dtypes compute, store and accumulate, and the loss scaler for fp16."""
 
     kind: Kind = "bf16-mixed"
     """bf16-mixed (default), fp16-mixed (dynamic loss scaling) or fp32."""
-    device: str = "cpu"
-    """Device type the model runs on ("cpu" or "cuda")."""
     init_scale: float = 2.0**16
-    """fp16 only: GradScaler's starting scale (the seeds: about 2^15 to 2^20)."""
+    """fp16 only: GradScaler's starting scale (2^16, torch's default)."""
     growth_interval: int = 2000
     """fp16 only: clean steps before GradScaler doubles the scale."""
 
@@ -57,35 +76,23 @@ class PrecisionPolicy:
         if self.kind not in ("bf16-mixed", "fp16-mixed", "fp32"):
             raise ValueError(f"PrecisionPolicy.kind={self.kind!r} must be 'bf16-mixed', "
                              f"'fp16-mixed' or 'fp32'")
-        if not self.init_scale > 0:
-            raise ValueError(f"PrecisionPolicy.init_scale={self.init_scale} must be positive")
-        if self.growth_interval < 1:
-            raise ValueError(f"PrecisionPolicy.growth_interval={self.growth_interval} must be >= 1")
-        scaler = (torch.amp.GradScaler(self.device, init_scale=self.init_scale,
-                                       growth_interval=self.growth_interval)
-                  if self.kind == "fp16-mixed" else None)
-        object.__setattr__(self, "_scaler", scaler)
+        check_positive(self.init_scale, "PrecisionPolicy.init_scale", default=2.0**16)
+        check_int(self.growth_interval, "PrecisionPolicy.growth_interval", default=2000)
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype matmuls run in under autocast (fp32 when autocast is off)."""
+    @classmethod
+    def default_for(cls, device: torch.device | str) -> PrecisionPolicy:
+        """bf16-mixed where bf16 autocast is fast (CUDA with bf16), fp32 elsewhere (CPU)."""
+        device = torch.device(device)
+        return cls(kind="bf16-mixed" if device.type == "cuda" and bf16_supported(device)
+                   else "fp32")
+
+    def compute_dtype(self, device: torch.device | str) -> torch.dtype:
+        """The dtype matmuls run in under autocast on ``device`` (fp32 when autocast is off)."""
         if self.kind == "fp16-mixed":
             return torch.float16
-        if self.kind == "bf16-mixed" and bf16_supported(self.device):
+        if self.kind == "bf16-mixed" and bf16_supported(device):
             return torch.bfloat16
         return torch.float32
-
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """torch's GradScaler under fp16-mixed, else None."""
-        return self._scaler  # type: ignore[attr-defined]
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The forward pass context: autocast to the compute dtype, or nothing under fp32."""
-        dtype = self.compute_dtype
-        if dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device, dtype=dtype)
 
     def fsdp_mp_policy(self):
         """FSDP2's MixedPrecisionPolicy: 16-bit params for compute, fp32 gradient reduction (and
@@ -97,41 +104,116 @@ class PrecisionPolicy:
         param_dtype = torch.float16 if self.kind == "fp16-mixed" else torch.bfloat16
         return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
+    def runtime(self, where: nn.Module | torch.device | str) -> PrecisionRuntime:
+        """The live side of this policy on the device of ``where`` (a model or a device)."""
+        return PrecisionRuntime(self, _device_of(where))
+
+
+def gated_step(optimizer: torch.optim.Optimizer, gate: torch.Tensor | bool) -> None:
+    """``optimizer.step()`` unless ``gate`` is true (1.0 / True = skip).
+
+    A 0-d tensor gate on an optimizer that takes ``found_inf`` (fused Adam/AdamW/SGD) goes in as
+    ``optimizer.found_inf`` for this step only: no host read, and the fused kernel leaves params,
+    moments and the step count untouched, NaN gradients included. Any other optimizer reads the
+    gate once on the host and is not called on a skip.
+    """
+    if not isinstance(gate, torch.Tensor):
+        if not gate:
+            optimizer.step()
+        return
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        if not bool(gate):  # the one host read of the generic path
+            optimizer.step()
+        return
+    # one tensor for every device: the fused kernels copy it to each param device themselves
+    optimizer.found_inf = gate.detach().to(torch.float32).reshape(())
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
+class PrecisionRuntime:
+    """A policy on one device: autocast, the GradScaler (fp16) and the gated optimizer step.
+
+    Build it with ``PrecisionPolicy.runtime(model)``. ``state_dict`` / ``load_state_dict`` hold
+    the scaler's state (empty without one), so a checkpoint manager can save it as "scaler".
+    """
+
+    def __init__(self, policy: PrecisionPolicy, device: torch.device) -> None:
+        self.policy = policy
+        self.device = torch.device(device)
+        self.compute_dtype = policy.compute_dtype(self.device)
+        self.scaler: torch.amp.GradScaler | None = None
+        if policy.kind == "fp16-mixed":
+            self.scaler = torch.amp.GradScaler(self.device.type, init_scale=policy.init_scale,
+                                               growth_interval=policy.growth_interval)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward pass context: autocast to the compute dtype, or nothing under fp32."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: multiplied by the scale under fp16, else as it is."""
         return loss if self.scaler is None else self.scaler.scale(loss)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the grads by the scale in place (fp16); a no-op otherwise."""
-        if self.scaler is not None:
+        """Divide the grads by the scale in place (fp16; once per step); a no-op otherwise."""
+        if self.scaler is not None and self._stage(optimizer) == "ready":
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer, *, skip: bool = False) -> None:
-        """Apply the update unless the guard skips; under fp16 the scaler also skips on its own
-        overflow, and its scale is updated from the overflow alone (see the module docstring)."""
+    def _stage(self, optimizer: torch.optim.Optimizer) -> str:
+        # GradScaler has no public "was unscaled" query; its per-optimizer state says
+        from torch.amp.grad_scaler import OptState
+
+        stage = self.scaler._per_optimizer_states[id(optimizer)]["stage"]
+        return {OptState.READY: "ready", OptState.UNSCALED: "unscaled"}.get(stage, "stepped")
+
+    def overflow(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The scaler's own overflow flag for this step (0-d float32, 1.0 = inf/NaN found), after
+        ``unscale_``; None without a scaler. No host read."""
         if self.scaler is None:
-            if not skip:
-                optimizer.step()
+            return None
+        self.unscale_(optimizer)
+        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        flags = [t.to(self.device, torch.float32) for t in found.values()]
+        return torch.stack(flags).amax() if flags else torch.zeros((), device=self.device)
+
+    def step(self, optimizer: torch.optim.Optimizer, *, skip: torch.Tensor | bool = False) -> None:
+        """Apply the update unless ``skip``; under fp16 the scaler also skips on its own
+        overflow, and its scale is updated from the overflow alone (module docstring)."""
+        if self.scaler is None:
+            gated_step(optimizer, skip)
             return
-        if skip:
-            # update() needs the overflow check that unscale_ records; make sure it ran
-            # (private state: GradScaler has no public "was unscaled" query)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
             from torch.amp.grad_scaler import OptState
 
-            state = self.scaler._per_optimizer_states[id(optimizer)]
-            if state["stage"] is OptState.READY:
-                self.scaler.unscale_(optimizer)
+            gate = self.overflow(optimizer)
+            if isinstance(skip, torch.Tensor):
+                gate = torch.maximum(gate, skip.detach().to(gate.device, torch.float32).reshape(()))
+            elif skip:
+                gate = torch.ones_like(gate)
+            gated_step(optimizer, gate)
+            self.scaler._per_optimizer_states[id(optimizer)]["stage"] = OptState.STEPPED
         else:
-            self.scaler.step(optimizer)
+            self.unscale_(optimizer)  # update() needs the overflow check that unscale_ records
+            if not (bool(skip) if isinstance(skip, torch.Tensor) else skip):
+                self.scaler.step(optimizer)
         self.scaler.update()
+
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The current loss scale as a 0-d tensor on the device (no sync); None without fp16."""
+        return None if self.scaler is None else self.scaler._get_scale_async()
 
     def grad_scale(self) -> float | None:
         """The current loss scale (a host read) under fp16, else None."""
         return None if self.scaler is None else float(self.scaler.get_scale())
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {} if self.scaler is None else self.scaler.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)

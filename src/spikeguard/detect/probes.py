@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._validate import check_int
+
 __all__ = ["ProbeConfig", "Probes", "layer_grad_norms"]
 
 _SKIP_TYPES = (nn.Dropout, nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -28,7 +30,7 @@ class ProbeConfig:
     """Which probes run, and how often."""
 
     activation_max: bool = True
-    """Record max |output| over every leaf module (the seeds: watch it from step zero)."""
+    """Record max |output| over every leaf module (watch it from step zero: it is the earliest sign of a logit blow-up)."""
     activation_every: int = 1
     """Steps between activation-max readings."""
     attn_logit_p99: bool = False
@@ -38,12 +40,11 @@ class ProbeConfig:
     layer_grad_norms: bool = True
     """Record the gradient norm of each layer."""
     grad_norms_every: int = 100
-    """Steps between per-layer gradient norms (the seeds' interval)."""
+    """Steps between per-layer gradient norms (default 100)."""
 
     def __post_init__(self) -> None:
         for name in ("activation_every", "attn_every", "grad_norms_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ProbeConfig.{name}={getattr(self, name)} must be >= 1")
+            check_int(getattr(self, name), f"ProbeConfig.{name}", default=getattr(type(self), name))
 
 
 def _layer_of(name: str) -> str:

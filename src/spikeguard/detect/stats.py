@@ -1,5 +1,5 @@
 """Running statistics: a sliding-window median and a bias-corrected EMA, on the host and on the
-device.
+device; a sliding-window minimum and an event window (host only, for the detector's rules).
 
 The host versions (``RunningMedian``, ``EMA``) keep flagged steps out of their history simply by
 not being updated with them. The device twins (``DeviceRunningMedian``, ``DeviceEMA``) hold their
@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["EMA", "DeviceEMA", "DeviceRunningMedian", "RunningMedian"]
+from .._validate import check_int
+
+__all__ = ["EMA", "DeviceEMA", "DeviceRunningMedian", "EventWindow", "RunningMedian", "SlidingMin"]
 
 
 class RunningMedian:
@@ -30,8 +32,7 @@ class RunningMedian:
     """
 
     def __init__(self, window: int = 5000) -> None:
-        if window < 1:
-            raise ValueError(f"window={window} must be >= 1")
+        check_int(window, "window")
         self.window = window
         self._fifo: deque[tuple[int, float]] = deque()
         self._low: list[tuple[float, int]] = []   # (-value, id): max-heap of the lower half
@@ -137,7 +138,7 @@ class EMA:
 
     def __init__(self, alpha: float = 1e-3) -> None:
         if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha={alpha} must be in (0, 1]; the seeds use 1/1000")
+            raise ValueError(f"alpha={alpha} must be in (0, 1]; the detector uses 1/1000")
         self.alpha = alpha
         self._m = 0.0
         self._decay = 1.0  # (1 - alpha) ** count, as a running product
@@ -169,6 +170,77 @@ class EMA:
         self._decay = float(state.get("decay", (1.0 - self.alpha) ** self.count))
 
 
+class SlidingMin:
+    """Minimum of the values pushed in the last ``window`` pushes (a monotonic deque).
+
+    Call ``min_before(i)`` with the index the next push will carry to read the minimum of
+    pushes ``i - window .. i - 1``; then ``push(i, value, step)``.
+    """
+
+    __slots__ = ("_q", "window")
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._q: deque[tuple[int, float, int]] = deque()
+
+    def min_before(self, i: int) -> tuple[float, int | None]:
+        """(minimum value, its step) over the window before push ``i``; (NaN, None) if empty."""
+        q = self._q
+        lo = i - self.window
+        while q and q[0][0] < lo:
+            q.popleft()
+        if not q:
+            return math.nan, None
+        return q[0][1], q[0][2]
+
+    def push(self, i: int, value: float, step: int) -> None:
+        q = self._q
+        while q and q[-1][1] >= value:
+            q.pop()
+        q.append((i, value, step))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "entries": [list(e) for e in self._q]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window = int(state["window"])
+        self._q = deque((int(i), float(v), int(s)) for i, v, s in state["entries"])
+
+
+class EventWindow:
+    """Events (update index, step) within the last ``window`` updates."""
+
+    __slots__ = ("_q", "window")
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._q: deque[tuple[int, int]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def add(self, i: int, step: int) -> None:
+        self._q.append((i, step))
+
+    def count(self, i: int) -> int:
+        """Events among updates ``i - window + 1 .. i``."""
+        q = self._q
+        lo = i - self.window
+        while q and q[0][0] <= lo:
+            q.popleft()
+        return len(q)
+
+    def first_step(self) -> int | None:
+        return self._q[0][1] if self._q else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "entries": [list(e) for e in self._q]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window = int(state["window"])
+        self._q = deque((int(i), int(s)) for i, s in state["entries"])
+
+
 def _scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
     """A 0-d float64 tensor on ``device``; a tensor already there is cast on the device (no sync)."""
     if isinstance(value, torch.Tensor):
@@ -197,8 +269,7 @@ class DeviceRunningMedian:
     """
 
     def __init__(self, window: int = 5000, *, device: torch.device | str | None = None) -> None:
-        if window < 1:
-            raise ValueError(f"window={window} must be >= 1")
+        check_int(window, "window")
         self.window = window
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._buf = torch.zeros(window, dtype=torch.float64, device=self.device)
@@ -276,7 +347,7 @@ class DeviceEMA:
 
     def __init__(self, alpha: float = 1e-3, *, device: torch.device | str | None = None) -> None:
         if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha={alpha} must be in (0, 1]; the seeds use 1/1000")
+            raise ValueError(f"alpha={alpha} must be in (0, 1]; the detector uses 1/1000")
         self.alpha = alpha
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._m = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -1,1 +1,1 @@
-"""Prevent: see shared/DESIGN.md."""
+"""Prevent: what the model, loss and optimizer do so that spikes are rare (docs/design.md)."""

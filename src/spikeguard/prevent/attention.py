@@ -32,7 +32,7 @@ __all__ = [
 
 
 class StackedLogitBoundsWarning(UserWarning):
-    """QK-norm and attention soft-capping are both on (the seeds: pick one unless ablated)."""
+    """QK-norm and attention soft-capping are both on (usually one is enough: OLMo 2 uses QK-norm, Gemma 2 the cap)."""
 
 
 def check_softcap(cap: float | None, name: str = "softcap") -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from .._validate import check_int
+
 __all__ = ["MODELS", "RECIPES", "MemoryBudget", "ModelShape", "activation_bytes", "memory_budget"]
 
 Recipe = Literal["bf16-mixed", "fp32", "fp16-mixed"]
@@ -108,8 +110,7 @@ def activation_bytes(
     (16-bit activations, Korthikanti et al.), 2*s*b*h with full recompute (the layer input only)."""
     for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden),
                         ("n_heads", n_heads), ("n_layers", n_layers)):
-        if value <= 0:
-            raise ValueError(f"{name}={value} must be a positive integer")
+        check_int(value, name)
     s, b, h, a = seq_len, batch, hidden, n_heads
     per_layer = 2.0 * s * b * h if recompute else s * b * h * (34.0 + 5.0 * a * s / h)
     return per_layer * n_layers

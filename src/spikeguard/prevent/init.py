@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .._validate import check_int
+
 __all__ = [
     "DeepNormConstants",
     "deepnorm_constants",
@@ -25,14 +27,9 @@ __all__ = [
 ]
 
 
-def _check_positive_int(value: int, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
 def fan_in_std(fan_in: int, gain: float = 1.0) -> float:
     """gain / sqrt(fan_in): the std that keeps a linear layer's output variance at its input's."""
-    _check_positive_int(fan_in, "fan_in")
+    check_int(fan_in, "fan_in")
     if not gain > 0:
         raise ValueError(f"gain={gain} must be positive (1.0 for linear, sqrt(2) for ReLU)")
     return gain / math.sqrt(fan_in)
@@ -49,7 +46,7 @@ def fan_in_init_(weight: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
 
 def residual_scale(n_layer: int) -> float:
     """1 / sqrt(2 L): GPT-2's factor for residual-branch output weights (two branches a block)."""
-    _check_positive_int(n_layer, "n_layer")
+    check_int(n_layer, "n_layer")
     return 1.0 / math.sqrt(2 * n_layer)
 
 
@@ -75,5 +72,5 @@ class DeepNormConstants:
 
 def deepnorm_constants(n_layer: int) -> DeepNormConstants:
     """Decoder-only DeepNorm constants: alpha = (2N)^(1/4), beta = (8N)^(-1/4)."""
-    _check_positive_int(n_layer, "n_layer")
+    check_int(n_layer, "n_layer")
     return DeepNormConstants(alpha=(2 * n_layer) ** 0.25, beta=(8 * n_layer) ** -0.25)

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from .._validate import check_int
+
 __all__ = ["constant_with_warmup", "extend", "warmup_cosine", "wsd"]
 
 
@@ -29,8 +31,8 @@ def _check_step(step: int) -> None:
 
 
 def _check_common(warmup_steps: int, total_steps: int, min_ratio: float) -> None:
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
+    check_int(warmup_steps, "warmup_steps", minimum=0)
+    check_int(total_steps, "total_steps")
     if total_steps <= warmup_steps:
         raise ValueError(f"warmup_steps={warmup_steps} >= total_steps={total_steps}: nothing is "
                          f"left to decay; warm up over 1-3% of the run (e.g. "
@@ -51,8 +53,7 @@ class constant_with_warmup:
     warmup_steps: int
 
     def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        check_int(self.warmup_steps, "warmup_steps", minimum=0)
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:

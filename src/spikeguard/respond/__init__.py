@@ -1,1 +1,1 @@
-"""Respond: see shared/DESIGN.md."""
+"""Respond: decide and act on a step (continue, skip, roll back, halt); docs/design.md."""

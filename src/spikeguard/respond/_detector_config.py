@@ -7,9 +7,10 @@ Seed 004 section 5.2.2 gives the tiers; shared/SEED-ERRATA.md settles where it c
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from .._validate import check_int, check_positive
 
 __all__ = ["DetectorConfig"]
 
@@ -91,13 +92,9 @@ class DetectorConfig:
                                      "(e.g. 256 for bytes, 128000 for Llama 3) or None")
                 continue
             if isinstance(f.default, int):
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"DetectorConfig.{f.name}={v!r} must be an int >= 1 "
-                                     f"(default {f.default})")
-            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v <= 0:
-                raise ValueError(f"DetectorConfig.{f.name}={v!r} must be a finite number > 0 "
-                                 f"(default {f.default})")
+                check_int(v, f"DetectorConfig.{f.name}", default=f.default)
+            else:
+                check_positive(v, f"DetectorConfig.{f.name}", default=f.default)
         for name in ("grad_k", "grad_elevated", "alert_ratio", "skip_ratio", "tier2_ratio"):
             if getattr(self, name) <= 1.0:
                 raise ValueError(f"DetectorConfig.{name}={getattr(self, name)} must be > 1: it "

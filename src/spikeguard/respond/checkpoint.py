@@ -1,6 +1,6 @@
 """Checkpoints that roll back safely: atomic, integrity-checked, health-tagged, never unpickled.
 
-``CheckpointManager(directory, every=1000, keep=10)`` (seed 004: every 1,000 steps, keep 10)
+``CheckpointManager(directory, every=1000, keep=10)`` (defaults: every 1,000 steps, keep 10)
 saves model and optimizer through torch.distributed.checkpoint (sharded under FSDP2, one file
 per rank) and everything else as JSON: scheduler, scaler, data stream, detector and any other
 object with ``state_dict``/``load_state_dict``, the optimizer's param_groups, and the RNG
@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -39,10 +38,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .. import _dist
+from .._validate import check_int
 from . import _ckpt_io as io
 from ._safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
 
-__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointWarning", "verify"]
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointWarning",
+           "verify_checkpoint"]
 
 _MANIFEST = "MANIFEST.json"
 _INFO = "info.json"
@@ -75,14 +77,6 @@ class CheckpointInfo:
     """Free-form JSON metadata given to save()."""
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Silence DCP's note that it runs in one process (that is the intent when no process
@@ -90,24 +84,6 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
         yield
-
-
-def _no_dist() -> bool:
-    return not (dist.is_available() and dist.is_initialized())
-
-
-def _barrier() -> None:
-    if _world() > 1:
-        dist.barrier()
-
-
-def _all_ok(ok: bool) -> bool:
-    """True only if every rank says ok (agree before acting)."""
-    if _world() == 1:
-        return ok
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    dist.all_reduce(flag)
-    return int(flag) == 0
 
 
 def _model_optim(model: torch.nn.Module, optimizer: Any) -> tuple[dict, dict | None]:
@@ -128,10 +104,8 @@ class CheckpointManager:
 
     def __init__(self, directory: str | Path, *, every: int = 1000, keep: int = 10,
                  async_save: bool = False) -> None:
-        if every < 1:
-            raise ValueError(f"every={every} must be >= 1 (seed 004 saves every 1000 steps)")
-        if keep < 1:
-            raise ValueError(f"keep={keep} must be >= 1 (seed 004 keeps 10)")
+        check_int(every, "CheckpointManager every", hint="1000 steps is usual")
+        check_int(keep, "CheckpointManager keep", hint="10 is usual")
         self.directory = Path(directory)
         self.every, self.keep, self.async_save = every, keep, async_save
         self._pending: Any = None
@@ -179,11 +153,11 @@ class CheckpointManager:
         healthy = bool(healthy) and not alerts
         final = self.directory / f"step_{step:08d}"
         tmp = self.directory / f".tmp-step_{step:08d}"
-        if _rank() == 0:
+        if _dist.rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-        _barrier()
+        _dist.barrier()
         msd, osd = _model_optim(model, optimizer)
         tensors, rest = io.split({"model": msd, "optim": osd})
         side: dict[str, Any] = {"rest": rest}
@@ -191,10 +165,10 @@ class CheckpointManager:
             side[name] = obj.state_dict()
         if save_rng:
             side["rng"] = io.rng_state()
-        io.write_json(tmp / f"rank{_rank()}.json", io.encode(side))
+        io.write_json(tmp / f"rank{_dist.rank()}.json", io.encode(side))
         skips = data.state_dict().get("skip_ranges", []) if data is not None else []
         info = {"format": _FORMAT, "step": step, "healthy": healthy, "alerts": list(alerts),
-                "skip_ranges": [list(r) for r in skips], "world_size": _world(),
+                "skip_ranges": [list(r) for r in skips], "world_size": _dist.world_size(),
                 "meta": meta or {}}
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         if self.async_save:
@@ -205,11 +179,11 @@ class CheckpointManager:
                     use_non_blocking_copy=gpu))
             with _quiet():
                 fut = dcp.async_save(tensors, storage_writer=writer, async_stager=self._stager,
-                                     no_dist=_no_dist())
+                                     no_dist=not _dist.is_dist())
             self._pending = (fut, tmp, final, info)
             return final
         with _quiet():
-            dcp.save(tensors, storage_writer=writer, no_dist=_no_dist())
+            dcp.save(tensors, storage_writer=writer, no_dist=not _dist.is_dist())
         self._commit(tmp, final, info)
         return final
 
@@ -230,8 +204,8 @@ class CheckpointManager:
             self._stager = None
 
     def _commit(self, tmp: Path, final: Path, info: dict) -> None:
-        _barrier()  # every rank's files are written
-        if _rank() == 0:
+        _dist.barrier()  # every rank's files are written
+        if _dist.rank() == 0:
             io.write_json(tmp / _INFO, info)
             files = {p.name: {"size": p.stat().st_size, "sha256": io.hash_file(p)}
                      for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -242,7 +216,7 @@ class CheckpointManager:
             tmp.rename(final)
             io.fsync_dir(self.directory)
             self._rotate()
-        _barrier()
+        _dist.barrier()
 
     def _rotate(self) -> None:
         ckpts = self.list()
@@ -321,28 +295,28 @@ class CheckpointManager:
         local: str | None = None
         side: dict[str, Any] = {}
         try:
-            sizes = verify(c.path)
-            side = io.decode(json.loads((c.path / f"rank{_rank()}.json").read_text()))
+            sizes = verify_checkpoint(c.path)
+            side = io.decode(json.loads((c.path / f"rank{_dist.rank()}.json").read_text()))
             missing = [k for k in [*statefuls, "rest"] if k not in side]
             if missing:
                 local = f"it holds no state for {missing}"
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             local = str(e)
-        if not _all_ok(local is None):
+        if not _dist.all_true(local is None):
             raise _Refused(local or "another rank refused it")
         reader = SafeReader(c.path, sizes)
         try:
             reader.read_metadata()  # the allowlist and storage checks, before DCP reads it
         except UnsafeCheckpointError as e:
             local = str(e)
-        if not _all_ok(local is None):
+        if not _dist.all_true(local is None):
             raise _Refused(local or "another rank refused it")
         msd, osd = _model_optim(model, optimizer)
         tensors, _ = io.split({"model": msd, "optim": osd})
         try:
             with _quiet():
                 dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(),
-                         no_dist=_no_dist())
+                         no_dist=not _dist.is_dist())
         except (Exception, CheckpointException) as e:  # DCP gathers per-rank failures to all
             raise _Refused(f"loading its tensors failed: {_short(e)}") from e
         state = io.join(tensors, side["rest"])
@@ -369,7 +343,7 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.strip().splitlines()[-1] if text.strip() else ''}"
 
 
-def verify(path: str | Path) -> dict[str, int]:
+def verify_checkpoint(path: str | Path) -> dict[str, int]:
     """Check a checkpoint directory against its manifest: every listed file present with its
     size and sha256, no unlisted file. Returns name -> size; ValueError says what is wrong."""
     path = Path(path)

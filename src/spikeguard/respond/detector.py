@@ -23,28 +23,16 @@ onsets; the rollback target is the last checkpoint at or before it.
 
 from __future__ import annotations
 
-import enum
 import math
 from typing import Any, NamedTuple
 
-from ..detect.metrics import StepMetrics
-from ..detect.stats import EMA, RunningMedian
+from ..detect.stats import EMA, EventWindow, RunningMedian, SlidingMin
+from ..record import Action, StepMetrics
 from ._detector_config import DetectorConfig
-from ._windows import EventWindow, SlidingMin
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
 _STATE_VERSION = 1
-
-
-class Action(str, enum.Enum):
-    """What to do with the step; the value is the metrics record's ``action`` string."""
-
-    CONTINUE = "continue"
-    ALERT = "alert"
-    SKIP = "skip"
-    ROLLBACK = "rollback"
-    HALT = "halt"
 
 
 class Verdict(NamedTuple):

@@ -11,6 +11,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .._validate import check_int
 from ._base import Sink
 
 __all__ = ["ConsoleSink"]
@@ -51,8 +52,7 @@ class ConsoleSink(Sink):
 
     def __init__(self, *, console: Console | None = None, every: int = 10,
                  live: bool | None = None, defer: bool | None = None) -> None:
-        if every < 1:
-            raise ValueError(f"every={every} must be >= 1 (print every that many steps)")
+        check_int(every, "ConsoleSink every", hint="print every that many steps")
         super().__init__(defer=defer)
         self.console = console or Console(highlight=False)
         self.every = every

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from ..detect.metrics import RECORD_KEYS, SCHEMA
+from ..record import RECORD_KEYS, SCHEMA
 from ._base import Sink
 
 __all__ = ["JsonlSink", "encode_record", "read_metrics"]

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._validate import check_int
+
 __all__ = ["TokenStream"]
 
 
@@ -35,8 +37,8 @@ class TokenStream(torch.utils.data.IterableDataset):
                  rank: int = 0, world_size: int = 1) -> None:
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size={batch_size} and seq_len={seq_len} must be >= 1")
+        check_int(batch_size, "TokenStream batch_size")
+        check_int(seq_len, "TokenStream seq_len")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         self.tokens = tokens
@@ -60,7 +62,7 @@ class TokenStream(torch.utils.data.IterableDataset):
     @classmethod
     def from_corpus(cls, name: str = "pydoc", *, split: str = "train", **kwargs: Any) -> TokenStream:
         """A stream over the default corpus of :func:`spikeguard.load_corpus` (byte tokens)."""
-        from ..corpus import load_corpus
+        from .corpus import load_corpus
 
         if split not in ("train", "val"):
             raise ValueError(f"split={split!r} must be 'train' or 'val'")

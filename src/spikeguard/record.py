@@ -1,5 +1,9 @@
-"""The per-step health record: the numbers every rule of the detector reads, and the metrics
-record (shared/DESIGN.md, "The metrics record") that the sinks write."""
+"""The per-step health record, shared by detect, respond and the sinks.
+
+``StepMetrics`` holds the numbers every rule of the detector reads; ``Action`` is what the
+detector decides; ``metrics_record`` turns both into the flat dict the sinks write (one JSON
+object per step in ``metrics.jsonl``; docs/design.md, "The metrics record", lists the keys).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["ACTIONS", "RECORD_KEYS", "SCHEMA", "StepMetrics", "metrics_record"]
+__all__ = ["ACTIONS", "RECORD_KEYS", "SCHEMA", "Action", "StepMetrics", "metrics_record"]
 
 SCHEMA = 1
 """Version of the metrics record; bump it (and teach ``read_metrics`` the old one) on any change
@@ -19,7 +23,19 @@ RECORD_KEYS = ("schema", "step", "loss", "grad_norm", "log_z", "loss_ema_ratio",
                "tier", "action", "reasons")
 """Keys every record carries, in the order they are written (None where unknown)."""
 
-ACTIONS = ("continue", "alert", "skip", "rollback", "halt")
+
+
+class Action(str, enum.Enum):
+    """What to do with the step; the value is the metrics record's ``action`` string."""
+
+    CONTINUE = "continue"
+    ALERT = "alert"
+    SKIP = "skip"
+    ROLLBACK = "rollback"
+    HALT = "halt"
+
+
+ACTIONS = tuple(a.value for a in Action)
 """The values of the record's ``action``."""
 
 
@@ -45,7 +61,7 @@ class StepMetrics:
     extras: dict[str, Any] | None = field(default=None)
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat dict: the record keys of shared/DESIGN.md, extras merged under their own names."""
+        """Flat dict: the record keys (``RECORD_KEYS``), extras merged under their own names."""
         # shallow on purpose: dataclasses.asdict would deep-copy (device) tensors
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         extras = d.pop("extras") or {}
@@ -53,13 +69,13 @@ class StepMetrics:
         return d
 
 
-def metrics_record(metrics: StepMetrics, *, tier: Any = 0, action: Any = "continue",
+def metrics_record(metrics: StepMetrics, *, tier: Any = 0, action: Action | str = Action.CONTINUE,
                    reasons: Iterable[str] = ()) -> dict[str, Any]:
     """The metrics record of one step: ``RECORD_KEYS`` first (``schema`` = ``SCHEMA``), then
     ``grad_scale`` when set, then ``extras`` under their own names.
 
     ``tier``, ``action`` and ``reasons`` come from the detector's Verdict; until it runs they are
-    0, "continue" and []. ``action`` may be a string of ``ACTIONS`` or an enum whose value is one.
+    0, CONTINUE and []. ``action`` may be an :class:`Action` or one of the strings ``ACTIONS``.
     Values may be 0-d tensors (device or not): the sinks read them off the device one step late,
     so building a record never syncs.
     """

@@ -1,6 +1,6 @@
-"""The seeds' worked scenarios as metric streams, for tests, benchmarks and ``diagnose`` demos.
+"""Worked scenarios as metric streams, for tests, benchmarks and ``diagnose`` demos.
 
-Seed 004 section 5.2.2 gives a handful of numbers per scenario; a stream is the linear
+Each scenario is given by a handful of numbers (docs/design.md, "Worked scenarios"); a stream is the linear
 interpolation between them (values hold before the first point and after the last) plus seeded
 Gaussian noise: loss sigma 0.01 nats, log Z sigma 0.05, grad norm times lognormal(sigma 0.10-0.15).
 Every stream is a list of :class:`StepMetrics` with one record per step, in step order.
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..detect.metrics import StepMetrics
+from ..record import StepMetrics
 
 __all__ = ["Scenario", "clean_run", "data_anomaly", "grad_storm", "interpolate", "logit_drift"]
 
@@ -26,7 +26,7 @@ DATA_ANOMALY_GRAD: Points = ((42_099, 1.1), (42_100, 7.3), (42_101, 1.1))
 DATA_ANOMALY_LOG_Z: Points = ((42_100, 8.3),)
 
 # Scenario 2 - logit drift: log Z 8.1 -> 15.2 over 1,500 steps, loss diverging from 58,200
-# (the seed gives no spacing for the five loss values: 100 steps apart here), grad norm
+# (no spacing is given for the five loss values: 100 steps apart here), grad norm
 # "elevated but not extreme, 1.8-2.6"
 LOGIT_DRIFT_LOG_Z: Points = ((57_000, 8.1), (57_500, 9.6), (58_000, 11.9), (58_500, 15.2))
 LOGIT_DRIFT_LOSS: Points = ((58_200, 2.38), (58_300, 2.65), (58_400, 2.99), (58_500, 3.41),
@@ -36,16 +36,16 @@ LOGIT_DRIFT_GRAD: Points = ((58_000, 1.1), (58_200, 1.8), (58_600, 2.6))
 
 @dataclass(frozen=True)
 class Scenario:
-    """A named stream and what the seed says should happen to it."""
+    """A named stream and what should happen to it."""
 
     name: str
     """Short name, e.g. ``"data_anomaly"``."""
     metrics: list[StepMetrics]
     """One record per step, in step order."""
     expect: dict[str, int] = field(default_factory=dict)
-    """The seed's answer, e.g. ``{"skip_step": 42100}`` or ``{"rollback_to": 57000}``."""
+    """The expected answer, e.g. ``{"skip_step": 42100}`` or ``{"rollback_to": 57000}``."""
     checkpoint_every: int = 1000
-    """The seed's checkpoint interval, in steps."""
+    """The checkpoint interval of the scenario, in steps."""
 
 
 def interpolate(points: Points, steps: np.ndarray) -> np.ndarray:
@@ -72,7 +72,7 @@ def _noisy(steps: np.ndarray, loss: np.ndarray, grad: np.ndarray, log_z: np.ndar
 
 
 def data_anomaly(seed: int = 0, *, start: int = 37_000, stop: int = 43_000) -> Scenario:
-    """Seed scenario 1: a single batch at step 42,100 with grad norm 7.3 (median 1.1) and loss
+    """Scenario 1, a data anomaly: a single batch at step 42,100 with grad norm 7.3 (median 1.1) and loss
     2.41 -> 2.89, recovering 2.89 -> 2.72 -> 2.58 -> 2.44 over 400 steps; log Z 8.3.
 
     Expected: Tier 1 SKIP at 42,100 and nothing else skipped. Steps ``start .. stop - 1``.
@@ -86,7 +86,7 @@ def data_anomaly(seed: int = 0, *, start: int = 37_000, stop: int = 43_000) -> S
 
 
 def logit_drift(seed: int = 0, *, start: int = 52_000, stop: int = 59_001) -> Scenario:
-    """Seed scenario 2: log Z 8.1 (57,000) -> 9.6 -> 11.9 -> 15.2 (58,500), loss 2.38 -> 3.88
+    """Scenario 2, logit drift: log Z 8.1 (57,000) -> 9.6 -> 11.9 -> 15.2 (58,500), loss 2.38 -> 3.88
     from 58,200, grad norm 1.1 -> 1.8-2.6.
 
     Expected: Tier 2 naming log Z by 59,000, rolling back to the checkpoint at 57,000.

@@ -1,0 +1,6 @@
+"""Training data: the corpus that ships with Python and a resumable token stream."""
+
+from .corpus import CORPORA, Corpus, load_corpus
+from .stream import TokenStream
+
+__all__ = ["CORPORA", "Corpus", "TokenStream", "load_corpus"]
