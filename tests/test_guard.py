@@ -200,7 +200,7 @@ def test_a_transient_lr_spike_with_rollback_recovers_within_2pct(lr_fault_runs, 
     assert run.guard.rollbacks == 1 and max(run.losses) == STEPS - 1
     assert abs(run.final_loss() / clean.final_loss() - 1) < 0.02
     records = sg.read_metrics(run.guard.checkpoints.directory.parent / "metrics.jsonl")
-    rb = [r for r in records if r["action"] == "rollback"][0]
+    rb = next(r for r in records if r["action"] == "rollback")
     assert rb["rollback_to"] <= rb["summary"]["onset_step"] - 2
     lo, hi = rb["skip_range"]
     assert lo <= hi and hi >= lo + 5  # the poisoned range of batches is skipped

@@ -42,7 +42,7 @@ def _inner(tp: Any) -> tuple[Any, bool]:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         inner = [a for a in args if a is not type(None)]
-        return (inner[0] if len(inner) == 1 else typing.Union[tuple(inner)]), len(inner) < len(args)
+        return (inner[0] if len(inner) == 1 else typing.Union[tuple(inner)]), len(inner) < len(args)  # noqa: UP007
     return tp, False
 
 
@@ -139,6 +139,6 @@ def flag_message(exc: BaseException, cls: type) -> str:
     ``--steps=0`` (``DetectorConfig.grad_k=0`` becomes ``--grad-k=0``), so the message names the
     flag the user typed."""
     text = str(exc)
-    for name, path, f, owner in _flags(cls, ()):
+    for name, _, f, owner in _flags(cls, ()):
         text = text.replace(f"{owner.__name__}.{f.name}=", f"--{name.replace('_', '-')}=")
     return text
