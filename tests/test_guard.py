@@ -360,3 +360,18 @@ def test_guard_flags_are_generated_from_the_nested_configs():
     with pytest.raises(ValueError) as e:
         config_from_args(GuardConfig, p.parse_args(["--grad-k", "0.5"]))
     assert flag_message(e.value, GuardConfig).startswith("--grad-k=0.5")
+
+
+def test_bench_guard_smoke_prints_a_finite_share(sub_env):
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    r = subprocess.run([sys.executable, "benchmarks/bench_guard.py", "--smoke"], cwd=ROOT,
+                       env=sub_env, capture_output=True, text=True, timeout=300, check=True)
+    share = re.search(r"guard.step beyond clip\+step\+schedule / median step: (-?[\d.]+)%", r.stdout)
+    ratio = re.search(r"step ratio guard/base ([\d.]+)\s+A/A base2/base ([\d.]+)", r.stdout)
+    assert share and ratio, r.stdout
+    assert math.isfinite(float(share.group(1))) and float(ratio.group(1)) > 0

@@ -247,7 +247,7 @@ class Guard(_Responses):
         scale = self.precision.scale_tensor()
         dev = stats.norm.device
         parts = [loss_g, log_z_g, stats.norm, gate, armed, coef,
-                 scale if scale is not None else torch.full((), float("nan"))]
+                 scale if scale is not None else torch.full((), float("nan"), device=dev)]
         vec = torch.stack([p.detach().to(dev, torch.float64).reshape(()) for p in parts])
         probes = self.probes.collect() if self.probes is not None else {}
         keep_grads = self.read_lag == 0
