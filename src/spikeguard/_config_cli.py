@@ -54,7 +54,11 @@ def _parser_for(tp: Any) -> tuple[Any, dict[str, Any]]:
     return tp, {}
 
 
-def _default(f: dataclasses.Field) -> Any:
+def _default(f: dataclasses.Field, owner_default: Any = None) -> Any:
+    """The field's default: read from the parent's default instance when the dataclass is nested
+    (``TrainConfig.gpt``'s default may differ from GPTConfig's own), else the field's own."""
+    if owner_default is not None:
+        return getattr(owner_default, f.name)
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
@@ -62,29 +66,35 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
-def _leaves(cls: type, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dataclasses.Field, type]]:
-    """Every non-dataclass field under ``cls`` with its path and owning class."""
+_Leaf = tuple[tuple[str, ...], dataclasses.Field, type, Any]
+
+
+def _leaves(cls: type, path: tuple[str, ...] = (), instance: Any = None) -> list[_Leaf]:
+    """Every non-dataclass field under ``cls`` with its path, owning class and default."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
         tp, _ = _inner(hints[f.name])
+        default = _default(f, instance)
         if dataclasses.is_dataclass(tp):
-            out += _leaves(tp, (*path, f.name))
+            out += _leaves(tp, (*path, f.name), default)
         else:
-            out.append(((*path, f.name), f, cls))
+            out.append(((*path, f.name), f, cls, default))
     return out
 
 
-def _flags(cls: type, skip: tuple[str, ...]) -> list[tuple[str, tuple[str, ...], dataclasses.Field, type]]:
-    leaves = [leaf for leaf in _leaves(cls) if leaf[0][-1] not in skip and leaf[0][0] not in skip]
+def _skipped(path: tuple[str, ...], skip: tuple[str, ...]) -> bool:
+    """``skip`` holds leaf names (skipped wherever they occur) or dotted paths."""
+    return path[-1] in skip or ".".join(path) in skip
+
+
+def _flags(cls: type, skip: tuple[str, ...]) -> list[tuple[str, tuple[str, ...], dataclasses.Field, type, Any]]:
+    leaves = [leaf for leaf in _leaves(cls) if not _skipped(leaf[0], skip)]
     counts: dict[str, int] = {}
-    for path, _, _ in leaves:
+    for path, *_ in leaves:
         counts[path[-1]] = counts.get(path[-1], 0) + 1
-    out = []
-    for path, f, owner in leaves:
-        name = path[-1] if counts[path[-1]] == 1 else "_".join(path)
-        out.append((name, path, f, owner))
-    return out
+    return [(path[-1] if counts[path[-1]] == 1 else "_".join(path), path, f, owner, default)
+            for path, f, owner, default in leaves]
 
 
 def _dest(path: tuple[str, ...]) -> str:
@@ -92,13 +102,14 @@ def _dest(path: tuple[str, ...]) -> str:
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()) -> None:
-    """Add one ``--option`` per leaf field of dataclass ``cls`` (nested configs walked)."""
-    for name, path, f, owner in _flags(cls, skip):
+    """Add one ``--option`` per leaf field of dataclass ``cls`` (nested configs walked).
+    ``skip`` names leaves (everywhere) or dotted paths (``"gpt.vocab_size"``) to leave out;
+    a skipped field keeps the default. A ``tuple[str, ...]`` field is a repeatable flag."""
+    for name, path, f, owner, default in _flags(cls, skip):
         flag = "--" + name.replace("_", "-")
         hint = typing.get_type_hints(owner)[f.name]
         tp, extra = _parser_for(hint)
         _, optional = _inner(hint)
-        default = _default(f)
         doc = field_docs(owner).get(f.name, "")
         # argparse %-formats help strings: a literal percent sign must be doubled
         help_text = f"{doc} (default: {default})".replace("%", "%%")
@@ -107,23 +118,31 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[s
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                                 default=default, help=help_text)
             continue
+        if typing.get_origin(tp) is tuple:
+            parser.add_argument(flag, dest=dest, action="append", type=typing.get_args(tp)[0],
+                                default=None, metavar=name.upper(), help=help_text + " (repeatable)")
+            continue
+        if "choices" not in extra:
+            extra["metavar"] = name.upper()
         parser.add_argument(flag, dest=dest, type=tp, default=default, help=help_text, **extra)
         if optional and default is not None:
             parser.add_argument("--no-" + name.replace("_", "-"), dest=dest, action="store_const",
                                 const=None, help=f"turn {flag} off (None)")
 
 
-def _build(cls: type, values: dict[tuple[str, ...], Any], path: tuple[str, ...] = ()) -> Any:
+def _build(cls: type, values: dict[tuple[str, ...], Any], path: tuple[str, ...] = (),
+           instance: Any = None) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         tp, _ = _inner(hints[f.name])
         here = (*path, f.name)
         if dataclasses.is_dataclass(tp):
-            if any(p[:len(here)] == here for p in values):
-                kwargs[f.name] = _build(tp, values, here)
+            kwargs[f.name] = _build(tp, values, here, _default(f, instance))
         elif here in values:
             kwargs[f.name] = values[here]
+        elif instance is not None:  # a skipped flag: the parent's default instance decides
+            kwargs[f.name] = getattr(instance, f.name)
     return cls(**kwargs)
 
 
@@ -131,7 +150,15 @@ def config_from_args(cls: type, args: argparse.Namespace) -> Any:
     """Instantiate ``cls`` (nested configs included) from the parsed options it added."""
     values = {tuple(k[len("cfg__"):].split("__")): v for k, v in vars(args).items()
               if k.startswith("cfg__")}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if v is not None
+              or not _appendable(cls, k)}
     return _build(cls, values)
+
+
+def _appendable(cls: type, path: tuple[str, ...]) -> bool:
+    for name in path[:-1]:
+        cls = _inner(typing.get_type_hints(cls)[name])[0]
+    return typing.get_origin(_inner(typing.get_type_hints(cls)[path[-1]])[0]) is tuple
 
 
 def flag_message(exc: BaseException, cls: type) -> str:
@@ -139,6 +166,6 @@ def flag_message(exc: BaseException, cls: type) -> str:
     ``--steps=0`` (``DetectorConfig.grad_k=0`` becomes ``--grad-k=0``), so the message names the
     flag the user typed."""
     text = str(exc)
-    for name, _, f, owner in _flags(cls, ()):
+    for name, _, f, owner, _ in _flags(cls, ()):
         text = text.replace(f"{owner.__name__}.{f.name}=", f"--{name.replace('_', '-')}=")
     return text

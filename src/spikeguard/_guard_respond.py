@@ -129,7 +129,7 @@ class _Responses:
         info = self.checkpoints.restore(
             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.precision if self.precision.scaler is not None else None,
-            data=self.data, extra_state={"guard": self}, at_or_before=target)
+            data=self.data, extra_state=self._extra_state(), at_or_before=target)
         self._pending = None
         self._micro.clear()
         return info

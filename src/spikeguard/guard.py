@@ -74,6 +74,8 @@ class GuardConfig:
     """Which probes run and how often, when the guard is built with probes=True."""
     read_lag: int | None = None
     """Steps between a step and the host reading its numbers: 0, 1, or None (1 on CUDA, else 0)."""
+    respond: bool = True
+    """Act on verdicts (skip, roll back, halt); False only measures and records (a baseline)."""
 
     def __post_init__(self) -> None:
         if self.clip is not None:
@@ -97,7 +99,9 @@ class Guard(_Responses):
     each step's record goes; ``probes`` True (built from ``config.probes``) or a Probes object;
     ``on_alert(summary)`` is called on a Tier 2 alert; ``reconfigure(report)`` may answer a halt
     with changes (``{"precision": "bf16-mixed", "lr_scale": 0.5, "z_loss": 1e-3}``) to resume
-    with from the last healthy checkpoint. ``pp_group``/``tp_group`` go to ``grad_stats``.
+    with from the last healthy checkpoint. ``extra_state`` names more objects with
+    ``state_dict``/``load_state_dict`` to checkpoint with the run. ``pp_group``/``tp_group`` go
+    to ``grad_stats``.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -107,6 +111,7 @@ class Guard(_Responses):
                  probes: Probes | bool | None = None,
                  on_alert: Callable[[dict[str, Any]], None] | None = None,
                  reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None = None,
+                 extra_state: Mapping[str, Any] | None = None,
                  pp_group: Any = None, tp_group: Any = None) -> None:
         self.config = config if config is not None else GuardConfig()
         if self.config.tier2 == "rollback" and checkpoints is None:
@@ -116,6 +121,9 @@ class Guard(_Responses):
         self.checkpoints, self.data = checkpoints, data
         self.on_alert, self.reconfigure = on_alert, reconfigure
         self.pp_group, self.tp_group = pp_group, tp_group
+        if extra_state and "guard" in extra_state:
+            raise ValueError("extra_state key 'guard' is the guard's own; rename it")
+        self._extra = dict(extra_state or {})
         if isinstance(precision, PrecisionRuntime):
             self.precision = precision
         else:
@@ -134,6 +142,9 @@ class Guard(_Responses):
         self.step_index = 0
         self.rollbacks = 0
         self.applied = 0
+        self.records = 0
+        """Records handed to the sinks so far (one per step; a checkpoint saves the count, so a
+        resumed run can cut a metrics file back to the checkpoint)."""
         self._batches: deque[tuple[int, int, int]] = deque(maxlen=_BATCH_HISTORY)
         self._window_alerts: list[str] = []
         self._micro: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -243,10 +254,11 @@ class Guard(_Responses):
         coef = stats.clip_(clip) if clip is not None else torch.ones_like(stats.norm)
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
         lr = float(lr) if isinstance(lr, (int, float)) else None
-        self.precision.step(self.optimizer, skip=gate)
+        self.precision.step(self.optimizer, skip=gate if self.config.respond else False)
         scale = self.precision.scale_tensor()
         dev = stats.norm.device
-        parts = [loss_g, log_z_g, stats.norm, gate, armed, coef,
+        applied_gate = gate if self.config.respond else torch.zeros_like(gate)
+        parts = [loss_g, log_z_g, stats.norm, applied_gate, armed, coef,
                  scale if scale is not None else torch.full((), float("nan"), device=dev)]
         vec = torch.stack([p.detach().to(dev, torch.float64).reshape(()) for p in parts])
         probes = self.probes.collect() if self.probes is not None else {}
@@ -274,7 +286,8 @@ class Guard(_Responses):
                         lr=p.lr, grad_scale=scale if self.precision.scaler is not None else None)
         verdict = self.detector.update(m)
         m.loss_ema_ratio = verdict.evidence.get("loss_ema_ratio")
-        if verdict.tier <= 1 and verdict.skip != skipped and not self._warned_disagree:
+        if (self.config.respond and verdict.tier <= 1 and verdict.skip != skipped
+                and not self._warned_disagree):
             self._warned_disagree = True
             log.warning("spikeguard: device gate (%s) and host verdict (%s) disagree at step %d",
                         skipped, verdict.skip, p.step)
@@ -285,8 +298,13 @@ class Guard(_Responses):
                 self.scheduler.step()
         extras: dict[str, Any] = {"armed": armed, "skipped": skipped, "clip_coef": coef, **p.probes}
         action = verdict.action
+        if not self.config.respond:
+            extras["verdict"] = action.value  # what the guard would have done
+            action = Action.CONTINUE
         try:
-            if verdict.tier >= 3:
+            if not self.config.respond:
+                pass
+            elif verdict.tier >= 3:
                 action = self._halt(p, verdict, extras)
             elif verdict.tier == 2:
                 action = self._tier2(p, verdict, extras)
@@ -301,6 +319,7 @@ class Guard(_Responses):
         return verdict
 
     def _log(self, m: StepMetrics, verdict: Verdict, action: Action, extras: dict[str, Any]) -> None:
+        self.records += 1
         if self.sinks is None:
             return
         rec = metrics_record(m, tier=verdict.tier, action=action, reasons=verdict.reasons)
@@ -314,8 +333,11 @@ class Guard(_Responses):
         data = self.data if p.data_state is None else _Frozen(p.data_state)
         ck.save(p.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                 scaler=self.precision if self.precision.scaler is not None else None, data=data,
-                extra_state={"guard": self}, alerts=list(self._window_alerts))
+                extra_state=self._extra_state(), alerts=list(self._window_alerts))
         self._window_alerts.clear()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"guard": self, **self._extra}
 
     # -- resume and state ---------------------------------------------------------------------
     def resume(self) -> Any:
@@ -326,7 +348,7 @@ class Guard(_Responses):
         info = self.checkpoints.restore(
             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.precision if self.precision.scaler is not None else None,
-            data=self.data, extra_state={"guard": self})
+            data=self.data, extra_state=self._extra_state())
         self._data_pos = self._position()
         if self.probes is not None:
             self.probes.start_step(self.step_index)
@@ -335,7 +357,7 @@ class Guard(_Responses):
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready: detector, device statistics, counters, recent batch ranges (syncs)."""
         return {"version": _STATE_VERSION, "step_index": self.step_index,
-                "applied": self.applied, "rollbacks": self.rollbacks,
+                "applied": self.applied, "rollbacks": self.rollbacks, "records": self.records,
                 "detector": self.detector.state_dict(), "gate": self.gate.state_dict(),
                 "history": self.history.state_dict(),
                 "batches": [list(b) for b in self._batches]}
@@ -349,6 +371,7 @@ class Guard(_Responses):
         self.history.load_state_dict(state["history"])
         self.step_index = int(state["step_index"])
         self.applied = int(state["applied"])
+        self.records = int(state["records"])
         # a rollback restores an older state: the budget already spent stays spent
         self.rollbacks = max(self.rollbacks, int(state["rollbacks"]))
         self._batches = deque((tuple(int(x) for x in b) for b in state["batches"]),
