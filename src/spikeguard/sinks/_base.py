@@ -97,7 +97,7 @@ def host_record(record: dict[str, Any]) -> dict[str, Any]:
     return _Pending(record, 0).resolve()[0]
 
 
-def _this_rank(what: str) -> int:
+def this_rank(what: str) -> int:
     """This process's rank; ValueError when torchrun started several ranks but the process
     group does not exist yet (every rank would believe it is rank 0)."""
     launched = os.environ.get("WORLD_SIZE", "1")
@@ -119,7 +119,7 @@ def _writes_here(rank: int | None, what: str) -> bool:
     if rank >= world:
         raise ValueError(f"{what} rank={rank}, but the job has {world} rank(s), so nothing "
                          "would be written; use rank=0")
-    return _this_rank(what) == rank
+    return this_rank(what) == rank
 
 
 def per_rank(target: str, rank: int | None, what: str, field: str) -> str:
@@ -129,7 +129,7 @@ def per_rank(target: str, rank: int | None, what: str, field: str) -> str:
         raise ValueError(f"{what}(rank=None) writes on every rank, so {field}={target!r} must "
                          "hold a {rank} placeholder (e.g. 'metrics-rank{rank}.jsonl') to give "
                          "each rank its own; or use rank=0 (the default) for one per job")
-    return target.replace("{rank}", str(_this_rank(what)))
+    return target.replace("{rank}", str(this_rank(what)))
 
 
 _OPEN: weakref.WeakSet[Sink] = weakref.WeakSet()

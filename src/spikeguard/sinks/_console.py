@@ -11,9 +11,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .. import _dist
 from .._validate import check_int
-from ._base import Sink
+from ._base import Sink, this_rank
 
 __all__ = ["ConsoleSink"]
 
@@ -61,7 +60,7 @@ class ConsoleSink(Sink):
         self.console = console or Console(highlight=False)
         self.every = every
         self.live = self.console.is_terminal if live is None else live
-        self._head = f"[rank {_dist.rank()}] " if rank is None else ""
+        self._head = f"[rank {this_rank(self.name)}] " if rank is None else ""
         self._live: Live | None = None
         self._stats: dict[str, _Summary] = {key: _Summary() for key, _, _ in _FIELDS}
         self._actions: Counter[str] = Counter()
