@@ -12,8 +12,9 @@ from tests.dist import run_distributed
 
 
 def _log_everywhere(rank: int, world_size: int, out: str) -> dict:
+    import sys
+
     os.environ.update(WANDB_MODE="offline", WANDB_DIR=out, WANDB_SILENT="true")
-    import wandb
     from rich.console import Console
 
     from spikeguard.sinks import WandbSink
@@ -31,7 +32,9 @@ def _log_everywhere(rank: int, world_size: int, out: str) -> dict:
     }
     group = Sinks([sinks["job"], sinks["on_1"]])
     alone = Sinks([sinks["on_1"]])
-    wandb_opened = wandb.run is not None
+    # rank 1 neither started a W&B run nor imported wandb
+    wandb_opened = "wandb" in sys.modules and sys.modules["wandb"].run is not None
+    imported = {"wandb": "wandb" in sys.modules}
     for step in range(4):
         record = metrics_record(StepMetrics(step=step, loss=10.0 * rank + step, grad_norm=1.0))
         for sink in sinks.values():
@@ -39,6 +42,7 @@ def _log_everywhere(rank: int, world_size: int, out: str) -> dict:
     for sink in sinks.values():
         sink.close()
     return {"active": {k: s.active for k, s in sinks.items()}, "wandb_opened": wandb_opened,
+            "imported": imported,
             "group": group.active, "alone": alone.active,
             "console": buf.getvalue(), "console_all": buf_all.getvalue()}
 
@@ -62,6 +66,7 @@ def test_each_sink_writes_on_one_rank_or_per_rank_on_two_gloo_ranks(tmp_path):
     assert all(len(list((tmp_path / f"tb-{r}").glob("events.*"))) == 1 for r in range(2))
     # W&B: one run for the job
     assert r0["wandb_opened"] and not r1["wandb_opened"]
+    assert r0["imported"]["wandb"] and not r1["imported"]["wandb"]
     assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1
     # console: rank 0 prints; rank=None prints everywhere, each line headed by its rank
     assert "step       3" in r0["console"] and r1["console"] == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -10,6 +11,13 @@ from ._base import Sink, per_rank
 __all__ = ["TensorBoardSink", "WandbSink"]
 
 _SKIP = frozenset({"schema", "step"})
+
+
+def _require(module: str, what: str, extra: str) -> None:
+    """A missing extra is a set-up mistake: say so at once, on every rank (found, not imported:
+    the ranks that do not write never pay for the import)."""
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"{what} needs {module}: pip install 'spikeguard[{extra}]'")
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -33,17 +41,15 @@ class TensorBoardSink(Sink):
 
     def __init__(self, log_dir: str | os.PathLike[str], *, prefix: str = "",
                  defer: bool | None = None, rank: int | None = 0) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:  # a missing extra is a set-up mistake: say so at once
-            raise ImportError("TensorBoardSink needs tensorboard: pip install "
-                              "'spikeguard[tb]'") from exc
+        _require("tensorboard", "TensorBoardSink", "tb")
         super().__init__(defer=defer, rank=rank)
         self.log_dir = per_rank(os.fspath(log_dir), rank, self.name, "log_dir")
         self.prefix = prefix
         self._writer: Any = None
         if not self.active:
             return
+        from torch.utils.tensorboard import SummaryWriter
+
         try:
             self._writer = SummaryWriter(self.log_dir)
         except Exception as exc:
@@ -80,10 +86,7 @@ class WandbSink(Sink):
 
     def __init__(self, *, run: Any = None, project: str = "spikeguard",
                  defer: bool | None = None, rank: int | None = 0, **init_kwargs: Any) -> None:
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ImportError("WandbSink needs wandb: pip install 'spikeguard[wandb]'") from exc
+        _require("wandb", "WandbSink", "wandb")
         super().__init__(defer=defer, rank=rank)
         if run is None:
             if rank is None or isinstance(init_kwargs.get("name"), str):
@@ -98,6 +101,8 @@ class WandbSink(Sink):
         if not self.active:
             self.run = None
             return
+        import wandb
+
         try:
             if self.run is None:
                 self.run = wandb.init(project=project, **init_kwargs)
