@@ -154,12 +154,13 @@ def test_extend_refuses_once_decay_has_begun_and_other_misuse():
         S.extend(cosine, total_steps=20)
 
 
-def test_train_warms_up_within_a_short_run_and_says_so():
+def test_train_warms_up_within_a_short_run_and_says_so(tmp_path):
     from spikeguard.train import TrainConfig, train
 
-    cfg = TrainConfig(steps=2, model="tiny", batch_size=1, eval_batches=1, warmup_steps=20)
-    with pytest.warns(UserWarning, match="warming up over 1 steps instead"):
+    cfg = TrainConfig(steps=4, model="tiny", batch_size=1, eval_batches=1, warmup_steps=20,
+                      out=str(tmp_path), progress=False, plot=False)
+    with pytest.warns(UserWarning, match="warming up over 3 steps instead"):
         result = train(cfg, echo=False)
-    assert len(result.losses) == 2
-    with pytest.raises(ValueError, match="--min-lr-ratio=2"):
+    assert len(result.losses) == 4
+    with pytest.raises(ValueError, match="min_lr_ratio=2"):
         TrainConfig(min_lr_ratio=2)
