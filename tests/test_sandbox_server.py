@@ -228,3 +228,17 @@ def test_benchmark_smoke(server, capsys):
     assert len(shares) == 6 and all(math.isfinite(s) and s > 0 for s in shares), out
     assert set(results) == {f"{a}/{c}" for a in ("simulate", "encode", "http")
                             for c in ("clip", "default")}
+
+
+def test_package_data_covers_every_page_file():
+    """pyproject's package-data globs (relative to the package folder, as setuptools reads
+    them) name every file the page serves, so a wheel has them."""
+    tomllib = pytest.importorskip("tomllib")
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    globs = cfg["tool"]["setuptools"]["package-data"]["spikeguard.sandbox"]
+    pkg = ROOT / "src" / "spikeguard" / "sandbox"
+    files = [p.relative_to(pkg).as_posix() for p in (pkg / "static").rglob("*") if p.is_file()]
+    assert "static/vendor/uPlot.LICENSE" in files and "static/index.html" in files
+    covered = {p.relative_to(pkg).as_posix() for g in globs for p in pkg.glob(g)}
+    missing = sorted(set(files) - covered)
+    assert not missing, f"add these to [tool.setuptools.package-data]: {missing}"
