@@ -125,6 +125,8 @@ def test_busy_port_is_reported(server, capsys):
 
     assert serve(server[1]) == 2
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+    assert serve(70000) == 2
+    assert "--port 70000 must be an integer in 0..65535" in capsys.readouterr().err
 
 
 def test_static_files_and_the_vendored_chart_library(server):

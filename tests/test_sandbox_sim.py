@@ -114,6 +114,18 @@ def test_first_steps_follow_the_documented_model():
     assert r.spikes[0] == first and r.loss[first] - r.loss[first - 1] > 0.04 * cfg.spike_size
 
 
+@pytest.mark.parametrize("warmup", [False, True])
+def test_vectorised_lr_equals_the_library_schedule(warmup):
+    from spikeguard.sandbox.simulation import lr_schedule
+    from spikeguard.schedules import warmup_cosine
+
+    cfg = replace(BASE, warmup=warmup, warmup_steps=700, steps=5000, peak_lr=0.13)
+    sched = warmup_cosine(warmup_steps=700 if warmup else 0, total_steps=5000,
+                          min_ratio=MODEL["MIN_RATIO"])
+    want = [0.13 * sched(t) for t in range(5000)]
+    np.testing.assert_allclose(lr_schedule(cfg), want, rtol=1e-14, atol=0)
+
+
 def test_lr_schedule_worked_numbers():
     n, peak = 10_000, 0.1
     r = simulate(replace(BASE, clip=True, warmup=True))

@@ -25,6 +25,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ._params import config_from_query
@@ -76,6 +77,36 @@ def _static_file(rel: str) -> Path:
     return full
 
 
+class _Guard:
+    """ASGI middleware: refuse a Host header other than 127.0.0.1 or localhost, and add the
+    security headers to every response (plain ASGI: no per-request task or body copy)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        if host.rsplit(":", 1)[0] not in _HOSTS:
+            refusal = _error(400, f"Host header {host[:100]!r} refused: the sandbox answers to "
+                                  f"127.0.0.1 and localhost only")
+            await refusal(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers["Content-Security-Policy"] = _CSP
+                headers["X-Content-Type-Options"] = "nosniff"
+                headers["Referrer-Policy"] = "no-referrer"
+                headers["Cache-Control"] = "no-store"
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
 def _file_response(path: Path) -> Response:
     kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
     if kind.startswith("text/") or kind in ("application/javascript", "text/javascript"):
@@ -86,19 +117,7 @@ def _file_response(path: Path) -> Response:
 def create_app() -> FastAPI:
     """The sandbox's ASGI app (no network access of its own; serve() binds it)."""
     app = FastAPI(title="spikeguard sandbox", docs_url=None, redoc_url=None, openapi_url=None)
-    @app.middleware("http")
-    async def _headers(request: Request, call_next: Any) -> Response:
-        host = request.headers.get("host", "")
-        if host.rsplit(":", 1)[0] not in _HOSTS:
-            response: Response = _error(400, f"Host header {host[:100]!r} refused: the sandbox "
-                                             f"answers to 127.0.0.1 and localhost only")
-        else:
-            response = await call_next(request)
-        response.headers["Content-Security-Policy"] = _CSP
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["Referrer-Policy"] = "no-referrer"
-        response.headers["Cache-Control"] = "no-store"
-        return response
+    app.add_middleware(_Guard)
 
     @app.exception_handler(_Refused)
     async def _refused(request: Request, exc: _Refused) -> JSONResponse:
@@ -112,16 +131,18 @@ def create_app() -> FastAPI:
             return _error(405, f"{request.method} is not allowed on {request.url.path[:200]!r}")
         return _error(exc.status_code, str(exc.detail))
 
+    # The handlers are async: each takes a few ms of CPU, and a thread hop per request would
+    # cost more than it saves on a page with one user.
     @app.get("/")
-    def index() -> Response:
+    async def index() -> Response:
         return _file_response(STATIC / "index.html")
 
     @app.get("/static/{rel:path}")
-    def static(rel: str) -> Response:
+    async def static(rel: str) -> Response:
         return _file_response(_static_file(rel))
 
     @app.get("/api/simulate")
-    def api_simulate(request: Request) -> JSONResponse:
+    async def api_simulate(request: Request) -> JSONResponse:
         try:
             cfg = config_from_query(SimConfig, request.query_params.multi_items())
         except ValueError as exc:
@@ -129,7 +150,7 @@ def create_app() -> FastAPI:
         return JSONResponse(simulate(cfg).to_json())
 
     @app.get("/api/clipping")
-    def api_clipping(request: Request) -> JSONResponse:
+    async def api_clipping(request: Request) -> JSONResponse:
         try:
             cfg = config_from_query(ClipConfig, request.query_params.multi_items())
         except ValueError as exc:
@@ -137,7 +158,7 @@ def create_app() -> FastAPI:
         return JSONResponse(clipping_picture(cfg))
 
     @app.api_route("/api/real", methods=["GET", "POST"])
-    def api_real() -> JSONResponse:
+    async def api_real() -> JSONResponse:
         return _error(501, REAL_MODE_MESSAGE)
 
     return app
