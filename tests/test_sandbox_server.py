@@ -227,9 +227,9 @@ def test_benchmark_smoke(server, capsys):
     results = bench_sandbox.main(["--smoke", "--url", server[0]])
     out = capsys.readouterr().out
     shares = [float(x) for x in re.findall(r"share of 50 ms: (\S+)", out)]
-    assert len(shares) == 6 and all(math.isfinite(s) and s > 0 for s in shares), out
-    assert set(results) == {f"{a}/{c}" for a in ("simulate", "encode", "http")
-                            for c in ("clip", "default")}
+    assert len(shares) == 10 and all(math.isfinite(s) and s > 0 for s in shares), out
+    assert {f"{a}/{c}" for a in ("simulate", "encode", "http") for c in ("clip", "default")} \
+        <= set(results)
 
 
 def test_package_data_covers_every_page_file():
