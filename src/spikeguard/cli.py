@@ -1,4 +1,5 @@
-"""The ``spikeguard`` command: ``budget`` and ``train`` (more subcommands join as they land)."""
+"""The ``spikeguard`` command: ``budget``, ``train`` and ``sandbox`` (more subcommands join as they
+land)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _cmd_sandbox(args: argparse.Namespace) -> int:
+    try:
+        from .sandbox.server import serve
+    except ImportError as exc:
+        print(f"spikeguard sandbox: {exc.name or exc} is not installed; the page needs the web extra: "
+              f"pip install 'spikeguard[web]'", file=sys.stderr)
+        return 2
+    return serve(args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._config_cli import add_config_args
     from .train import TrainConfig
@@ -131,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (defaults, --defenses, windows) and exit")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("sandbox", help="the loss-spike sandbox page, served on 127.0.0.1 only")
+    p.add_argument("--port", type=int, default=8765,
+                   help="port on 127.0.0.1 (default 8765; 0 picks a free one)")
+    p.set_defaults(func=_cmd_sandbox)
     return parser
 
 
