@@ -2,7 +2,8 @@
 
 Four arms take turns step by step (rotating order), fp32 everywhere: ``none`` and ``none2`` (the
 A/A pair: no z-loss, no QK-norm, a plain fused-AdamW step, no clipping), ``defended`` (z-loss
-1e-4 and the Guard: clipping, the gate, the detector, the record) and ``qk`` (``defended`` plus
+1e-4 and the Guard as spikeguard train runs it: clipping, the gate, the detector, the probes at
+their default intervals, the record) and ``qk`` (``defended`` plus
 QK-norm). Whole-step ratios on this machine move +-10% run to run, so the target is measured
 inside the defenses, as bench_sinks does: the time inside guard.step beyond the plain step, plus
 the z-loss's own cost (linear cross-entropy forward+backward with and without it, interleaved in
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         torch.manual_seed(0)
         model = sg.GPT(sg.GPTConfig(**{**shape.__dict__, **kw}))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        guard = (sg.Guard(model, opt, config=sg.GuardConfig(detector=sg.DetectorConfig(arm_after=2)))
+        guard = (sg.Guard(model, opt, probes=True,
+                          config=sg.GuardConfig(detector=sg.DetectorConfig(arm_after=2)))
                  if name in ("defended", "qk") else None)
         arms[name] = (model, opt, guard)
     times = {a: [] for a in arms}
@@ -83,25 +85,45 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             sg.linear_cross_entropy(h, w, y, z_loss=alpha).loss.backward()
             if r >= warmup:
                 loss_t[alpha].append(time.perf_counter() - t0)
+    # the probes' forward hooks run inside the forward: time a forward with and without them
+    plain, hooked = sg.GPT(shape), sg.GPT(shape)
+    probes = sg.Probes(hooked, sg.ProbeConfig())
+    xb = torch.randint(0, shape.vocab_size, (args.batch_size, shape.seq_len), generator=gen)
+    fwd_t: dict[str, list[float]] = {"plain": [], "hooked": []}
+    with torch.no_grad():
+        for r in range(warmup + 2 * steps):
+            for name in (("plain", "hooked") if r % 2 else ("hooked", "plain")):
+                m = plain if name == "plain" else hooked
+                probes.start_step(0)
+                t0 = time.perf_counter()
+                m(xb)
+                if name == "hooked":
+                    probes.collect()
+                if r >= warmup:
+                    fwd_t[name].append(time.perf_counter() - t0)
     med = {a: statistics.median(t) for a, t in times.items()}
     base_tail = statistics.median(tails["none"] + tails["none2"])
     guard_share = (statistics.median(tails["defended"]) - base_tail) / med["none"]
     z_share = (statistics.median(loss_t[1e-4]) - statistics.median(loss_t[0.0])) / med["none"]
-    share = guard_share + z_share
+    probe_share = (statistics.median(fwd_t["hooked"]) - statistics.median(fwd_t["plain"])) / \
+        med["none"]
+    share = guard_share + z_share + probe_share
     tps = 1.0 / (1.0 + share)
     print(f"\n{shape.n_layer} layers d={shape.d_model} T={shape.seq_len} batch {args.batch_size}, "
           f"fp32 in every arm, {torch.get_num_threads()} CPU thread(s); {steps} interleaved steps "
           f"per arm")
     for a in names:
         print(f"  {a:8s} median step {med[a] * 1e3:9.2f} ms")
-    print(f"  guard (clip, gate, detector, record) beyond a plain step: {guard_share:.3%} of a step")
+    print(f"  guard (clip, gate, detector, probes, record) beyond a plain step: {guard_share:.3%}"
+          " of a step")
     print(f"  z-loss 1e-4 inside the fused loss: {z_share:.3%} of a step")
+    print(f"  probes' forward hooks (activation max every step): {probe_share:.3%} of a step")
     print(f"  every defense but QK-norm: tokens/s ratio {tps:.4f} (target >= 0.93: "
           f"{'PASS' if tps >= 0.93 else 'FAIL'})")
     print(f"  step ratio defended/none {med['defended'] / med['none']:.4f}   A/A none2/none "
           f"{med['none2'] / med['none']:.4f}")
     print(f"  QK-norm on top: step ratio qk/defended {med['qk'] / med['defended']:.4f}")
-    return {"tps": tps, "guard_share": guard_share, "z_share": z_share,
+    return {"tps": tps, "guard_share": guard_share, "z_share": z_share, "probe_share": probe_share,
             "qk": med["qk"] / med["defended"]}
 
 
