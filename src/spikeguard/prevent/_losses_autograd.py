@@ -10,16 +10,42 @@ Gradient of alpha * logZ^2 + CE with respect to the (capped) logit c_j of one to
 and with a softcap c = cap * tanh(x / cap) the chain rule adds a factor 1 - (c / cap)^2.
 
 The backwards are hand-written and not themselves differentiable: each is marked
-once_differentiable, so a double backward raises torch's own error saying so.
+``strict_once_differentiable``, so a double backward raises torch's own once_differentiable error.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 __all__: list[str] = []
+
+
+def strict_once_differentiable(backward: Callable) -> Callable:
+    """torch.autograd.function.once_differentiable that also catches the usual double backward.
+
+    torch's decorator attaches its "trying to differentiate twice" error only when an incoming
+    gradient requires grad. Under ``autograd.grad(loss, x, create_graph=True)`` the incoming
+    gradient is a constant, so torch's version returns a gradient with no history: a later
+    backward through it fails with an unrelated message, or, summed with other terms, silently
+    contributes nothing. Whenever a graph is being built, the incoming gradients are passed as
+    aliases that require grad (the backward runs under no_grad, so values are unchanged), and
+    every output then carries torch's error node."""
+    inner = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            grads = tuple(g.detach().requires_grad_() if isinstance(g, torch.Tensor)
+                          and g.dtype.is_floating_point else g for g in grads)
+        return inner(ctx, *grads)
+
+    return wrapper
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -101,7 +127,7 @@ class CrossEntropyFn(torch.autograd.Function):
         return loss, lse_out, ce_out
 
     @staticmethod
-    @once_differentiable
+    @strict_once_differentiable
     def backward(ctx, g_loss, _g_lse, _g_ce):
         logits, tgt, mask, lse = ctx.saved_tensors
         alpha, softcap, rows = ctx.alpha, ctx.softcap, ctx.chunk_rows
@@ -185,7 +211,7 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         return loss, ce_mean, z_term, log_z
 
     @staticmethod
-    @once_differentiable
+    @strict_once_differentiable
     def backward(ctx, g_loss, _g_ce, _g_z, _g_logz):
         dh, dw, db = ctx.saved_tensors
 
@@ -218,14 +244,15 @@ class LinearCrossEntropyTokensFn(torch.autograd.Function):
             del c
         ctx.save_for_backward(hidden, weight, bias, tgt, mask, lse)
         ctx.alpha, ctx.softcap, ctx.chunk_rows = alpha, softcap, chunk_rows
-        ctx.autocast = (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
+        ctx.autocast = ((torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
+                        if torch.amp.is_autocast_available(dev.type) else None)
         m = mask.to(cd)
         lse_out, ce_out = lse * m, ce * m
         ctx.mark_non_differentiable(lse_out, ce_out)
         return ce_out + alpha * lse_out.square(), lse_out, ce_out
 
     @staticmethod
-    @once_differentiable
+    @strict_once_differentiable
     def backward(ctx, g_loss, _g_lse, _g_ce):
         hidden, weight, bias, tgt, mask, lse = ctx.saved_tensors
         alpha, softcap, rows = ctx.alpha, ctx.softcap, ctx.chunk_rows
@@ -235,11 +262,13 @@ class LinearCrossEntropyTokensFn(torch.autograd.Function):
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, dtype=cd, device=dev) if need_w else None
         db = torch.zeros(weight.shape[0], dtype=cd, device=dev) if need_b else None
-        enabled, ac_dtype = ctx.autocast
+        # recompute the logits as the forward did: under autocast they were in its dtype
+        autocast = (contextlib.nullcontext() if ctx.autocast is None else
+                    torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]))
         for s in range(0, hidden.shape[0], rows):
             sl = slice(s, s + rows)
             h, lse_c = hidden[sl], lse[sl]
-            with torch.autocast(dev.type, dtype=ac_dtype, enabled=enabled):
+            with autocast:
                 c = F.linear(h, weight, bias)
             c = _capped(c.to(cd), softcap, owned=True)
             p = torch.sub(c, lse_c.unsqueeze(1)).exp_()

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._losses_autograd import strict_once_differentiable
+
 __all__ = [
     "QKNorm",
     "StackedLogitBoundsWarning",
@@ -152,7 +154,7 @@ class _EagerAttention(torch.autograd.Function):
         return torch.cat(outs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @strict_once_differentiable
     def backward(ctx, dout):
         q, k, v, *rest = ctx.saved_tensors
         probs, sigs = rest[:ctx.n_chunks], rest[ctx.n_chunks:]
