@@ -271,7 +271,9 @@ class LinearCrossEntropyTokensFn(torch.autograd.Function):
             with autocast:
                 c = F.linear(h, weight, bias)
             c = _capped(c.to(cd), softcap, owned=True)
-            p = torch.sub(c, lse_c.unsqueeze(1)).exp_()
+            # the softmax from the saved log Z; in place when the capped logits are not needed
+            p = (c.sub_(lse_c.unsqueeze(1)) if softcap is None
+                 else torch.sub(c, lse_c.unsqueeze(1))).exp_()
             _chunk_grads(p, c, h, tgt[sl], lse_c, scale[sl], weight, alpha, softcap,
                          None if dh is None else dh[sl], dw, db)
             del c, p
