@@ -299,9 +299,8 @@ def test_four_micro_batches_equal_one_batch_of_four_times_the_size():
 
 
 def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path):
-    full = guarded_run(steps=70, out=tmp_path / "full", every=20, faults=[Fault("outlier", 30)])
-    part = guarded_run(steps=70, stop_at=55, out=tmp_path / "part", every=20,
-                       faults=[Fault("outlier", 30)])
+    full = guarded_run(steps=70, out=tmp_path / "full", every=20)
+    part = guarded_run(steps=70, stop_at=55, out=tmp_path / "part", every=20)
     assert part.guard.step_index == 55  # "killed" after step 54; checkpoints at 20 and 40
     resumed = guarded_run(steps=70, out=tmp_path / "part", every=20, resume=True)
     assert resumed.guard.applied == full.guard.applied
