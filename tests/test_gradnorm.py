@@ -161,7 +161,7 @@ def test_bad_input_names_the_field():
 
 
 def test_matches_cross_entropy_model_of_the_dist_tests():
-    from tests.test_gradnorm_dist import Toy, batch
+    from tests._gradnorm_common import Toy, batch
 
     torch.manual_seed(0)
     model = Toy()
