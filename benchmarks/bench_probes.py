@@ -4,7 +4,7 @@ Arms, interleaved run by run: no probes (baseline, twice: the A/A pair shows the
 probes at their default intervals, and every probe on every step. Prints the median step
 time of each arm and the ratios to the baseline; the target is <= 1.03 at the default intervals.
 
-    PYTHONPATH=src:. python benchmarks/bench_probes.py            # 5 runs x 30 steps
+    PYTHONPATH=src:. python benchmarks/bench_probes.py            # 5 runs x 30 steps, 1 thread
     PYTHONPATH=src:. python benchmarks/bench_probes.py --smoke    # a quick check that it runs
 """
 
@@ -52,7 +52,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 run of 3 steps")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; 1 by default because on a shared machine multi-threaded "
+                         "kernels stall whenever a core is taken")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     model_cfg = sg.GPTConfig.bench()
     if args.smoke:
         args.runs, args.steps, args.batch, model_cfg = 1, 3, 2, sg.GPTConfig.tiny()
@@ -68,7 +72,8 @@ def main() -> None:
             medians[name].append(run_arm(cfg, steps=args.steps, batch=args.batch, model_cfg=model_cfg))
     base = statistics.median(medians["baseline"])
     print(f"model {'tiny' if args.smoke else 'bench'}, batch {args.batch}, {args.runs} interleaved "
-          f"runs x {args.steps} steps; baseline median step {base * 1e3:.1f} ms")
+          f"runs x {args.steps} steps, {args.threads} thread(s); baseline median step "
+          f"{base * 1e3:.1f} ms")
     for name in arms:
         m = statistics.median(medians[name])
         ratios = [a / b for a, b in zip(medians[name], medians["baseline"])]

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import spikeguard as sg
-from spikeguard.detect.probes import ProbeConfig, Probes, _layer_of
+from spikeguard.detect.probes import ProbeConfig, Probes
 from tests._gradnorm_common import Toy, _full, _gather, _locals, _reference, _step, _tp_plan
 
 NORM_TYPES = [1.0, 3.0, 0.5, math.inf, -math.inf, 0.0, -1.0]
@@ -116,7 +116,8 @@ def probes(rank: int, world: int, lag_rank: int | None) -> dict:
         sums: dict[str, float] = {}
         local: dict[str, float] = {}
         for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
-            key = f"layer_grad_norm/{_layer_of(name)}"
+            parts = name.split(".")  # blocks.<i>.* per block, else the top-level module
+            key = "layer_grad_norm/" + (".".join(parts[:2]) if parts[0] == "blocks" else parts[0])
             sums[key] = sums.get(key, 0.0) + float(p.grad.square().sum())
             local[key] = local.get(key, 0.0) + float(q.grad.to_local().double().square().sum())
         out["ref"].append({k: math.sqrt(v) for k, v in sums.items()})

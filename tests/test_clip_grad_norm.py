@@ -217,3 +217,12 @@ def test_nonfinite_params_names_exactly_the_bad_ones():
     empty = _params([torch.zeros(0)])
     named = [*model.named_parameters(), ("h0", half[0]), ("h1", half[1]), ("e", empty[0])]
     assert nonfinite_params(named) == ["1.weight", "h0"]
+
+
+def test_no_norm_type_reads_the_device_on_the_host():
+    from tests.test_gradnorm import no_host_reads
+
+    for norm_type in NORM_TYPES:
+        params = _random()
+        with no_host_reads():
+            sg.clip_grad_norm_(params, 1.0, norm_type)

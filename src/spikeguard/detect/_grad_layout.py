@@ -42,7 +42,7 @@ from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach
 
 from .._dist import collective_device, group_size, world_size
 
-__all__ = ["GradLayout", "collect", "group_by_device_dtype"]
+__all__ = ["GradLayout", "collect", "group_by_device_dtype", "tensor_norms"]
 
 _F64 = torch.float64
 _LOW = (torch.float16, torch.bfloat16)
@@ -67,7 +67,7 @@ def _use_foreach(tensors: list[torch.Tensor], foreach: bool | None) -> bool:
     return bool(foreach)
 
 
-def _norms(tensors: list[torch.Tensor], device: torch.device, p: float = 2.0,
+def tensor_norms(tensors: list[torch.Tensor], device: torch.device, p: float = 2.0,
            foreach: bool | None = None) -> torch.Tensor:
     """Per-tensor p-norms in the order of ``tensors``, as one vector on ``device`` (float32 for
     16-bit and float32 gradients, float64 for float64 ones)."""
@@ -109,7 +109,7 @@ class GradLayout:
     """How many plain (non-DTensor) gradients there are."""
     dtensors: int = 0
     """How many DTensor gradients there are."""
-    _norms: dict[int, torch.Tensor] | None = None
+    _norms: dict[int, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -129,7 +129,7 @@ class GradLayout:
         self._norms = {}
         parts = []
         for copies, tensors in self.pieces.items():
-            self._norms[copies] = _norms(tensors, device, foreach=foreach)
+            self._norms[copies] = tensor_norms(tensors, device, foreach=foreach)
             parts.append(self._norms[copies].to(_F64).square().sum() / copies)
         return torch.stack(parts).sum() if parts else torch.zeros((), dtype=_F64, device=device)
 
@@ -165,14 +165,14 @@ class GradLayout:
         for copies, tensors in self.pieces.items():
             tensors = [t for t in tensors if t.numel()]
             if tensors:
-                norms = _norms(tensors, device, p, foreach).to(_F64)
+                norms = tensor_norms(tensors, device, p, foreach).to(_F64)
                 parts.append(norms.pow(p).sum() / copies)
         return torch.stack(parts).sum()
 
     def extreme(self, p: float, device: torch.device, foreach: bool | None = None) -> torch.Tensor:
         """Local max (p = inf) or min (p = -inf) of ``|x|``, 0-dim float64; NaN if any element
         is NaN; 0 or inf (the reduction's identity) when this rank holds no element."""
-        found = [_norms([t for t in ts if t.numel()], device, p, foreach)
+        found = [tensor_norms([t for t in ts if t.numel()], device, p, foreach)
                  for ts in self.pieces.values() if any(t.numel() for t in ts)]
         if not found:
             return torch.full((), 0.0 if p > 0 else math.inf, dtype=_F64, device=device)

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from ._grad_layout import GradLayout, _norms, collect
+from ._grad_layout import GradLayout, collect, tensor_norms
 
 __all__ = ["GradStats", "clip_grad_norm_", "grad_stats", "nonfinite_params"]
 
@@ -209,7 +209,10 @@ def _other_norm(layout: GradLayout, p: float, foreach: bool | None) -> torch.Ten
             vec, op = torch.stack([share, torch.zeros_like(n), n]), dist.ReduceOp.SUM
         if layout.world > 1:
             dist.all_reduce(vec, op=op)
-        total = vec[0] if math.isinf(p) or p == 0 else vec[0].pow(1.0 / p)
+        if math.isinf(p):
+            total = vec[0]
+        else:  # p = 0: a count, whole even when world / pp is not a power of two
+            total = vec[0].round() if p == 0 else vec[0].pow(1.0 / p)
         total = torch.where(vec[1] != 0, torch.full_like(total, math.nan), total)
         total = torch.where(vec[2] != 0, total, torch.zeros_like(total))
     return total.to(layout.dtype)
@@ -228,7 +231,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
       group, one all-reduce, no host sync. Any other norm torch supports takes a slower exact
       path: a finite p (negative too) sums ``|x|^p`` over the shards in float64, ``inf`` and
       ``-inf`` are a max- and min-reduce, and ``0`` gives torch's result, the number of gradient
-      tensors holding a non-zero element (one more collective per group of shards).
+      tensors holding a non-zero element (one more collective per group of shards). Neither
+      path reads a device value on the host.
     - The norm is float64 when any gradient is float64 (measured and clipped in float64),
       float32 otherwise; 16-bit gradients are measured in float32 (torch returns their norm in
       the gradients' dtype).
@@ -282,5 +286,5 @@ def nonfinite_params(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> li
                 grads.append(g)
     if not grads:
         return []
-    amax = _norms(grads, grads[0].device, math.inf)
+    amax = tensor_norms(grads, grads[0].device, math.inf)
     return [n for n, bad in zip(names, (~torch.isfinite(amax)).tolist()) if bad]
