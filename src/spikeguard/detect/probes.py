@@ -131,7 +131,9 @@ class Probes:
             m.last_logit_p99 = None
 
     def collect(self) -> dict[str, Any]:
-        """The due probes' values for the current step, as host numbers (one host read)."""
+        """The due probes' values for the current step, as host numbers (one host read; at a
+        per-layer grad-norm step one all-reduce and one more read, so under torch.distributed
+        every rank must call it at the same steps)."""
         record: dict[str, Any] = {}
         step = self._step
         pending: list[torch.Tensor] = []
