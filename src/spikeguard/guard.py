@@ -271,7 +271,8 @@ class Guard(_Responses):
         if self.probes is not None:
             self.probes.start_step(self.step_index)
         return _Pending(t, _Readback(vec), lr, batches, data_state, rerun, probes,
-                        stats if keep_grads else None)
+                        stats if keep_grads else None,
+                        None if keep_grads else stats.finite_pieces())
 
     # -- the host side ------------------------------------------------------------------------
     def _resolve(self, p: _Pending) -> Verdict:

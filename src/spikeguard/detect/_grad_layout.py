@@ -109,6 +109,9 @@ class GradLayout:
     """How many plain (non-DTensor) gradients there are."""
     dtensors: int = 0
     """How many DTensor gradients there are."""
+    owners: dict[int, list[int]] = field(default_factory=dict)
+    """copies -> for each piece, the index of its parameter among those walked (None grads
+    counted): what maps a per-piece norm back to a parameter name."""
     _norms: dict[int, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -132,6 +135,15 @@ class GradLayout:
             self._norms[copies] = tensor_norms(tensors, device, foreach=foreach)
             parts.append(self._norms[copies].to(_F64).square().sum() / copies)
         return torch.stack(parts).sum() if parts else torch.zeros((), dtype=_F64, device=device)
+
+    def finite_pieces(self) -> tuple[torch.Tensor | None, list[int]]:
+        """(1-D bool tensor: whether each local piece's norm is finite, the piece's parameter
+        index), from the norms :meth:`sumsq` kept; no host read. (None, []) without pieces."""
+        assert self._norms is not None, "sumsq() first"
+        if not self._norms:
+            return None, []
+        flags = torch.cat([torch.isfinite(self._norms[c]) for c in self.pieces])
+        return flags, [i for c in self.pieces for i in self.owners[c]]
 
     def nonfinite_sumsq(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of (non-finite element count, sum of squares without float32
@@ -261,7 +273,7 @@ def collect(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: dist
     pp = group_size(pp_group, "pp_group")
     tp = group_size(tp_group, "tp_group")
     layout = GradLayout(world=world, pp=pp)
-    for p in parameters:
+    for index, p in enumerate(parameters):
         grad = p.grad
         if grad is None:
             continue
@@ -276,6 +288,7 @@ def collect(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: dist
             copies = _copies(world, pp * tp_sharded, "a plain gradient")
             local, groups = grad, ((tp_group,) if tp_sharded > 1 else ())
         layout.pieces.setdefault(copies, []).append(local)
+        layout.owners.setdefault(copies, []).append(index)
         layout.shard_groups.append((local, groups))
         layout.numel_share += local.numel() / copies
     return layout

@@ -105,6 +105,13 @@ class GradStats:
         self._slow = (float(vec[0]), vec[1].sqrt())
         return self._slow
 
+    def finite_pieces(self) -> tuple[torch.Tensor | None, list[int]]:
+        """Which local gradients are finite, without reading the device: (a 1-D bool tensor,
+        one entry per local gradient piece; the index of each piece's parameter in the iterable
+        given to grad_stats). Small (one bool a tensor) and free of references to the gradients,
+        so it can outlive them: the guard reads it a step later to name the culprits."""
+        return self._layout.finite_pieces()
+
     def clip_(self, max_norm: float, *, foreach: bool | None = None) -> torch.Tensor:
         """Multiply every local gradient in place by ``min(1, max_norm / (norm + 1e-6))`` (torch's
         formula), one scalar for the whole model; a non-finite norm multiplies by exactly 1, so
