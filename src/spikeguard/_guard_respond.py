@@ -135,10 +135,14 @@ class _Responses:
         if target is None:
             raise CheckpointError(f"no healthy checkpoint at or before step {onset - 2} "
                                   f"(the update before the onset at {onset} may be the cause)")
+        # state that lives outside the run's timeline (a fault injector: the world does not rewind)
+        kept = {k: self._extra[k].state_dict() for k in self.keep_on_rollback}
         info = self.checkpoints.restore(
             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.precision if self.precision.scaler is not None else None,
             data=self.data, extra_state=self._extra_state(), at_or_before=target)
+        for k, state in kept.items():
+            self._extra[k].load_state_dict(state)
         self._pending = None
         self._micro.clear()
         return info
