@@ -9,50 +9,47 @@ holds the state after update s.
 
 Layout of ``directory/step_00000100/``: DCP's ``.metadata`` and ``__<rank>_0.distcp``,
 ``rank<r>.json`` (sidecars), ``info.json`` (step, health, alerts, skip ranges, world size) and
-``MANIFEST.json`` (size and sha256 of every other file). Everything is written under
-``.tmp-step_...``, fsynced, and renamed: a directory without its manifest is never listed.
-Restore checks the manifest, reads DCP metadata through an allowlist unpickler and loads bytes
-entries with ``weights_only=True`` (see ``_safe_dcp``); a checkpoint failing any check is
-refused with a :class:`CheckpointWarning` and the previous healthy one is used.
+``MANIFEST.json`` (size and sha256 of every other file). Each rank hashes the files it writes
+as it writes them (in DCP's background writer under ``async_save``); rank 0 gathers the digests
+into the manifest. Everything is written under ``.tmp-step_...``, fsynced, and renamed: a
+directory without its manifest is never listed. Restore reads every file it needs once, from
+inside the checkpoint directory only (no symlinks), and hashes it as it reads; DCP metadata
+goes through an allowlist unpickler and bytes entries load with ``weights_only=True`` (see
+``_safe_dcp``). A checkpoint failing any check is refused with a :class:`CheckpointWarning`
+and the previous healthy one is used.
+
+torch.distributed.checkpoint is imported on first use, not by ``import spikeguard``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from .. import _dist
 from .._validate import check_int
 from . import _ckpt_io as io
-from ._safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
+from ._ckpt_files import DIGEST, CheckpointDir, FileEntry, IOStats
+from ._ckpt_load import INFO as _INFO
+from ._ckpt_load import MANIFEST as _MANIFEST
+from ._ckpt_load import Refused, load, verify_checkpoint
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointWarning",
-           "verify_checkpoint"]
+           "rollback_target", "verify_checkpoint"]
 
-_MANIFEST = "MANIFEST.json"
-_INFO = "info.json"
 _FORMAT = "spikeguard-checkpoint/1"
 
 
 class CheckpointError(RuntimeError):
-    """No checkpoint could be restored (each refusal is listed)."""
+    """No checkpoint could be restored (each refusal is listed), or one could not be committed."""
 
 
 class CheckpointWarning(UserWarning):
@@ -77,19 +74,21 @@ class CheckpointInfo:
     """Free-form JSON metadata given to save()."""
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence DCP's note that it runs in one process (that is the intent when no process
-    group is initialised)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
-        yield
+def rollback_target(onset: int, checkpoints: int | Iterable[int]) -> int | None:
+    """The step of the checkpoint to roll back to for an anomaly first seen at step ``onset``:
+    the newest checkpoint at or before ``onset - 2``, or None when there is none.
 
-
-def _model_optim(model: torch.nn.Module, optimizer: Any) -> tuple[dict, dict | None]:
-    if optimizer is None:
-        return get_model_state_dict(model), None
-    return get_state_dict(model, optimizer)
+    A checkpoint at step s holds the state after update s, and the update at ``onset - 1`` may
+    itself be the cause (a bad learning rate's first update looks normal in its own gradients),
+    so the checkpoint at ``onset - 1`` is not safe. ``checkpoints`` is the interval of saves
+    (every k steps from k) or the steps that exist. Every 1,000 steps: onset 57,182 -> 57,000;
+    onset 57,001 -> 56,000."""
+    limit = onset - 2
+    if isinstance(checkpoints, int):
+        check_int(checkpoints, "rollback_target checkpoints", hint="pass the save interval")
+        step = limit // checkpoints * checkpoints
+        return step if step >= checkpoints else None
+    return max((s for s in checkpoints if s <= limit), default=None)
 
 
 class CheckpointManager:
@@ -97,9 +96,12 @@ class CheckpointManager:
     one), restore the newest healthy checkpoint at or before a step.
 
     Collective under torch.distributed: every rank calls save/restore with the same step.
-    ``async_save=True`` uses ``dcp.async_save``: save() returns once the state is copied off
-    the device; the files are written, hashed and committed in the background and the commit
-    is awaited by the next save/restore or by :meth:`wait`.
+    ``async_save=True`` uses ``dcp.async_save`` on a gloo group of its own (so its background
+    collectives never mix with the training thread's, and NCCL-only jobs work): save() returns
+    once the state is staged (copied off the device); DCP's background thread writes the files
+    and each rank hashes its own as they are written; the next save/restore or :meth:`wait`
+    commits (a gather of the per-rank digests, the manifest, a rename). ``io_stats`` counts
+    this rank's opens and hashed bytes per file in the last save or restore.
     """
 
     def __init__(self, directory: str | Path, *, every: int = 1000, keep: int = 10,
@@ -108,20 +110,26 @@ class CheckpointManager:
         check_int(keep, "CheckpointManager keep", hint="10 is usual")
         self.directory = Path(directory)
         self.every, self.keep, self.async_save = every, keep, async_save
+        self.io_stats = IOStats()
         self._pending: Any = None
         self._stager: Any = None
+        self._group: Any = None
 
     # -- listing ------------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints (those with a manifest), oldest first."""
+        """Committed checkpoints (those with a manifest), oldest first. Symlinked directories
+        are not checkpoints this manager wrote and are passed over."""
         out = []
         if not self.directory.is_dir():
             return out
         for d in sorted(self.directory.glob("step_*")):
-            if not (d / _MANIFEST).is_file():
+            if d.is_symlink() or not d.is_dir():
                 continue
             try:
-                info = json.loads((d / _INFO).read_text())
+                with CheckpointDir(d) as cd:
+                    if _MANIFEST not in cd.names():
+                        continue
+                    info = json.loads(cd.read(_INFO, None, IOStats()))
                 out.append(CheckpointInfo(
                     step=int(info["step"]), path=d, healthy=bool(info["healthy"]),
                     alerts=tuple(info.get("alerts", ())),
@@ -149,6 +157,10 @@ class CheckpointManager:
         ``healthy=False`` (or any ``alerts``) marks that an alert was raised in this
         checkpoint's window; restore() then passes over it. Collective across ranks.
         """
+        import torch.distributed.checkpoint as dcp
+
+        from ._safe_dcp import HashingWriter
+
         self.wait()
         healthy = bool(healthy) and not alerts
         final = self.directory / f"step_{step:08d}"
@@ -158,65 +170,96 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         _dist.barrier()
-        msd, osd = _model_optim(model, optimizer)
+        msd, osd = io.model_optim(model, optimizer)
         tensors, rest = io.split({"model": msd, "optim": osd})
         side: dict[str, Any] = {"rest": rest}
         for name, obj in self._statefuls(scheduler, scaler, data, extra_state).items():
             side[name] = obj.state_dict()
         if save_rng:
             side["rng"] = io.rng_state()
-        io.write_json(tmp / f"rank{_dist.rank()}.json", io.encode(side))
+        stats = self.io_stats = IOStats()
+        sidecar = f"rank{_dist.rank()}.json"
+        records: dict[str, FileEntry] = {sidecar: io.write_json(tmp / sidecar, io.encode(side))}
+        stats.add(sidecar, hashed=records[sidecar].size)
         skips = data.state_dict().get("skip_ranges", []) if data is not None else []
         info = {"format": _FORMAT, "step": step, "healthy": healthy, "alerts": list(alerts),
                 "skip_ranges": [list(r) for r in skips], "world_size": _dist.world_size(),
                 "meta": meta or {}}
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        if self.async_save:
-            if self._stager is None:  # one stager: its CPU buffers are reused save after save
-                gpu = torch.cuda.is_available()
-                self._stager = DefaultStager(StagingOptions(
-                    use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
-                    use_non_blocking_copy=gpu))
-            with _quiet():
-                fut = dcp.async_save(tensors, storage_writer=writer, async_stager=self._stager,
-                                     no_dist=not _dist.is_dist())
-            self._pending = (fut, tmp, final, info)
+        writer = HashingWriter(tmp, records, stats)
+        if not self.async_save:
+            with io.quiet():
+                dcp.save(tensors, storage_writer=writer, no_dist=not _dist.is_dist())
+            self._commit(tmp, final, info, records)
             return final
-        with _quiet():
-            dcp.save(tensors, storage_writer=writer, no_dist=not _dist.is_dist())
-        self._commit(tmp, final, info)
+        if self._group is None and _dist.is_dist():
+            self._group = _dist.new_cpu_group()
+        if self._stager is None:  # one stager: its CPU buffers are reused save after save
+            self._stager = io.stager() or False
+        with io.quiet():
+            if self._stager:
+                fut = dcp.async_save(tensors, storage_writer=writer, async_stager=self._stager,
+                                     process_group=self._group, no_dist=not _dist.is_dist())
+            else:
+                fut = dcp.async_save(tensors, storage_writer=writer, process_group=self._group)
+        self._pending = (fut, tmp, final, info, records)
         return final
 
     def wait(self) -> None:
         """Block until a pending async save is committed (re-raising its error, if any)."""
         if self._pending is None:
             return
-        fut, tmp, final, info = self._pending
+        fut, tmp, final, info, records = self._pending
         self._pending = None
         fut.result()
-        self._commit(tmp, final, info)
+        self._commit(tmp, final, info, records)
 
     def close(self) -> None:
-        """Commit a pending async save and free the staging buffers."""
+        """Commit a pending async save and free the staging buffers and the async group."""
         self.wait()
-        if self._stager is not None:
+        if self._stager:
             self._stager.close()
-            self._stager = None
+        self._stager = None
+        if self._group is not None:
+            import torch.distributed as dist
 
-    def _commit(self, tmp: Path, final: Path, info: dict) -> None:
-        _dist.barrier()  # every rank's files are written
-        if _dist.rank() == 0:
-            io.write_json(tmp / _INFO, info)
-            files = {p.name: {"size": p.stat().st_size, "sha256": io.hash_file(p)}
-                     for p in sorted(tmp.iterdir()) if p.is_file()}
-            io.write_json(tmp / _MANIFEST, {"format": _FORMAT, "files": files})
-            io.fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            io.fsync_dir(self.directory)
-            self._rotate()
-        _dist.barrier()
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    def _commit(self, tmp: Path, final: Path, info: dict, records: dict[str, FileEntry]) -> None:
+        gathered = _dist.gather_object({n: e.to_json() for n, e in records.items()})
+        error = None
+        if gathered is not None:  # rank 0
+            try:
+                files = self._manifest(tmp, info, gathered)
+                io.write_json(tmp / _MANIFEST, {"format": _FORMAT,
+                                                "files": {n: e.to_json() for n, e in files.items()}})
+                io.fsync_dir(tmp)
+                if final.exists():
+                    shutil.rmtree(final)
+                tmp.rename(final)
+                io.fsync_dir(self.directory)
+                self._rotate()
+            except (OSError, ValueError) as e:
+                error = f"{type(e).__name__}: {e}"
+        if not _dist.all_true(error is None):  # also the barrier: committed before anyone goes on
+            raise CheckpointError(f"checkpoint {final} could not be committed: "
+                                  f"{error or 'rank 0 failed (see its error)'}")
+
+    @staticmethod
+    def _manifest(tmp: Path, info: dict, gathered: list[dict]) -> dict[str, FileEntry]:
+        files: dict[str, FileEntry] = {}
+        for r, recs in enumerate(gathered):
+            for name, e in recs.items():
+                entry = FileEntry(int(e["size"]), str(e[DIGEST]))
+                if files.setdefault(name, entry) != entry:
+                    raise ValueError(f"rank {r} wrote {name} with other contents than another rank")
+        files[_INFO] = io.write_json(tmp / _INFO, info)
+        present = set(os.listdir(tmp))
+        if present != set(files):
+            raise ValueError(f"files written but not hashed: {sorted(present - set(files))}; "
+                             f"hashed but absent: {sorted(set(files) - present)} (is the "
+                             "directory on a file system every rank shares?)")
+        return files
 
     def _rotate(self) -> None:
         ckpts = self.list()
@@ -252,17 +295,22 @@ class CheckpointManager:
 
         A checkpoint that fails its integrity or safety checks is refused with a
         CheckpointWarning and the previous healthy one is tried; CheckpointError if none is
-        left. Collective across ranks; all ranks agree on every refusal. Returns its info.
+        left. A refusal found while tensors stream in (a corrupted shard) may leave part of
+        the refused values in ``model`` and ``optimizer`` until the older checkpoint
+        overwrites them; after CheckpointError their state is undefined. Collective across
+        ranks; all ranks agree on every refusal. Returns its info.
         """
         self.wait()
         refusals: list[str] = []
         for c in reversed(self.list()):
             if (at_or_before is not None and c.step > at_or_before) or not c.healthy:
                 continue
+            self.io_stats = IOStats()
             try:
-                self._load(c, model, optimizer, self._statefuls(scheduler, scaler, data, extra_state),
-                           restore_rng)
-            except _Refused as e:
+                load(c.path, c.step, c.healthy, model, optimizer,
+                     self._statefuls(scheduler, scaler, data, extra_state), restore_rng,
+                     self.io_stats)
+            except Refused as e:
                 msg = f"checkpoint {c.path} refused: {e}; falling back to the previous healthy one"
                 warnings.warn(msg, CheckpointWarning, stacklevel=2)
                 refusals.append(msg)
@@ -275,94 +323,18 @@ class CheckpointManager:
     def rollback(self, *, onset: int, detection: int, data: Any, **objects: Any) -> CheckpointInfo:
         """Roll back past an anomaly seen from step ``onset`` to step ``detection``.
 
-        Restores the newest healthy checkpoint before ``onset`` (``at_or_before=onset - 1``),
-        then makes ``data`` skip the batches of steps onset..detection, so the batches between
-        the checkpoint and the onset are replayed. Steps count from 0 as in spikeguard.train:
-        step s consumes the s-th batch the stream yields (``data.index_of(s)``). The range is
-        kept in the data state and in every later checkpoint's info. Other keyword arguments
-        go to :meth:`restore`.
+        Restores the newest healthy checkpoint that predates the update before the onset
+        (``at_or_before=onset - 2``, the rule of :func:`rollback_target`: update ``onset - 1``
+        may be the cause), then makes ``data`` skip the batches of steps onset..detection; the
+        batches after the checkpoint up to ``onset - 1`` are replayed. Steps count from 0 as in
+        spikeguard.train: step s consumes the s-th batch the stream yields
+        (``data.index_of(s)``). The range is kept in the data state and in every later
+        checkpoint's info. Other keyword arguments go to :meth:`restore`.
         """
         if not 0 <= onset <= detection:
             raise ValueError(f"onset={onset}, detection={detection}: need 0 <= onset <= detection")
         index = getattr(data, "index_of", lambda s: s)
         lo, hi = index(onset), index(detection)  # under the skips the stream made so far
-        info = self.restore(at_or_before=onset - 1, data=data, **objects)
+        info = self.restore(at_or_before=onset - 2, data=data, **objects)
         data.skip(lo, hi)
         return info
-
-    def _load(self, c: CheckpointInfo, model: torch.nn.Module, optimizer: Any,
-              statefuls: dict[str, Any], restore_rng: bool) -> None:
-        local: str | None = None
-        side: dict[str, Any] = {}
-        try:
-            sizes = verify_checkpoint(c.path)
-            side = io.decode(json.loads((c.path / f"rank{_dist.rank()}.json").read_text()))
-            missing = [k for k in [*statefuls, "rest"] if k not in side]
-            if missing:
-                local = f"it holds no state for {missing}"
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-            local = str(e)
-        if not _dist.all_true(local is None):
-            raise _Refused(local or "another rank refused it")
-        reader = SafeReader(c.path, sizes)
-        try:
-            reader.read_metadata()  # the allowlist and storage checks, before DCP reads it
-        except UnsafeCheckpointError as e:
-            local = str(e)
-        if not _dist.all_true(local is None):
-            raise _Refused(local or "another rank refused it")
-        msd, osd = _model_optim(model, optimizer)
-        tensors, _ = io.split({"model": msd, "optim": osd})
-        try:
-            with _quiet():
-                dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(),
-                         no_dist=not _dist.is_dist())
-        except (Exception, CheckpointException) as e:  # DCP gathers per-rank failures to all
-            raise _Refused(f"loading its tensors failed: {_short(e)}") from e
-        state = io.join(tensors, side["rest"])
-        if optimizer is None:
-            set_model_state_dict(model, state["model"])
-        else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
-        for name, obj in statefuls.items():
-            obj.load_state_dict(side[name])
-        if restore_rng and "rng" in side:
-            io.set_rng_state(side["rng"])
-
-
-class _Refused(Exception):
-    pass
-
-
-def _short(e: BaseException) -> str:
-    text = str(e)
-    for marker in ("UnsafeCheckpointError: ", "UnpicklingError: "):
-        if marker in text:
-            return marker + text.split(marker, 1)[1].strip().splitlines()[0]
-    return f"{type(e).__name__}: {text.strip().splitlines()[-1] if text.strip() else ''}"
-
-
-def verify_checkpoint(path: str | Path) -> dict[str, int]:
-    """Check a checkpoint directory against its manifest: every listed file present with its
-    size and sha256, no unlisted file. Returns name -> size; ValueError says what is wrong."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / _MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"its manifest is unreadable ({e})") from e
-    present = {p.name for p in path.iterdir()} - {_MANIFEST}
-    if present - set(files):
-        raise ValueError(f"files not in its manifest: {sorted(present - set(files))}")
-    for name, want in files.items():
-        p = path / name
-        if "/" in name or not p.is_file():
-            raise ValueError(f"{name} is missing")
-        size = p.stat().st_size
-        if size != want["size"]:
-            raise ValueError(f"{name} has {size} bytes, the manifest says {want['size']} "
-                             "(truncated or overwritten)")
-        if io.hash_file(p) != want["sha256"]:
-            raise ValueError(f"{name} does not match its sha256 in the manifest (corrupted)")
-    return {name: want["size"] for name, want in files.items()}
