@@ -65,12 +65,23 @@ class IOStats:
     """name -> times the file was opened for reading."""
     hashed: Counter = field(default_factory=Counter)
     """name -> bytes hashed (written or read)."""
+    threads: dict[str, str] = field(default_factory=dict)
+    """name -> the thread that accounted for its hashing (the writer's, for written files)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, *, opened: int = 0, hashed: int = 0) -> None:
         with self._lock:
-            self.opened[name] += opened
-            self.hashed[name] += hashed
+            if opened:
+                self.opened[name] += opened
+            if hashed:
+                self.hashed[name] += hashed
+                self.threads[name] = threading.current_thread().name
+
+    def rename(self, old: str, new: str) -> None:
+        with self._lock:
+            for table in (self.opened, self.hashed, self.threads):
+                if old in table:
+                    table[new] = table.pop(old)
 
 
 def digest_bytes(data: bytes | bytearray | memoryview) -> FileEntry:

@@ -207,12 +207,14 @@ def model_optim(model: torch.nn.Module, optimizer: Any) -> tuple[dict, dict | No
 
 
 def stager() -> Any:
-    """DCP's DefaultStager (reusable CPU buffers) on torch >= 2.9, which added it; None before,
-    and async_save then stages through the writer itself."""
+    """A reusable DCP stager: DefaultStager (CPU buffers kept across saves, pinned and copied
+    without blocking on a GPU) on torch >= 2.9, which added it; BlockingAsyncStager before."""
+    gpu = torch.cuda.is_available()
     if torch.torch_version.TorchVersion(torch.__version__) < (2, 9):
-        return None
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        return BlockingAsyncStager(cache_staged_state_dict=gpu)  # its cache pins memory
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    gpu = torch.cuda.is_available()
     return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=gpu))

@@ -259,6 +259,7 @@ class _HashingFileSystem(FileSystem):
             entry = self._records.pop(pathlib.Path(path).name, None)
             if entry is not None:
                 self._records[pathlib.Path(new_path).name] = entry
+        self._stats.rename(pathlib.Path(path).name, pathlib.Path(new_path).name)
 
 
 class HashingWriter(FileSystemWriter):

@@ -28,6 +28,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,12 +97,14 @@ class CheckpointManager:
     one), restore the newest healthy checkpoint at or before a step.
 
     Collective under torch.distributed: every rank calls save/restore with the same step.
-    ``async_save=True`` uses ``dcp.async_save`` on a gloo group of its own (so its background
-    collectives never mix with the training thread's, and NCCL-only jobs work): save() returns
-    once the state is staged (copied off the device); DCP's background thread writes the files
-    and each rank hashes its own as they are written; the next save/restore or :meth:`wait`
-    commits (a gather of the per-rank digests, the manifest, a rename). ``io_stats`` counts
-    this rank's opens and hashed bytes per file in the last save or restore.
+    With ``async_save=True`` save() returns once the state is staged (copied off the device
+    into reused CPU buffers by DCP's stager); a background thread then runs ``dcp.save`` (each
+    rank hashing its files as they are written) and the commit (a gather of the per-rank
+    digests, the manifest, a rename), with its collectives on a gloo group of the manager's own
+    so they never interleave with the training thread's and NCCL-only jobs work. The next
+    save/restore or :meth:`wait` only waits for it (and re-raises its error). ``io_stats``
+    counts this rank's opens and hashed bytes per file in the last save or restore (the
+    listing's reads of ``info.json`` are not counted).
     """
 
     def __init__(self, directory: str | Path, *, every: int = 1000, keep: int = 10,
@@ -111,8 +114,9 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.every, self.keep, self.async_save = every, keep, async_save
         self.io_stats = IOStats()
-        self._pending: Any = None
+        self._pending: Future[None] | None = None
         self._stager: Any = None
+        self._executor: ThreadPoolExecutor | None = None
         self._group: Any = None
 
     # -- listing ------------------------------------------------------------------------------
@@ -157,8 +161,6 @@ class CheckpointManager:
         ``healthy=False`` (or any ``alerts``) marks that an alert was raised in this
         checkpoint's window; restore() then passes over it. Collective across ranks.
         """
-        import torch.distributed.checkpoint as dcp
-
         from ._safe_dcp import HashingWriter
 
         self.wait()
@@ -188,49 +190,54 @@ class CheckpointManager:
         writer = HashingWriter(tmp, records, stats)
         if not self.async_save:
             with io.quiet():
-                dcp.save(tensors, storage_writer=writer, no_dist=not _dist.is_dist())
-            self._commit(tmp, final, info, records)
+                self._write(tensors, writer, tmp, final, info, records, stats, None)
             return final
-        if self._group is None and _dist.is_dist():
-            self._group = _dist.new_cpu_group()
         if self._stager is None:  # one stager: its CPU buffers are reused save after save
-            self._stager = io.stager() or False
-        with io.quiet():
-            if self._stager:
-                fut = dcp.async_save(tensors, storage_writer=writer, async_stager=self._stager,
-                                     process_group=self._group, no_dist=not _dist.is_dist())
-            else:
-                fut = dcp.async_save(tensors, storage_writer=writer, process_group=self._group)
-        self._pending = (fut, tmp, final, info, records)
+            self._group = _dist.new_cpu_group()
+            self._stager = io.stager()
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="spikeguard-checkpoint")
+        staged = self._stager.stage(tensors)  # the training thread's only copy of the state
+        self._pending = self._executor.submit(self._write, staged, writer, tmp, final, info,
+                                              records, stats, self._group)
         return final
+
+    def _write(self, tensors: dict, writer: Any, tmp: Path, final: Path, info: dict,
+               records: dict[str, FileEntry], stats: IOStats, group: Any) -> None:
+        """DCP's save through the hashing writer, then the commit; in the background thread
+        (on the manager's own gloo group) under async_save."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _dist.is_dist())
+        self._commit(tmp, final, info, records, stats, group)
 
     def wait(self) -> None:
         """Block until a pending async save is committed (re-raising its error, if any)."""
         if self._pending is None:
             return
-        fut, tmp, final, info, records = self._pending
-        self._pending = None
+        fut, self._pending = self._pending, None
         fut.result()
-        self._commit(tmp, final, info, records)
 
     def close(self) -> None:
-        """Commit a pending async save and free the staging buffers and the async group."""
+        """Commit a pending async save; free the staging buffers, the writer thread and the
+        async group."""
         self.wait()
-        if self._stager:
+        if self._stager is not None:
             self._stager.close()
-        self._stager = None
-        if self._group is not None:
-            import torch.distributed as dist
+            self._executor.shutdown()
+            if self._group is not None:
+                import torch.distributed as dist
 
-            dist.destroy_process_group(self._group)
-            self._group = None
+                dist.destroy_process_group(self._group)
+        self._stager = self._executor = self._group = None
 
-    def _commit(self, tmp: Path, final: Path, info: dict, records: dict[str, FileEntry]) -> None:
-        gathered = _dist.gather_object({n: e.to_json() for n, e in records.items()})
+    def _commit(self, tmp: Path, final: Path, info: dict, records: dict[str, FileEntry],
+                stats: IOStats, group: Any) -> None:
+        gathered = _dist.gather_object({n: e.to_json() for n, e in records.items()}, group)
         error = None
         if gathered is not None:  # rank 0
             try:
                 files = self._manifest(tmp, info, gathered)
+                stats.add(_INFO, hashed=files[_INFO].size)
                 io.write_json(tmp / _MANIFEST, {"format": _FORMAT,
                                                 "files": {n: e.to_json() for n, e in files.items()}})
                 io.fsync_dir(tmp)
@@ -241,7 +248,7 @@ class CheckpointManager:
                 self._rotate()
             except (OSError, ValueError) as e:
                 error = f"{type(e).__name__}: {e}"
-        if not _dist.all_true(error is None):  # also the barrier: committed before anyone goes on
+        if not _dist.all_true(error is None, group):  # also the barrier: committed before anyone goes on
             raise CheckpointError(f"checkpoint {final} could not be committed: "
                                   f"{error or 'rank 0 failed (see its error)'}")
 
