@@ -1,4 +1,7 @@
+import hashlib
+import json
 import math
+import pickle
 import re
 import shutil
 import subprocess
@@ -155,15 +158,24 @@ def test_async_save_commits_the_state_at_call_time_hashed_in_the_writer_thread(t
 
 def test_each_file_is_hashed_once_by_its_writer_and_read_once_on_restore(tmp_path):
     """The counts that used to be a wall-time bound: a save hashes every byte it writes exactly
-    once and reads nothing; a restore opens each file it needs once and hashes each byte once."""
+    once and reads nothing; a restore opens each file it needs once and hashes each byte once.
+    The shard is digested per entry DCP wrote (its segment table), so a rank that reads only
+    some entries of a shard hashes only those."""
     model, opt, sched = build()
     train_steps(model, opt, sched)
     mgr = CheckpointManager(tmp_path, every=1)
     path = mgr.save(1, model=model, optimizer=opt, scheduler=sched)
     sizes = {p.name: p.stat().st_size for p in path.iterdir()}
-    assert set(sizes) == {"__0_0.distcp", ".metadata", "rank0.json", "info.json", "MANIFEST.json"}
+    assert set(sizes) == {"__0_0.distcp", "__0_0.distcp.sha256.json", ".metadata", "rank0.json",
+                          "info.json", "MANIFEST.json"}
     written = {k: v for k, v in sizes.items() if k != "MANIFEST.json"}
     assert dict(mgr.io_stats.hashed) == written and not mgr.io_stats.opened
+    table = json.loads((path / "__0_0.distcp.sha256.json").read_text())["segments"]
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # our own file, for the test
+    entries = sorted((i.offset, i.length) for i in metadata.storage_data.values())
+    assert [(o, n) for o, n, _ in table] == entries  # one segment per entry, nothing else
+    assert all(hashlib.sha256((path / "__0_0.distcp").read_bytes()[o:o + n]).hexdigest() == d
+               for o, n, d in table)
     _, model2, _, _ = restore_fresh(mgr)
     assert dict(mgr.io_stats.hashed) == written
     assert dict(mgr.io_stats.opened) == {name: 1 for name in sizes}

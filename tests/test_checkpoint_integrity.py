@@ -74,6 +74,7 @@ def _refused_and_step_2_used(mgr, at2, match):
     (_flip("__0_0.distcp", 1.0), "sha256"),  # the last byte
     (_flip(".metadata", 0.5), "sha256"),  # checked before it is unpickled
     (_flip("rank0.json", 0.5), "sha256"),
+    (_flip("__0_0.distcp.sha256.json", 0.5), "sha256"),  # the shard's segment table
     (_flip("info.json", '"world_size":1'[-1]), "sha256"),  # "1" -> "0": still valid JSON
     (_flip("MANIFEST.json", '"sha256":"'), "manifest is unreadable"),  # key becomes "sha256"+1
 ], ids=lambda v: getattr(v, "__name__", v))

@@ -6,17 +6,22 @@ as they are read, each read once.
   name only, never following a symlink and only regular files. Nothing the manifest, the DCP
   metadata or the file system says can make it read outside that directory.
 - :class:`HashingStream` wraps a stream being written and hashes every byte on the way (in the
-  thread that writes, i.e. DCP's background writer under ``async_save``).
-- :meth:`CheckpointDir.mapped` maps a file once; a thread hashes the whole mapping while the
-  caller deserialises from it, and :meth:`MappedFile.verify` compares the digest with the
-  manifest. Size is checked at open. (A file truncated by someone else *while* mapped raises
+  thread that writes, i.e. the background writer under ``async_save``), one digest per entry
+  DCP writes. A shard of several entries is listed in the manifest by a segment table
+  (``<shard>.sha256.json``: offset, length, sha256 of each entry, covering the whole file), so a
+  rank reading a few entries of another rank's shard (DCP stores replicated state, such as
+  AdamW's step counts, once for all ranks) hashes those entries, not the whole shard.
+- :meth:`CheckpointDir.mapped` maps a file once; a thread hashes the segments the reader needs
+  while the caller deserialises from the mapping, and :meth:`MappedFile.verify` compares the
+  digests. Size is checked at open. (A file truncated by someone else *while* mapped raises
   SIGBUS, as with any memory-mapped load, e.g. ``torch.load(mmap=True)``.)
 - :class:`IOStats` counts opens and bytes hashed per file, so tests and benchmarks can check
-  that each file is read once and hashed once.
+  that each file is read once and each byte hashed once.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import mmap
@@ -29,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["DIGEST", "CheckpointDir", "FileEntry", "HashingStream", "IOStats", "IntegrityError",
-           "MappedFile", "check_name", "digest_bytes", "parse_manifest"]
+           "MappedFile", "Segment", "check_name", "covering", "digest_bytes", "parse_manifest",
+           "parse_segments"]
 
 DIGEST = "sha256"
 """The digest the manifest records for every file."""
@@ -46,15 +52,29 @@ class IntegrityError(ValueError):
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file as the manifest lists it."""
+    """One file as the manifest lists it: either its digest, or (a DCP shard with several
+    entries) the name of its segment table, a listed file holding the digest of each byte range
+    DCP wrote as one entry, so a reader hashes only the entries it reads."""
 
     size: int
     """Bytes."""
-    digest: str
-    """Hex digest (:data:`DIGEST`)."""
+    digest: str | None = None
+    """Hex digest (:data:`DIGEST`) of the whole file."""
+    segments: str | None = None
+    """Name of its segment table (``<name>.sha256.json``) when not hashed whole."""
+
+    @staticmethod
+    def from_json(e: dict[str, Any]) -> FileEntry:
+        return FileEntry(int(e["size"]), e.get(DIGEST), e.get("segments"))
 
     def to_json(self) -> dict[str, Any]:
+        if self.segments is not None:
+            return {"size": self.size, "segments": self.segments}
         return {"size": self.size, DIGEST: self.digest}
+
+
+Segment = tuple[int, int, str]
+"""(offset, length, hex digest) of one byte range of a file."""
 
 
 @dataclass
@@ -101,38 +121,82 @@ def check_name(name: Any) -> str:
 def parse_manifest(raw: bytes) -> dict[str, FileEntry]:
     """The ``files`` table of a MANIFEST.json, every name and entry validated."""
     try:
-        files = json.loads(raw)["files"]
-        out = {check_name(name): FileEntry(int(e["size"]), str(e[DIGEST]))
-               for name, e in files.items()}
+        out = {check_name(name): FileEntry.from_json(e)
+               for name, e in json.loads(raw)["files"].items()}
     except IntegrityError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise IntegrityError(f"its manifest is unreadable ({type(e).__name__}: {e})") from e
-    if any(e.size < 0 for e in out.values()):
-        raise IntegrityError("its manifest lists a negative size")
+    for name, e in out.items():
+        table = out.get(e.segments) if isinstance(e.segments, str) else None
+        plain = isinstance(e.digest, str) and e.segments is None
+        if e.size < 0 or not (plain or (e.digest is None and table is not None
+                                        and table.segments is None)):
+            raise IntegrityError(f"its manifest entry for {name} is malformed")
     return out
 
 
+def parse_segments(raw: bytes, name: str, size: int) -> list[Segment]:
+    """A segment table, checked to cover ``[0, size)`` of ``name`` contiguously."""
+    try:
+        table = json.loads(raw)
+        segments = [(int(o), int(n), str(d)) for o, n, d in table["segments"]]
+        ok = table["file"] == name
+    except (ValueError, KeyError, TypeError) as e:
+        raise IntegrityError(f"the segment table of {name} is unreadable ({e})") from e
+    end = 0
+    for offset, length, _ in segments:
+        ok = ok and offset == end and length > 0
+        end = offset + length
+    if not ok or end != size:
+        raise IntegrityError(f"the segment table of {name} does not cover its {size} bytes")
+    return segments
+
+
+def covering(segments: list[Segment], needed: list[tuple[int, int]]) -> list[Segment]:
+    """The segments that overlap any needed (offset, length) range, each once, in order."""
+    starts = [s[0] for s in segments]
+    out: dict[int, Segment] = {}
+    for offset, length in needed:
+        i = max(0, bisect.bisect_right(starts, offset) - 1)
+        while i < len(segments) and segments[i][0] < offset + max(length, 1):
+            out[i] = segments[i]
+            i += 1
+    return [out[i] for i in sorted(out)]
+
+
 class HashingStream:
-    """A binary write stream that hashes what passes through it; ``entry`` once closed."""
+    """A binary write stream that hashes what passes through it, one digest per segment: the
+    bytes between two ``tell()`` calls (DCP asks for the offset before and after each entry it
+    writes, so each entry is one segment). ``segments`` once closed."""
 
     def __init__(self, raw: Any) -> None:
-        self.raw, self._hash, self.size = raw, _new_hash(), 0
-        self.entry: FileEntry | None = None
+        self.raw, self.size, self._start = raw, 0, 0
+        self._hash: Any = None
+        self.segments: list[Segment] = []
+        self.closed = False
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         n = self.raw.write(view)
+        if self._hash is None:
+            self._hash = _new_hash()
         self._hash.update(view)
         self.size += len(view)
         return n if n is not None else len(view)
+
+    def _cut(self) -> None:
+        if self._hash is not None and self.size > self._start:
+            self.segments.append((self._start, self.size - self._start, self._hash.hexdigest()))
+        self._hash, self._start = None, self.size
 
     def writable(self) -> bool:
         return True
 
     def tell(self) -> int:
+        self._cut()
         return self.raw.tell()
 
     def flush(self) -> None:
@@ -142,8 +206,9 @@ class HashingStream:
         return self.raw.fileno()
 
     def close(self) -> None:
-        if self.entry is None:
-            self.entry = FileEntry(self.size, self._hash.hexdigest())
+        if not self.closed:
+            self._cut()
+            self.closed = True
         self.raw.close()
 
     def __enter__(self) -> HashingStream:
@@ -154,39 +219,50 @@ class HashingStream:
 
 
 class MappedFile:
-    """One checkpoint file mapped read-only; a thread hashes it while the caller reads ``view``."""
+    """One checkpoint file mapped read-only; a thread hashes the given segments (the whole file,
+    or the entries a load plan reads) while the caller reads ``view``."""
 
-    def __init__(self, fd: int, name: str, want: FileEntry, stats: IOStats) -> None:
-        self.name, self.want, self._stats = name, want, stats
+    def __init__(self, fd: int, name: str, size: int, segments: list[Segment],
+                 stats: IOStats) -> None:
+        self.name, self._stats, self._segments = name, stats, segments
         self._map: mmap.mmap | None = None
         try:
-            if want.size:
-                self._map = mmap.mmap(fd, want.size, access=mmap.ACCESS_READ)
+            if size:
+                self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
                 self.view = memoryview(self._map)
             else:
                 self.view = memoryview(b"")
         except (OSError, ValueError):  # a file system without mmap: read it once into memory
-            buf, got = bytearray(want.size), 0
+            buf, got = bytearray(size), 0
             with os.fdopen(os.dup(fd), "rb", buffering=0) as f:
-                while got < want.size and (n := f.readinto(memoryview(buf)[got:])):
+                while got < size and (n := f.readinto(memoryview(buf)[got:])):
                     got += n
-            if got != want.size:
-                raise IntegrityError(f"{name} ended after {got} of {want.size} bytes") from None
+            if got != size:
+                raise IntegrityError(f"{name} ended after {got} of {size} bytes") from None
             self.view = memoryview(buf)
         finally:
             os.close(fd)
-        self._hash = _new_hash()
-        self._thread = threading.Thread(target=self._hash.update, args=(self.view,), daemon=True,
+        self._bad: list[int] = []
+        self._thread = threading.Thread(target=self._hash_all, daemon=True,
                                         name=f"spikeguard-hash-{name}")
         self._thread.start()  # hashlib releases the GIL: this overlaps the caller's reads
 
+    def _hash_all(self) -> None:
+        for offset, length, want in self._segments:
+            with self.view[offset:offset + length] as piece:
+                h = _new_hash()
+                h.update(piece)
+            if h.hexdigest() != want:
+                self._bad.append(offset)
+
     def verify(self) -> None:
-        """Wait for the hash; IntegrityError when it differs from the manifest."""
+        """Wait for the hashes; IntegrityError when any differs from the manifest."""
         self._thread.join()
-        self._stats.add(self.name, hashed=len(self.view))
-        if self._hash.hexdigest() != self.want.digest:
-            raise IntegrityError(f"{self.name} does not match its {DIGEST} in the manifest "
-                                 "(corrupted)")
+        self._stats.add(self.name, hashed=sum(s[1] for s in self._segments))
+        if self._bad:
+            where = "" if len(self._segments) == 1 else f" at byte {self._bad[0]}"
+            raise IntegrityError(f"{self.name} does not match its {DIGEST} in the manifest"
+                                 f"{where} (corrupted)")
 
     def close(self) -> None:
         self._thread.join()
@@ -250,16 +326,25 @@ class CheckpointDir:
         if want is not None:
             got = digest_bytes(data)
             stats.add(name, hashed=got.size)
-            if got != want:
+            if got.digest != want.digest or want.segments is not None:
                 raise IntegrityError(f"{name} does not match its {DIGEST} in the manifest "
                                      "(corrupted)")
         return data
 
-    def mapped(self, name: str, want: FileEntry, stats: IOStats) -> MappedFile:
-        """Map ``name`` once and start hashing it (see :class:`MappedFile`)."""
-        fd = self.open(name, want)
+    def segments(self, name: str, files: dict[str, FileEntry], stats: IOStats) -> list[Segment]:
+        """The digested segments of ``name``: one for a file hashed whole, else its table
+        (read once, itself checked against the manifest)."""
+        want = files[name]
+        if want.segments is None:
+            return [(0, want.size, want.digest)] if want.size else []
+        raw = self.read(want.segments, files[want.segments], stats)
+        return parse_segments(raw, name, want.size)
+
+    def mapped(self, name: str, size: int, segments: list[Segment], stats: IOStats) -> MappedFile:
+        """Map ``name`` (of ``size`` bytes) once and start hashing ``segments`` of it."""
+        fd = self.open(name, FileEntry(size))
         stats.add(name, opened=1)
-        return MappedFile(fd, name, want, stats)
+        return MappedFile(fd, name, size, segments, stats)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -113,6 +113,6 @@ def verify_checkpoint(path: str | Path) -> dict[str, int]:
         if extra:
             raise IntegrityError(f"files not in its manifest: {sorted(extra)}")
         for name, want in files.items():
-            with cdir.mapped(name, want, stats) as f:
+            with cdir.mapped(name, want.size, cdir.segments(name, files, stats), stats) as f:
                 f.verify()
     return {name: want.size for name, want in files.items()}

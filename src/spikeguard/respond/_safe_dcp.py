@@ -39,7 +39,17 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ._ckpt_files import CheckpointDir, FileEntry, HashingStream, IntegrityError, IOStats
+from ._ckpt_files import (
+    DIGEST,
+    CheckpointDir,
+    FileEntry,
+    HashingStream,
+    IntegrityError,
+    IOStats,
+    covering,
+    digest_bytes,
+)
+from ._ckpt_io import write_json
 
 __all__ = ["HashingWriter", "IntegrityError", "SafeLoadPlanner", "SafeReader", "UnsafeCheckpointError",
            "safe_unpickle"]
@@ -166,9 +176,13 @@ class SafeReader(FileSystemReader):
             rel = self.storage_data[req.storage_index].relative_path
             per_file.setdefault(rel, {}).setdefault(req.storage_index, []).append(req)
         for rel, by_index in per_file.items():
-            with self._dir.mapped(rel, self._files[rel], self._stats) as f:
+            order = sorted(by_index, key=lambda i: self.storage_data[i].offset)
+            needed = covering(self._dir.segments(rel, self._files, self._stats),
+                              [(self.storage_data[i].offset, self.storage_data[i].length)
+                               for i in order])
+            with self._dir.mapped(rel, self._files[rel].size, needed, self._stats) as f:
                 try:
-                    for index in sorted(by_index, key=lambda i: self.storage_data[i].offset):
+                    for index in order:
                         self._serve(f.view, self.storage_data[index], by_index[index], planner)
                 except Exception:
                     f.verify()  # corrupted bytes are the truer cause of a failed load
@@ -233,7 +247,8 @@ class _ViewFile(io.RawIOBase):
 
 
 class _HashingFileSystem(FileSystem):
-    """DCP's FileSystem whose write streams hash what they write into ``records``."""
+    """DCP's FileSystem whose write streams hash what they write into ``records``: a file of one
+    segment by its digest, a shard of several by a segment table written beside it."""
 
     def __init__(self, records: dict[str, FileEntry], stats: IOStats) -> None:
         super().__init__()
@@ -249,17 +264,27 @@ class _HashingFileSystem(FileSystem):
             stream = HashingStream(raw)
             yield stream
             stream.close()
+        path = pathlib.Path(path)
+        entries = {path.name: FileEntry(stream.size, digest_bytes(b"").digest)}
+        if len(stream.segments) == 1:
+            entries[path.name] = FileEntry(stream.size, stream.segments[0][2])
+        elif stream.segments:
+            table = f"{path.name}.{DIGEST}.json"
+            entries[table] = write_json(path.with_name(table), {
+                "file": path.name, "segments": [list(seg) for seg in stream.segments]})
+            entries[path.name] = FileEntry(stream.size, segments=table)
+            self._stats.add(table, hashed=entries[table].size)
         with self._lock:
-            self._records[pathlib.Path(path).name] = stream.entry
-        self._stats.add(pathlib.Path(path).name, hashed=stream.size)
+            self._records.update(entries)
+        self._stats.add(path.name, hashed=stream.size)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
-        with self._lock:  # DCP writes .metadata.tmp, then renames it
-            entry = self._records.pop(pathlib.Path(path).name, None)
-            if entry is not None:
-                self._records[pathlib.Path(new_path).name] = entry
-        self._stats.rename(pathlib.Path(path).name, pathlib.Path(new_path).name)
+        old, new = pathlib.Path(path).name, pathlib.Path(new_path).name
+        with self._lock:  # DCP writes .metadata.tmp (one segment: no table), then renames it
+            if old in self._records:
+                self._records[new] = self._records.pop(old)
+        self._stats.rename(old, new)
 
 
 class HashingWriter(FileSystemWriter):

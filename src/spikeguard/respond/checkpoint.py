@@ -8,14 +8,15 @@ states (torch CPU and CUDA, ``random``, numpy), one sidecar per rank. A checkpoi
 holds the state after update s.
 
 Layout of ``directory/step_00000100/``: DCP's ``.metadata`` and ``__<rank>_0.distcp``,
-``rank<r>.json`` (sidecars), ``info.json`` (step, health, alerts, skip ranges, world size) and
-``MANIFEST.json`` (size and sha256 of every other file). Each rank hashes the files it writes
-as it writes them (in DCP's background writer under ``async_save``); rank 0 gathers the digests
+``__<rank>_0.distcp.sha256.json`` (the sha256 of each entry of that shard), ``rank<r>.json``
+(sidecars), ``info.json`` (step, health, alerts, skip ranges, world size) and ``MANIFEST.json``
+(size and sha256, or segment table, of every other file). Each rank hashes the files it writes
+as it writes them (in the background writer under ``async_save``); rank 0 gathers the digests
 into the manifest. Everything is written under ``.tmp-step_...``, fsynced, and renamed: a
 directory without its manifest is never listed. Restore reads every file it needs once, from
-inside the checkpoint directory only (no symlinks), and hashes it as it reads; DCP metadata
-goes through an allowlist unpickler and bytes entries load with ``weights_only=True`` (see
-``_safe_dcp``). A checkpoint failing any check is refused with a :class:`CheckpointWarning`
+inside the checkpoint directory only (no symlinks), and hashes what it reads as it reads it;
+DCP metadata goes through an allowlist unpickler and bytes entries load with
+``weights_only=True`` (see ``_safe_dcp``). A checkpoint failing any check is refused with a :class:`CheckpointWarning`
 and the previous healthy one is used.
 
 torch.distributed.checkpoint is imported on first use, not by ``import spikeguard``.
@@ -38,7 +39,7 @@ import torch
 from .. import _dist
 from .._validate import check_int
 from . import _ckpt_io as io
-from ._ckpt_files import DIGEST, CheckpointDir, FileEntry, IOStats
+from ._ckpt_files import CheckpointDir, FileEntry, IOStats
 from ._ckpt_load import INFO as _INFO
 from ._ckpt_load import MANIFEST as _MANIFEST
 from ._ckpt_load import Refused, load, verify_checkpoint
@@ -46,7 +47,7 @@ from ._ckpt_load import Refused, load, verify_checkpoint
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointWarning",
            "rollback_target", "verify_checkpoint"]
 
-_FORMAT = "spikeguard-checkpoint/1"
+_FORMAT = "spikeguard-checkpoint/2"
 
 
 class CheckpointError(RuntimeError):
@@ -257,7 +258,7 @@ class CheckpointManager:
         files: dict[str, FileEntry] = {}
         for r, recs in enumerate(gathered):
             for name, e in recs.items():
-                entry = FileEntry(int(e["size"]), str(e[DIGEST]))
+                entry = FileEntry.from_json(e)
                 if files.setdefault(name, entry) != entry:
                     raise ValueError(f"rank {r} wrote {name} with other contents than another rank")
         files[_INFO] = io.write_json(tmp / _INFO, info)
