@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import zlib
 
 import pytest
 import torch
@@ -166,20 +167,36 @@ def test_each_file_is_hashed_once_by_its_writer_and_read_once_on_restore(tmp_pat
     mgr = CheckpointManager(tmp_path, every=1)
     path = mgr.save(1, model=model, optimizer=opt, scheduler=sched)
     sizes = {p.name: p.stat().st_size for p in path.iterdir()}
-    assert set(sizes) == {"__0_0.distcp", "__0_0.distcp.sha256.json", ".metadata", "rank0.json",
-                          "info.json", "MANIFEST.json"}
+    assert set(sizes) == {"__0_0.distcp", "__0_0.distcp.digests.json", ".metadata",
+                          "rank0.json", "info.json", "MANIFEST.json"}
     written = {k: v for k, v in sizes.items() if k != "MANIFEST.json"}
     assert dict(mgr.io_stats.hashed) == written and not mgr.io_stats.opened
-    table = json.loads((path / "__0_0.distcp.sha256.json").read_text())["segments"]
+    table = json.loads((path / "__0_0.distcp.digests.json").read_text())["segments"]
     metadata = pickle.loads((path / ".metadata").read_bytes())  # our own file, for the test
     entries = sorted((i.offset, i.length) for i in metadata.storage_data.values())
     assert [(o, n) for o, n, _ in table] == entries  # one segment per entry, nothing else
-    assert all(hashlib.sha256((path / "__0_0.distcp").read_bytes()[o:o + n]).hexdigest() == d
-               for o, n, d in table)
+    shard = (path / "__0_0.distcp").read_bytes()
+    assert all(f"crc32:{zlib.crc32(shard[o:o + n]):08x}" == d for o, n, d in table)
     _, model2, _, _ = restore_fresh(mgr)
     assert dict(mgr.io_stats.hashed) == written
     assert dict(mgr.io_stats.opened) == {name: 1 for name in sizes}
     assert same(params(model2), params(model))
+
+
+def test_sha256_digests_on_request(tmp_path):
+    model, opt, sched = build()
+    mgr = CheckpointManager(tmp_path, every=1, digest="sha256")
+    path = mgr.save(1, model=model, optimizer=opt, scheduler=sched)
+    files = json.loads((path / "MANIFEST.json").read_text())["files"]
+    want = hashlib.sha256((path / "rank0.json").read_bytes()).hexdigest()
+    assert files["rank0.json"]["digest"] == f"sha256:{want}"
+    table = json.loads((path / "__0_0.distcp.digests.json").read_text())["segments"]
+    shard = (path / "__0_0.distcp").read_bytes()
+    assert all(d == "sha256:" + hashlib.sha256(shard[o:o + n]).hexdigest() for o, n, d in table)
+    _, model2, _, _ = restore_fresh(mgr)  # the reader takes the algorithm from each digest
+    assert same(params(model2), params(model))
+    with pytest.raises(ValueError, match="digest='md5' is not one of"):
+        CheckpointManager(tmp_path, digest="md5")
 
 
 def test_import_spikeguard_leaves_dcp_unimported(sub_env):

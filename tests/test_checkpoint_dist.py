@@ -85,7 +85,7 @@ def test_fsdp2_sharded_async_save_and_restore_on_two_gloo_ranks(tmp_path):
     sizes = results[0]["sizes"]
     assert results[1]["sizes"] == sizes
     shards = ["__0_0.distcp", "__1_0.distcp"]
-    tables = [f"{s}.sha256.json" for s in shards]
+    tables = [f"{s}.digests.json" for s in shards]
     assert {*shards, *tables, "rank0.json", "rank1.json", "MANIFEST.json", ".metadata",
             "info.json"} == set(sizes)
     # each rank hashed exactly the files it wrote (rank 0 also DCP's metadata and info.json)

@@ -37,13 +37,15 @@ def two_checkpoints(_pair, tmp_path):
 
 
 def _flip(name: str, where: float | str):
-    """Damage: flip one bit of one byte of ``name`` (at a fraction of its length, or the first
-    byte of a given text) without touching the manifest."""
+    """Damage: flip one bit of one byte of ``name`` (at a fraction of its length, or the last
+    byte of the first occurrence of a given text) without touching the manifest."""
     def damage(path):
         f = path / name
         raw = bytearray(f.read_bytes())
-        i = raw.index(where.encode()) if isinstance(where, str) else min(int(len(raw) * where),
-                                                                         len(raw) - 1)
+        if isinstance(where, str):
+            i = raw.index(where.encode()) + len(where) - 1
+        else:
+            i = min(int(len(raw) * where), len(raw) - 1)
         raw[i] ^= 0x01
         f.write_bytes(bytes(raw))
     damage.__name__ = f"flip_{name}_{where}"
@@ -69,14 +71,14 @@ def _refused_and_step_2_used(mgr, at2, match):
 # -- integrity -------------------------------------------------------------------------------
 @pytest.mark.parametrize(("damage", "message"), [
     (_truncate, "truncated"), (_drop_shard, "missing"),
-    (_flip("__0_0.distcp", 0.5), "sha256"),  # tensor bytes
-    (_flip("__0_0.distcp", 0.0), "sha256"),  # the first entry's zip header: load fails first
-    (_flip("__0_0.distcp", 1.0), "sha256"),  # the last byte
-    (_flip(".metadata", 0.5), "sha256"),  # checked before it is unpickled
-    (_flip("rank0.json", 0.5), "sha256"),
-    (_flip("__0_0.distcp.sha256.json", 0.5), "sha256"),  # the shard's segment table
-    (_flip("info.json", '"world_size":1'[-1]), "sha256"),  # "1" -> "0": still valid JSON
-    (_flip("MANIFEST.json", '"sha256":"'), "manifest is unreadable"),  # key becomes "sha256"+1
+    (_flip("__0_0.distcp", 0.5), "digest"),  # tensor bytes
+    (_flip("__0_0.distcp", 0.0), "digest"),  # the first entry's zip header: load fails first
+    (_flip("__0_0.distcp", 1.0), "digest"),  # the last byte
+    (_flip(".metadata", 0.5), "digest"),  # checked before it is unpickled
+    (_flip("rank0.json", 0.5), "digest"),
+    (_flip("__0_0.distcp.digests.json", 0.5), "digest"),  # the shard's segment table
+    (_flip("info.json", '"world_size":1'), "digest"),  # 1 -> 0: still valid JSON
+    (_flip("MANIFEST.json", '"digest":"'), "manifest is unreadable"),
 ], ids=lambda v: getattr(v, "__name__", v))
 def test_damaged_checkpoint_is_refused_and_the_previous_healthy_one_used(two_checkpoints, damage,
                                                                          message):
@@ -99,7 +101,7 @@ def test_verify_checkpoint_checks_every_file(two_checkpoints):
     sizes = verify_checkpoint(path)
     assert sizes == {p.name: p.stat().st_size for p in path.iterdir() if p.name != "MANIFEST.json"}
     _flip("rank0.json", 0.5)(path)
-    with pytest.raises(ValueError, match="rank0.json does not match its sha256"):
+    with pytest.raises(ValueError, match="rank0.json does not match its digest"):
         verify_checkpoint(path)
 
 

@@ -8,7 +8,7 @@ as they are read, each read once.
 - :class:`HashingStream` wraps a stream being written and hashes every byte on the way (in the
   thread that writes, i.e. the background writer under ``async_save``), one digest per entry
   DCP writes. A shard of several entries is listed in the manifest by a segment table
-  (``<shard>.sha256.json``: offset, length, sha256 of each entry, covering the whole file), so a
+  (``<shard>.digests.json``: offset, length, digest of each entry, covering the whole file), so a
   rank reading a few entries of another rank's shard (DCP stores replicated state, such as
   AdamW's step counts, once for all ranks) hashes those entries, not the whole shard.
 - :meth:`CheckpointDir.mapped` maps a file once; a thread hashes the segments the reader needs
@@ -28,21 +28,42 @@ import mmap
 import os
 import stat
 import threading
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DIGEST", "CheckpointDir", "FileEntry", "HashingStream", "IOStats", "IntegrityError",
+__all__ = ["DIGESTS", "CheckpointDir", "FileEntry", "HashingStream", "IOStats", "IntegrityError",
            "MappedFile", "Segment", "check_name", "covering", "digest_bytes", "parse_manifest",
            "parse_segments"]
 
-DIGEST = "sha256"
-"""The digest the manifest records for every file."""
+class _Crc32:
+    """zlib's CRC-32 behind hashlib's interface (zlib releases the GIL on large buffers)."""
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: Any) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
 
 
-def _new_hash() -> Any:
-    return hashlib.sha256()
+DIGESTS = {"crc32": _Crc32, "sha256": hashlib.sha256}
+"""Digests a manifest may name; each recorded digest reads ``"<name>:<hex>"``."""
+
+
+def _new_hash(digest: str) -> Any:
+    algo = digest.split(":", 1)[0]
+    if algo not in DIGESTS:
+        raise IntegrityError(f"digest {digest!r} names none of {sorted(DIGESTS)}")
+    return DIGESTS[algo]()
+
+
+def _finish(h: Any, algo: str) -> str:
+    return f"{algo}:{h.hexdigest()}"
 
 
 class IntegrityError(ValueError):
@@ -59,18 +80,18 @@ class FileEntry:
     size: int
     """Bytes."""
     digest: str | None = None
-    """Hex digest (:data:`DIGEST`) of the whole file."""
+    """``"<algorithm>:<hex>"`` of the whole file (algorithms: :data:`DIGESTS`)."""
     segments: str | None = None
-    """Name of its segment table (``<name>.sha256.json``) when not hashed whole."""
+    """Name of its segment table (``<name>.digests.json``) when not hashed whole."""
 
     @staticmethod
     def from_json(e: dict[str, Any]) -> FileEntry:
-        return FileEntry(int(e["size"]), e.get(DIGEST), e.get("segments"))
+        return FileEntry(int(e["size"]), e.get("digest"), e.get("segments"))
 
     def to_json(self) -> dict[str, Any]:
         if self.segments is not None:
             return {"size": self.size, "segments": self.segments}
-        return {"size": self.size, DIGEST: self.digest}
+        return {"size": self.size, "digest": self.digest}
 
 
 Segment = tuple[int, int, str]
@@ -104,11 +125,11 @@ class IOStats:
                     table[new] = table.pop(old)
 
 
-def digest_bytes(data: bytes | bytearray | memoryview) -> FileEntry:
-    """The manifest entry of a buffer."""
-    h = _new_hash()
+def digest_bytes(data: bytes | bytearray | memoryview, algo: str) -> FileEntry:
+    """The manifest entry of a buffer, digested with ``algo`` (a key of :data:`DIGESTS`)."""
+    h = _new_hash(algo)
     h.update(data)
-    return FileEntry(len(data), h.hexdigest())
+    return FileEntry(len(data), _finish(h, algo))
 
 
 def check_name(name: Any) -> str:
@@ -129,7 +150,8 @@ def parse_manifest(raw: bytes) -> dict[str, FileEntry]:
         raise IntegrityError(f"its manifest is unreadable ({type(e).__name__}: {e})") from e
     for name, e in out.items():
         table = out.get(e.segments) if isinstance(e.segments, str) else None
-        plain = isinstance(e.digest, str) and e.segments is None
+        plain = isinstance(e.digest, str) and e.digest.split(":")[0] in DIGESTS \
+            and e.segments is None
         if e.size < 0 or not (plain or (e.digest is None and table is not None
                                         and table.segments is None)):
             raise IntegrityError(f"its manifest entry for {name} is malformed")
@@ -170,8 +192,8 @@ class HashingStream:
     bytes between two ``tell()`` calls (DCP asks for the offset before and after each entry it
     writes, so each entry is one segment). ``segments`` once closed."""
 
-    def __init__(self, raw: Any) -> None:
-        self.raw, self.size, self._start = raw, 0, 0
+    def __init__(self, raw: Any, algo: str) -> None:
+        self.raw, self.algo, self.size, self._start = raw, algo, 0, 0
         self._hash: Any = None
         self.segments: list[Segment] = []
         self.closed = False
@@ -182,14 +204,15 @@ class HashingStream:
             view = view.cast("B")
         n = self.raw.write(view)
         if self._hash is None:
-            self._hash = _new_hash()
+            self._hash = _new_hash(self.algo)
         self._hash.update(view)
         self.size += len(view)
         return n if n is not None else len(view)
 
     def _cut(self) -> None:
         if self._hash is not None and self.size > self._start:
-            self.segments.append((self._start, self.size - self._start, self._hash.hexdigest()))
+            self.segments.append((self._start, self.size - self._start,
+                                  _finish(self._hash, self.algo)))
         self._hash, self._start = None, self.size
 
     def writable(self) -> bool:
@@ -250,9 +273,9 @@ class MappedFile:
     def _hash_all(self) -> None:
         for offset, length, want in self._segments:
             with self.view[offset:offset + length] as piece:
-                h = _new_hash()
+                h = _new_hash(want)
                 h.update(piece)
-            if h.hexdigest() != want:
+            if _finish(h, want.split(":", 1)[0]) != want:
                 self._bad.append(offset)
 
     def verify(self) -> None:
@@ -261,7 +284,7 @@ class MappedFile:
         self._stats.add(self.name, hashed=sum(s[1] for s in self._segments))
         if self._bad:
             where = "" if len(self._segments) == 1 else f" at byte {self._bad[0]}"
-            raise IntegrityError(f"{self.name} does not match its {DIGEST} in the manifest"
+            raise IntegrityError(f"{self.name} does not match its digest in the manifest"
                                  f"{where} (corrupted)")
 
     def close(self) -> None:
@@ -324,10 +347,13 @@ class CheckpointDir:
         with os.fdopen(fd, "rb") as f:
             data = f.read()
         if want is not None:
-            got = digest_bytes(data)
+            if want.digest is None:
+                raise IntegrityError(f"{name} is listed with a segment table; a whole digest "
+                                     "is expected")
+            got = digest_bytes(data, want.digest.split(":", 1)[0])
             stats.add(name, hashed=got.size)
-            if got.digest != want.digest or want.segments is not None:
-                raise IntegrityError(f"{name} does not match its {DIGEST} in the manifest "
+            if got.digest != want.digest:
+                raise IntegrityError(f"{name} does not match its digest in the manifest "
                                      "(corrupted)")
         return data
 

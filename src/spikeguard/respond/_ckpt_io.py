@@ -152,14 +152,15 @@ def _lists(node: Any) -> Any:
     return out
 
 
-def write_json(path: Path, obj: Any) -> FileEntry:
-    """Write JSON, fsync it, and return its manifest entry (the bytes hashed in memory)."""
+def write_json(path: Path, obj: Any, algo: str = "crc32") -> FileEntry:
+    """Write JSON, fsync it, and return its manifest entry (the bytes digested in memory with
+    ``algo``)."""
     data = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return digest_bytes(data)
+    return digest_bytes(data, algo)
 
 
 def fsync_dir(path: Path) -> None:

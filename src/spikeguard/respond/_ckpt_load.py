@@ -104,7 +104,7 @@ def _short(e: BaseException) -> str:
 
 def verify_checkpoint(path: str | Path) -> dict[str, int]:
     """Check a whole checkpoint directory against its manifest: every listed file present (a
-    regular file, not a symlink) with its size and sha256, no unlisted file. Returns
+    regular file, not a symlink) with its size and digest, no unlisted file. Returns
     name -> size; ValueError says what is wrong. (restore() checks only what each rank reads.)"""
     stats = IOStats()
     with CheckpointDir(path) as cdir:

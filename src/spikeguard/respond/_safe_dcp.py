@@ -40,7 +40,6 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ._ckpt_files import (
-    DIGEST,
     CheckpointDir,
     FileEntry,
     HashingStream,
@@ -250,9 +249,10 @@ class _HashingFileSystem(FileSystem):
     """DCP's FileSystem whose write streams hash what they write into ``records``: a file of one
     segment by its digest, a shard of several by a segment table written beside it."""
 
-    def __init__(self, records: dict[str, FileEntry], stats: IOStats) -> None:
+    def __init__(self, records: dict[str, FileEntry], stats: IOStats, algo: str) -> None:
         super().__init__()
-        self._records, self._stats, self._lock = records, stats, threading.Lock()
+        self._records, self._stats, self._algo = records, stats, algo
+        self._lock = threading.Lock()
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
@@ -261,17 +261,18 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as raw:
-            stream = HashingStream(raw)
+            stream = HashingStream(raw, self._algo)
             yield stream
             stream.close()
         path = pathlib.Path(path)
-        entries = {path.name: FileEntry(stream.size, digest_bytes(b"").digest)}
+        entries = {path.name: digest_bytes(b"", self._algo)}
         if len(stream.segments) == 1:
             entries[path.name] = FileEntry(stream.size, stream.segments[0][2])
         elif stream.segments:
-            table = f"{path.name}.{DIGEST}.json"
+            table = f"{path.name}.digests.json"
             entries[table] = write_json(path.with_name(table), {
-                "file": path.name, "segments": [list(seg) for seg in stream.segments]})
+                "file": path.name, "segments": [list(seg) for seg in stream.segments]},
+                self._algo)
             entries[path.name] = FileEntry(stream.size, segments=table)
             self._stats.add(table, hashed=entries[table].size)
         with self._lock:
@@ -292,10 +293,10 @@ class HashingWriter(FileSystemWriter):
     the thread that writes it, into ``records`` (file name -> entry): this rank's shards, and
     ``.metadata`` on the coordinator."""
 
-    def __init__(self, path: str | os.PathLike, records: dict[str, FileEntry],
-                 stats: IOStats) -> None:
+    def __init__(self, path: str | os.PathLike, records: dict[str, FileEntry], stats: IOStats,
+                 algo: str) -> None:
         super().__init__(path, sync_files=True)
-        self.fs = _HashingFileSystem(records, stats)
+        self.fs = _HashingFileSystem(records, stats, algo)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -8,11 +8,15 @@ states (torch CPU and CUDA, ``random``, numpy), one sidecar per rank. A checkpoi
 holds the state after update s.
 
 Layout of ``directory/step_00000100/``: DCP's ``.metadata`` and ``__<rank>_0.distcp``,
-``__<rank>_0.distcp.sha256.json`` (the sha256 of each entry of that shard), ``rank<r>.json``
+``__<rank>_0.distcp.digests.json`` (the digest of each entry of that shard), ``rank<r>.json``
 (sidecars), ``info.json`` (step, health, alerts, skip ranges, world size) and ``MANIFEST.json``
-(size and sha256, or segment table, of every other file). Each rank hashes the files it writes
+(size and digest, or segment table, of every other file). Each rank hashes the files it writes
 as it writes them (in the background writer under ``async_save``); rank 0 gathers the digests
-into the manifest. Everything is written under ``.tmp-step_...``, fsynced, and renamed: a
+into the manifest. The digest is CRC-32 by default (``digest="sha256"`` for a cryptographic
+one): it detects corruption (every burst of up to 32 bits, so any flipped byte, for certain);
+it is no defence against someone who can write the directory, since they could rewrite the
+manifest too. That defence is the loader's: the allowlist, ``weights_only`` and the path
+checks below. Everything is written under ``.tmp-step_...``, fsynced, and renamed: a
 directory without its manifest is never listed. Restore reads every file it needs once, from
 inside the checkpoint directory only (no symlinks), and hashes what it reads as it reads it;
 DCP metadata goes through an allowlist unpickler and bytes entries load with
@@ -32,14 +36,14 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from .. import _dist
 from .._validate import check_int
 from . import _ckpt_io as io
-from ._ckpt_files import CheckpointDir, FileEntry, IOStats
+from ._ckpt_files import DIGESTS, CheckpointDir, FileEntry, IOStats
 from ._ckpt_load import INFO as _INFO
 from ._ckpt_load import MANIFEST as _MANIFEST
 from ._ckpt_load import Refused, load, verify_checkpoint
@@ -109,11 +113,15 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | Path, *, every: int = 1000, keep: int = 10,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, digest: Literal["crc32", "sha256"] = "crc32") -> None:
         check_int(every, "CheckpointManager every", hint="1000 steps is usual")
         check_int(keep, "CheckpointManager keep", hint="10 is usual")
+        if digest not in DIGESTS:
+            raise ValueError(f"CheckpointManager digest={digest!r} is not one of "
+                             f"{sorted(DIGESTS)}; crc32 (the default) catches corruption at a "
+                             "fraction of sha256's cost, sha256 suits manifests you sign")
         self.directory = Path(directory)
-        self.every, self.keep, self.async_save = every, keep, async_save
+        self.every, self.keep, self.async_save, self.digest = every, keep, async_save, digest
         self.io_stats = IOStats()
         self._pending: Future[None] | None = None
         self._stager: Any = None
@@ -182,13 +190,14 @@ class CheckpointManager:
             side["rng"] = io.rng_state()
         stats = self.io_stats = IOStats()
         sidecar = f"rank{_dist.rank()}.json"
-        records: dict[str, FileEntry] = {sidecar: io.write_json(tmp / sidecar, io.encode(side))}
+        records: dict[str, FileEntry] = {
+            sidecar: io.write_json(tmp / sidecar, io.encode(side), self.digest)}
         stats.add(sidecar, hashed=records[sidecar].size)
         skips = data.state_dict().get("skip_ranges", []) if data is not None else []
         info = {"format": _FORMAT, "step": step, "healthy": healthy, "alerts": list(alerts),
                 "skip_ranges": [list(r) for r in skips], "world_size": _dist.world_size(),
                 "meta": meta or {}}
-        writer = HashingWriter(tmp, records, stats)
+        writer = HashingWriter(tmp, records, stats, self.digest)
         if not self.async_save:
             with io.quiet():
                 self._write(tensors, writer, tmp, final, info, records, stats, None)
@@ -253,15 +262,14 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {final} could not be committed: "
                                   f"{error or 'rank 0 failed (see its error)'}")
 
-    @staticmethod
-    def _manifest(tmp: Path, info: dict, gathered: list[dict]) -> dict[str, FileEntry]:
+    def _manifest(self, tmp: Path, info: dict, gathered: list[dict]) -> dict[str, FileEntry]:
         files: dict[str, FileEntry] = {}
         for r, recs in enumerate(gathered):
             for name, e in recs.items():
                 entry = FileEntry.from_json(e)
                 if files.setdefault(name, entry) != entry:
                     raise ValueError(f"rank {r} wrote {name} with other contents than another rank")
-        files[_INFO] = io.write_json(tmp / _INFO, info)
+        files[_INFO] = io.write_json(tmp / _INFO, info, self.digest)
         present = set(os.listdir(tmp))
         if present != set(files):
             raise ValueError(f"files written but not hashed: {sorted(present - set(files))}; "
