@@ -6,10 +6,10 @@ Prints (1) the median time of CheckpointManager.restore (manifest, info, sidecar
 read and hashed, allowlisted metadata, each shard mapped once and hashed while DCP's load plan
 is served from it, set_state_dict, the JSON sidecar) over a plain ``dcp.load`` of the same
 checkpoint into the same tensors, with ``torch.load`` of a ``torch.save`` file for scale (one
-rank), and the bytes restore hashed per byte of the files it opened; (2) the time the training
-thread spends in save() with ``async_save=True`` (staging the state; a background thread
-writes, hashes and commits while "training" goes on) over a synchronous save (write, hash as
-written, commit). Runs are interleaved (A, B, C, A, B, C, ...) so machine noise hits every
+rank), and the bytes restore hashed per byte it read (entries of its load plan, whole small
+files); (2) the time the training thread spends in save() with ``async_save=True`` (staging
+the state; a background thread writes, hashes and commits while "training" goes on) over a
+synchronous save (write, hash as written, commit). Runs are interleaved (A, B, C, A, B, C, ...) so machine noise hits every
 variant alike. With ``--ranks N`` (N > 1) the model is sharded with FSDP2 over N gloo
 ranks on this machine (each rank writes and reads its own shard) and each run counts the
 slowest rank.
@@ -66,7 +66,7 @@ def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: s
     warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
     torch.set_num_threads(1)
     model, opt = _model(smoke, device, world)
-    out: dict = {"params": sum(p.numel() for p in model.parameters()) * world}
+    out: dict = {"params": sum(p.numel() for p in model.parameters())}  # DTensor: global
     no_dist = world == 1
     sync = CheckpointManager(Path(root) / "sync", every=1, keep=2)
     path = sync.save(1, model=model, optimizer=opt)
@@ -83,8 +83,9 @@ def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: s
         if world == 1:
             out["tload"].append(_timed(lambda: torch.load(plain_pt, weights_only=True)))
     stats = sync.io_stats
-    read = {n: (path / n).stat().st_size for n in stats.opened if n != "MANIFEST.json"}
-    out["hashed_per_byte"] = sum(stats.hashed.values()) / sum(read.values())
+    read = sum(n for name, n in stats.read.items() if name != "MANIFEST.json")
+    out["hashed_per_byte"] = sum(stats.hashed.values()) / read
+    out["hashed_mib"] = sum(stats.hashed.values()) / 2**20
     out["max_opens"] = max(stats.opened.values())
 
     asy = CheckpointManager(Path(root) / "async", every=1, keep=2, async_save=True)
@@ -125,16 +126,17 @@ def main() -> None:
         return statistics.median(max(r[key][i] for r in per_rank) for i in range(runs)) * 1e3
 
     first = per_rank[0]
-    print(f"model {first['params'] / 1e6:.1f}M params, checkpoint {first['size'] / 2**20:.1f} MiB "
-          f"(rank 0's files), {args.ranks} rank(s), {runs} runs")
+    print(f"model {first['params'] / 1e6:.1f}M params, checkpoint {first['size'] / 2**20:.1f} MiB, "
+          f"{args.ranks} rank(s), {runs} runs")
     r, p = med("restore"), med("plain")
     scale = f", torch.load {med('tload'):.1f} ms (scale)" if args.ranks == 1 else ""
     print(f"restore/dcp.load ratio {r / p:.3f} (target <= 1.3): restore {r:.1f} ms, "
           f"dcp.load {p:.1f} ms{scale}")
     hashed = max(x["hashed_per_byte"] for x in per_rank)
     opens = max(x["max_opens"] for x in per_rank)
-    print(f"restore hashed {hashed:.2f} bytes per byte of its files, opened each {opens}x "
-          "(every rank)")
+    mib = ", ".join(f"{x['hashed_mib']:.1f}" for x in per_rank)
+    print(f"restore hashed {hashed:.2f} bytes per byte it read, opened each file {opens}x "
+          f"(worst rank); MiB hashed per rank: {mib}")
     a, s, t = med("block_async"), med("block_sync"), med("total_async")
     print(f"async/sync blocking ratio {a / s:.3f} (target <= 0.1): async save blocks {a:.1f} ms "
           f"(staging), sync save {s:.1f} ms (write + hash + "

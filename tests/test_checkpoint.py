@@ -245,7 +245,7 @@ def test_benchmark_smoke(sub_env):
                              re.MULTILINE))
     assert ratios.keys() == {"restore/dcp.load", "async/sync blocking"}, out.stdout
     assert all(math.isfinite(float(v)) and float(v) > 0 for v in ratios.values()), ratios
-    counts = re.search(r"restore hashed (\S+) bytes per byte of its files, opened each (\d+)x",
+    counts = re.search(r"restore hashed (\S+) bytes per byte it read, opened each file (\d+)x",
                        out.stdout)
     assert counts and float(counts[1]) == 1.0 and counts[2] == "1", out.stdout
 

@@ -106,21 +106,25 @@ class IOStats:
     """name -> times the file was opened for reading."""
     hashed: Counter = field(default_factory=Counter)
     """name -> bytes hashed (written or read)."""
+    read: Counter = field(default_factory=Counter)
+    """name -> bytes handed to the loader (whole small files; the entries a load plan reads)."""
     threads: dict[str, str] = field(default_factory=dict)
     """name -> the thread that accounted for its hashing (the writer's, for written files)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, name: str, *, opened: int = 0, hashed: int = 0) -> None:
+    def add(self, name: str, *, opened: int = 0, hashed: int = 0, read: int = 0) -> None:
         with self._lock:
             if opened:
                 self.opened[name] += opened
+            if read:
+                self.read[name] += read
             if hashed:
                 self.hashed[name] += hashed
                 self.threads[name] = threading.current_thread().name
 
     def rename(self, old: str, new: str) -> None:
         with self._lock:
-            for table in (self.opened, self.hashed, self.threads):
+            for table in (self.opened, self.hashed, self.read, self.threads):
                 if old in table:
                     table[new] = table.pop(old)
 
@@ -346,6 +350,7 @@ class CheckpointDir:
         stats.add(name, opened=1)
         with os.fdopen(fd, "rb") as f:
             data = f.read()
+        stats.add(name, read=len(data))
         if want is not None:
             if want.digest is None:
                 raise IntegrityError(f"{name} is listed with a segment table; a whole digest "

@@ -182,7 +182,9 @@ class SafeReader(FileSystemReader):
             with self._dir.mapped(rel, self._files[rel].size, needed, self._stats) as f:
                 try:
                     for index in order:
-                        self._serve(f.view, self.storage_data[index], by_index[index], planner)
+                        info = self.storage_data[index]
+                        self._serve(f.view, info, by_index[index], planner)
+                        self._stats.add(rel, read=info.length)
                 except Exception:
                     f.verify()  # corrupted bytes are the truer cause of a failed load
                     raise

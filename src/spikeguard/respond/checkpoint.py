@@ -97,6 +97,28 @@ def rollback_target(onset: int, checkpoints: int | Iterable[int]) -> int | None:
     return max((s for s in checkpoints if s <= limit), default=None)
 
 
+@dataclass
+class _Job:
+    """One save from the moment its state is captured: what the writer thread needs."""
+
+    step: int
+    directory: Path
+    side: Any
+    """This rank's sidecar, already encoded for JSON."""
+    info: dict
+    records: dict[str, FileEntry] = field(default_factory=dict)
+    """File name -> manifest entry, for the files this rank wrote."""
+    stats: IOStats = field(default_factory=IOStats)
+
+    @property
+    def final(self) -> Path:
+        return self.directory / f"step_{self.step:08d}"
+
+    @property
+    def tmp(self) -> Path:
+        return self.directory / f".tmp-step_{self.step:08d}"
+
+
 class CheckpointManager:
     """Save every ``every`` steps, keep the newest ``keep`` (never deleting the newest healthy
     one), restore the newest healthy checkpoint at or before a step.
@@ -170,17 +192,7 @@ class CheckpointManager:
         ``healthy=False`` (or any ``alerts``) marks that an alert was raised in this
         checkpoint's window; restore() then passes over it. Collective across ranks.
         """
-        from ._safe_dcp import HashingWriter
-
         self.wait()
-        healthy = bool(healthy) and not alerts
-        final = self.directory / f"step_{step:08d}"
-        tmp = self.directory / f".tmp-step_{step:08d}"
-        if _dist.rank() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        _dist.barrier()
         msd, osd = io.model_optim(model, optimizer)
         tensors, rest = io.split({"model": msd, "optim": osd})
         side: dict[str, Any] = {"rest": rest}
@@ -188,37 +200,43 @@ class CheckpointManager:
             side[name] = obj.state_dict()
         if save_rng:
             side["rng"] = io.rng_state()
-        stats = self.io_stats = IOStats()
-        sidecar = f"rank{_dist.rank()}.json"
-        records: dict[str, FileEntry] = {
-            sidecar: io.write_json(tmp / sidecar, io.encode(side), self.digest)}
-        stats.add(sidecar, hashed=records[sidecar].size)
         skips = data.state_dict().get("skip_ranges", []) if data is not None else []
-        info = {"format": _FORMAT, "step": step, "healthy": healthy, "alerts": list(alerts),
-                "skip_ranges": [list(r) for r in skips], "world_size": _dist.world_size(),
-                "meta": meta or {}}
-        writer = HashingWriter(tmp, records, stats, self.digest)
+        job = _Job(step=step, directory=self.directory, side=io.encode(side), info={
+            "format": _FORMAT, "step": step, "healthy": bool(healthy) and not alerts,
+            "alerts": list(alerts), "skip_ranges": [list(r) for r in skips],
+            "world_size": _dist.world_size(), "meta": meta or {}})
+        self.io_stats = job.stats
         if not self.async_save:
             with io.quiet():
-                self._write(tensors, writer, tmp, final, info, records, stats, None)
-            return final
+                self._write(job, tensors, None)
+            return job.final
         if self._stager is None:  # one stager: its CPU buffers are reused save after save
             self._group = _dist.new_cpu_group()
             self._stager = io.stager()
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="spikeguard-checkpoint")
         staged = self._stager.stage(tensors)  # the training thread's only copy of the state
-        self._pending = self._executor.submit(self._write, staged, writer, tmp, final, info,
-                                              records, stats, self._group)
-        return final
+        self._pending = self._executor.submit(self._write, job, staged, self._group)
+        return job.final
 
-    def _write(self, tensors: dict, writer: Any, tmp: Path, final: Path, info: dict,
-               records: dict[str, FileEntry], stats: IOStats, group: Any) -> None:
-        """DCP's save through the hashing writer, then the commit; in the background thread
-        (on the manager's own gloo group) under async_save."""
+    def _write(self, job: _Job, tensors: dict, group: Any) -> None:
+        """Everything after the state is captured, in the background thread (collectives on
+        the manager's own gloo group) under async_save: the sidecar, DCP's save through the
+        hashing writer, the commit."""
         import torch.distributed.checkpoint as dcp
 
+        from ._safe_dcp import HashingWriter
+
+        if _dist.rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(job.tmp, ignore_errors=True)
+            job.tmp.mkdir()
+        _dist.barrier(group)
+        sidecar = f"rank{_dist.rank()}.json"
+        job.records[sidecar] = io.write_json(job.tmp / sidecar, job.side, self.digest)
+        job.stats.add(sidecar, hashed=job.records[sidecar].size)
+        writer = HashingWriter(job.tmp, job.records, job.stats, self.digest)
         dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _dist.is_dist())
-        self._commit(tmp, final, info, records, stats, group)
+        self._commit(job, group)
 
     def wait(self) -> None:
         """Block until a pending async save is committed (re-raising its error, if any)."""
@@ -240,37 +258,36 @@ class CheckpointManager:
                 dist.destroy_process_group(self._group)
         self._stager = self._executor = self._group = None
 
-    def _commit(self, tmp: Path, final: Path, info: dict, records: dict[str, FileEntry],
-                stats: IOStats, group: Any) -> None:
-        gathered = _dist.gather_object({n: e.to_json() for n, e in records.items()}, group)
+    def _commit(self, job: _Job, group: Any) -> None:
+        gathered = _dist.gather_object({n: e.to_json() for n, e in job.records.items()}, group)
         error = None
         if gathered is not None:  # rank 0
             try:
-                files = self._manifest(tmp, info, gathered)
-                stats.add(_INFO, hashed=files[_INFO].size)
-                io.write_json(tmp / _MANIFEST, {"format": _FORMAT,
-                                                "files": {n: e.to_json() for n, e in files.items()}})
-                io.fsync_dir(tmp)
-                if final.exists():
-                    shutil.rmtree(final)
-                tmp.rename(final)
+                files = self._manifest(job, gathered)
+                io.write_json(job.tmp / _MANIFEST, {
+                    "format": _FORMAT, "files": {n: e.to_json() for n, e in files.items()}})
+                io.fsync_dir(job.tmp)
+                if job.final.exists():
+                    shutil.rmtree(job.final)
+                job.tmp.rename(job.final)
                 io.fsync_dir(self.directory)
                 self._rotate()
             except (OSError, ValueError) as e:
                 error = f"{type(e).__name__}: {e}"
         if not _dist.all_true(error is None, group):  # also the barrier: committed before anyone goes on
-            raise CheckpointError(f"checkpoint {final} could not be committed: "
+            raise CheckpointError(f"checkpoint {job.final} could not be committed: "
                                   f"{error or 'rank 0 failed (see its error)'}")
 
-    def _manifest(self, tmp: Path, info: dict, gathered: list[dict]) -> dict[str, FileEntry]:
+    def _manifest(self, job: _Job, gathered: list[dict]) -> dict[str, FileEntry]:
         files: dict[str, FileEntry] = {}
         for r, recs in enumerate(gathered):
             for name, e in recs.items():
                 entry = FileEntry.from_json(e)
                 if files.setdefault(name, entry) != entry:
                     raise ValueError(f"rank {r} wrote {name} with other contents than another rank")
-        files[_INFO] = io.write_json(tmp / _INFO, info, self.digest)
-        present = set(os.listdir(tmp))
+        files[_INFO] = io.write_json(job.tmp / _INFO, job.info, self.digest)
+        job.stats.add(_INFO, hashed=files[_INFO].size)
+        present = set(os.listdir(job.tmp))
         if present != set(files):
             raise ValueError(f"files written but not hashed: {sorted(present - set(files))}; "
                              f"hashed but absent: {sorted(set(files) - present)} (is the "
