@@ -1,6 +1,7 @@
 """Restore refuses a damaged or tampered checkpoint, reads nothing outside its directory, and
 falls back to the previous healthy one."""
 
+import hashlib
 import io
 import json
 import os
@@ -93,6 +94,22 @@ def test_every_checkpoint_refused_raises_with_each_reason(two_checkpoints):
         _flip("__0_0.distcp", 0.5)(c.path)
     with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError, match="step_00000002"):
         restore_fresh(mgr)
+
+
+def test_a_checkpoint_of_the_first_manifest_format_still_restores(two_checkpoints):
+    """Format 1 listed every file whole as {"size", "sha256": hex}; such a checkpoint loads."""
+    mgr, _ = two_checkpoints
+    path = mgr.list()[-1].path
+    (path / "__0_0.distcp.digests.json").unlink()
+    manifest = {"format": "spikeguard-checkpoint/1", "files": {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in path.iterdir() if p.name != "MANIFEST.json"}}
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+    info, _, _, _ = restore_fresh(mgr)  # a refusal would warn, an error under pytest
+    assert info.step == 4 and verify_checkpoint(path)["__0_0.distcp"] > 0
+    _flip("__0_0.distcp", 0.5)(path)
+    with pytest.raises(ValueError, match="__0_0.distcp does not match its digest"):
+        verify_checkpoint(path)
 
 
 def test_verify_checkpoint_checks_every_file(two_checkpoints):

@@ -86,6 +86,8 @@ class FileEntry:
 
     @staticmethod
     def from_json(e: dict[str, Any]) -> FileEntry:
+        if "sha256" in e:  # spikeguard-checkpoint/1 (before self-describing digests)
+            return FileEntry(int(e["size"]), f"sha256:{e['sha256']}")
         return FileEntry(int(e["size"]), e.get("digest"), e.get("segments"))
 
     def to_json(self) -> dict[str, Any]:
