@@ -65,7 +65,8 @@ class _Pending:
     batches: tuple[int, int] | None
     data_state: dict[str, Any] | None
     rerun: Callable[[], Any] | None
-    probes: dict[str, Any]
+    probes: Any
+    """The step's ProbeValues (their numbers ride at the end of the read-back vector), or None."""
     stats: Any
     """The step's GradStats while its gradients are alive (read_lag 0), else None."""
     finite: tuple[Any, list[int]] | None = None
