@@ -19,7 +19,7 @@ TINY = ["--model", "tiny", "--batch-size", "8", "--eval-batches", "1", "--no-pro
 the guard rightly skips, which would blur what each test checks."""
 
 
-def _run(args, env, *, check=True, timeout=300):
+def _run(args, env, *, check=True, timeout=1200):
     r = subprocess.run([sys.executable, "-m", "spikeguard", "train", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
@@ -61,7 +61,7 @@ def test_kill_and_rerun_continues_the_metrics_with_nothing_lost_or_repeated(tmp_
     cut = tmp_path / "cut"
     p = subprocess.Popen([sys.executable, "-m", "spikeguard", "train", *args, "--out", str(cut)],
                          cwd=ROOT, env=sub_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 1200
     metrics = cut / "metrics.jsonl"
     while time.monotonic() < deadline and p.poll() is None:
         if metrics.exists() and metrics.read_bytes().count(b"\n") >= 47:
