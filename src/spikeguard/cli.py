@@ -1,4 +1,5 @@
-"""The ``spikeguard`` command: ``budget`` and ``train`` (more subcommands join as they land)."""
+"""The ``spikeguard`` command: ``budget``, ``train`` and ``diagnose`` (more subcommands join as they
+land)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from .diagnose._cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._config_cli import add_config_args
     from .train import TrainConfig
@@ -108,6 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train the reference GPT on a corpus that ships with Python")
     add_config_args(p, TrainConfig)
     p.set_defaults(func=_cmd_train)
+
+    from .diagnose._cli import add_arguments
+
+    p = sub.add_parser("diagnose", help="triage a run's metrics log: spikes, tiers, what-if, report",
+                       description="Find the spikes in a run's metrics log, classify each by "
+                       "replaying the spike detector, and say what to do (skip, roll back to "
+                       "which checkpoint, add z-loss, change precision). Detector flags left out "
+                       "are sized to the log (DetectorConfig.for_run; windows divided by the "
+                       "stride of a sparse log); window flags count log records.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_diagnose)
     return parser
 
 
