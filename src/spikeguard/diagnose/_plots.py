@@ -96,6 +96,12 @@ def _panel(ax: Any, name: str, diag: Any, sl: slice) -> None:
     _nonfinite(ax, steps, y)
     ax.set_ylabel(name)
     ax.grid(alpha=0.3)
+    if ax.get_yscale() == "log":  # plain numbers at 1, 2, 5 x 10^k
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _ratio_panel(ax: Any, diag: Any, sl: slice) -> None:
@@ -148,6 +154,10 @@ def figures(diag: Any, *, zooms: int = 6) -> dict[str, tuple[str, bytes]]:
         for ax, name in zip(axes, names):
             _panel(ax, name, diag, sl)
             _shade(ax, [s], lo, hi)
+            moved = s.evidence.get("exits", {}).get(name)
+            if moved is not None:
+                ax.axvline(moved, color="#202124", ls=":", lw=1, label=f"moved at {moved:,}")
+            ax.legend(loc="upper left", fontsize=7)
         axes[-1].set_xlabel("step")
         out[f"spike{k + 1}"] = (f"Spike {k + 1} up close: {s.cause}.", _png(fig))
     return out

@@ -82,6 +82,19 @@ class Replay:
 
 
 _TRACE = ("grad_median", "loss_ema_ratio", "log_z_median")
+_ORDER = ("step", "loss", "grad_norm", "log_z", "nan_frac", "loss_ema_ratio", "lr", "grad_scale")
+
+
+def _by_name(*values: Any) -> StepMetrics:
+    return StepMetrics(**dict(zip(_ORDER, values)))
+
+
+def _step_metrics() -> Any:
+    """StepMetrics built from positional arguments in ``_ORDER`` (the faster call), or by
+    keyword should the dataclass's field order ever change."""
+    if tuple(f.name for f in dataclasses.fields(StepMetrics))[: len(_ORDER)] == _ORDER:
+        return StepMetrics
+    return _by_name
 
 
 def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> Replay:
@@ -100,16 +113,17 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
     scale = ([None if math.isnan(v) else v for v in cols["grad_scale"].tolist()]
              if "grad_scale" in cols else [None] * n)
     update = SpikeDetector(config).update
+    make = _step_metrics()
     cont = Action.CONTINUE
     flagged: list[Verdict] = []
     out: dict[str, list[float]] = {k: [] for k in _TRACE} if trace else {}
+    rows = zip(log.steps.tolist(), loss, grad, log_z, nf, scale)
     t0 = time.perf_counter()
     if trace:
         gm, rt, zm = (out[k].append for k in _TRACE)
         nan = math.nan
-        for s, lo, g, z, f, gs in zip(log.steps.tolist(), loss, grad, log_z, nf, scale):
-            v = update(StepMetrics(step=s, loss=lo, grad_norm=g, log_z=z, nan_frac=f,
-                                   grad_scale=gs))
+        for s, lo, g, z, f, gs in rows:
+            v = update(make(s, lo, g, z, f, None, None, gs))
             ev = v.evidence
             gm(ev.get("grad_median", nan))
             rt(ev.get("loss_ema_ratio", nan))
@@ -117,9 +131,8 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
             if v.action is not cont:
                 flagged.append(v)
     else:
-        for s, lo, g, z, f, gs in zip(log.steps.tolist(), loss, grad, log_z, nf, scale):
-            v = update(StepMetrics(step=s, loss=lo, grad_norm=g, log_z=z, nan_frac=f,
-                                   grad_scale=gs))
+        for s, lo, g, z, f, gs in rows:
+            v = update(make(s, lo, g, z, f, None, None, gs))
             if v.action is not cont:
                 flagged.append(v)
     seconds = time.perf_counter() - t0

@@ -20,6 +20,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ class MetricsLog:
     def __len__(self) -> int:
         return len(self.steps)
 
-    @property
+    @cached_property
     def stride(self) -> int:
         """Typical steps between records: 1 for a per-step log, N for one line every N steps."""
         if len(self.steps) < 2:

@@ -106,6 +106,8 @@ def _cause(tier: int, reasons: list[str], ev: dict[str, Any], z_led: bool) -> st
         if ev.get("recovered") is False:
             return "large step(s); the loss had not recovered by the end of the log"
         return "data anomaly: a bad batch, the loss recovers"
+    if "scaler" in reasons:
+        return "fp16 loss-scale overflow: GradScaler skipped the step"
     return "below the detector's thresholds"
 
 
