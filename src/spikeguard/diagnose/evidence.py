@@ -1,9 +1,10 @@
 """The evidence behind one spike, computed in a window around it (never over the whole log).
 
 * which metric moved first: each metric's band is its median +- ``band_mads`` MADs over the
-  ``band_steps`` before the search window (which opens ``band_steps`` before the spike); from the
-  metric's largest excursion inside the spike, walk back while it stays out of its band (gaps of
-  up to 3 records in the band are bridged): where that excursion began is where the metric moved.
+  ``band_steps`` before the spike's start; from the metric's largest excursion inside the spike,
+  walk back while it stays out of its band (gaps of up to 3 records in the band are bridged, and
+  the walk may go back into the band's own window, as a slow drift starts there): where that
+  excursion began is where the metric moved.
   An excursion counts only when it is large (2 x band_mads MADs) or lasts 5 records, so noise
   touching a 3-MAD band does not. Equal steps are reported as a tie.
 * grad norm over its median, the log Z trend (least-squares slope per 1,000 steps over the window,
@@ -90,11 +91,8 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: Detect
     peak in the spike is reported.
     """
     w = records_for(cfg.band_steps, log.stride)
-    s0 = max(0, i0 - w)            # search window opens a band before the spike
-    b0 = max(0, s0 - w)            # its band: the band_steps before the window
-    if s0 - b0 < 10:               # too close to the start of the log: band on what there is
-        b0, s0 = 0, min(i0, max(10, i0 // 2))
-    steps = log.steps
+    s0 = max(0, i0 - w)            # the band: the band_steps before the spike's start; the
+    steps = log.steps              # walk back may enter it (the median and MAD are robust)
     series = log.columns
     exits: dict[str, int | None] = {}
     bands: dict[str, list[float | None]] = {}
@@ -102,7 +100,7 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: Detect
         x = series.get(m)
         if x is None:
             continue
-        med, mad = band(x[b0:s0])
+        med, mad = band(x[s0:i0])
         bands[m] = [_num(med), _num(mad)]
         k = first_move(x[s0: i1 + 1], i0 - s0, i1 - s0, med, mad, cfg.band_mads)
         exits[m] = None if k is None else int(steps[s0 + k])
@@ -113,7 +111,7 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: Detect
         "moved_at": first,
         "exits": exits,
         "bands": bands,
-        "band_steps": [int(steps[b0]), int(steps[max(b0, s0 - 1)])],
+        "band_steps": [int(steps[s0]), int(steps[max(s0, i0 - 1)])],
     }
     if ratio is not None and np.isfinite(ratio[i0: i1 + 1]).any():
         ev["loss_ema_ratio_peak"] = float(np.nanmax(ratio[i0: i1 + 1]))
