@@ -279,3 +279,13 @@ def test_fp16_overflow_in_a_log_with_grad_scale_is_no_halt(tmp_path, capsys):
     assert out["whatif"]["halt"] == [] and out["whatif"]["scaler_skips"] == 1
     (s,) = out["spikes"]
     assert s["tier"] == 0 and s["start"] == 200 and "GradScaler" in s["cause"]
+
+
+def test_skip_storm_is_tier2_with_the_checkpoint_before_the_storm(tmp_path, capsys):
+    scen = sc.grad_storm(0)  # grad norm x4 for good from step 300
+    out = cli_json(capsys, write_log(tmp_path / "m.jsonl", scen.metrics), "--ckpt-every", 50)
+    (s,) = out["spikes"]
+    assert (s["start"], s["tier"], s["action"]) == (300, 2, "rollback")
+    assert s["rollback_step"] == 250  # 300 itself is a multiple of 50, but 299 is not safe
+    assert s["cause"].startswith("skip storm") and s["evidence"]["moved_first"] == ["grad_norm"]
+    assert out["spikes"][0]["detected"] < 310

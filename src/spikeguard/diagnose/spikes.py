@@ -1,8 +1,8 @@
 """Find spikes in a metrics log with whole-array numpy passes (a million steps in well under a
 second).
 
-Two kinds, after the definition in docs/defenses.md and the spike literature (a loss spike is a
-rise of 0.1 nats or more over the pre-spike level that persists for more than 50 steps):
+Two kinds. A loss spike, in the usual playbook's terms, is a rise of 0.1 nats or more over the
+pre-spike level that persists for more than 50 steps; a single bad batch is an outlier:
 
 * persistent: the loss (a centred median of 5 records, so one odd batch cannot make or break
   one) stands ``spike_nats`` above its pre-spike level for more than ``persist_steps`` steps.

@@ -143,7 +143,8 @@ def spike_from_event(log: MetricsLog, ev: Event, rep: Replay, *, ckpt_every: int
     if tier >= 2:
         advice.append(f"roll back to {where}")
         if top is not None:
-            advice.append(f"skip the data of steps {start:,}-{top.step:,}")
+            span = f"step {start:,}" if top.step == start else f"steps {start:,}-{top.step:,}"
+            advice.append(f"skip the data of {span}")
     if tier == 2 and z_led:
         advice.append(f"add z-loss {Z_LOSS:g} (or raise it) before resuming")
     if tier == 3:
