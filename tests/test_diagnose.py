@@ -12,7 +12,7 @@ import pytest
 
 import spikeguard as sg
 from spikeguard.cli import main
-from spikeguard.diagnose import FindConfig, MetricsLog, diagnose, find_spikes, rollback_target
+from spikeguard.diagnose import FindConfig, MetricsLog, find_spikes, rollback_target
 from spikeguard.diagnose.evidence import first_move
 from spikeguard.diagnose.spikes import block_median, prior_min, trailing_mean
 from spikeguard.respond.detector import DetectorConfig
