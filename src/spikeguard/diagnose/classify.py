@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from array import array
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -111,19 +113,23 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
     log_z = cols["log_z"].tolist() if "log_z" in cols else [math.nan] * n
     nf = np.nan_to_num(cols["nan_frac"], nan=0.0).tolist() if "nan_frac" in cols else [0.0] * n
     scale = ([None if math.isnan(v) else v for v in cols["grad_scale"].tolist()]
-             if "grad_scale" in cols else [None] * n)
+             if "grad_scale" in cols else None)
     update = SpikeDetector(config).update
     make = _step_metrics()
     cont = Action.CONTINUE
-    flagged: list[Verdict] = []
-    out: dict[str, list[float]] = {k: [] for k in _TRACE} if trace else {}
-    rows = zip(log.steps.tolist(), loss, grad, log_z, nf, scale)
+    columns: list[Any] = [log.steps.tolist(), loss, grad, log_z, nf]
+    if "grad_scale" in cols:
+        columns += [repeat(None), repeat(None), scale]
+    verdicts = map(update, map(make, *columns))  # C-level loops: no per-step unpacking
+    # C doubles, not lists of float objects: keeping a million of the detector's floats alive
+    # scatters the allocator's pools and slows the detector itself
+    out: dict[str, array] = {k: array("d") for k in _TRACE} if trace else {}
     t0 = time.perf_counter()
     if trace:
+        flagged: list[Verdict] = []
         gm, rt, zm = (out[k].append for k in _TRACE)
         nan = math.nan
-        for s, lo, g, z, f, gs in rows:
-            v = update(make(s, lo, g, z, f, None, None, gs))
+        for v in verdicts:
             ev = v.evidence
             gm(ev.get("grad_median", nan))
             rt(ev.get("loss_ema_ratio", nan))
@@ -131,12 +137,9 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
             if v.action is not cont:
                 flagged.append(v)
     else:
-        for s, lo, g, z, f, gs in rows:
-            v = update(make(s, lo, g, z, f, None, None, gs))
-            if v.action is not cont:
-                flagged.append(v)
+        flagged = [v for v in verdicts if v.action is not cont]
     seconds = time.perf_counter() - t0
-    arrays = {k: np.array(v, dtype=np.float64) for k, v in out.items()}
+    arrays = {k: np.frombuffer(v, dtype=np.float64).copy() for k, v in out.items()}
     return Replay(config, flagged, seconds, arrays)
 
 
