@@ -244,13 +244,19 @@ def test_quarantined_sequences_show_with_their_spike(scenario_logs, tmp_path, ca
     assert "1 quarantined sequence(s) outside any spike" in text
 
 
-def test_summary_table_in_a_subprocess(scenario_logs, sub_env):
-    r = subprocess.run([sys.executable, "-m", "spikeguard", "diagnose", str(scenario_logs["s2"]),
-                        "--ckpt-every", "1000"], capture_output=True, text=True, timeout=300,
-                       env=sub_env)
+def test_summary_in_a_fresh_process_imports_no_plot_extras(scenario_logs, sub_env):
+    # the command end to end, and what it imports: no matplotlib, tensorboard or playwright
+    # unless a report or a TensorBoard log asks for them
+    code = ("import sys; from spikeguard.cli import main; "
+            f"rc = main(['diagnose', {str(scenario_logs['s2'])!r}, '--ckpt-every', '1000']); "
+            "print('extras', sorted(m for m in ('matplotlib', 'tensorboard', 'playwright') "
+            "if m in sys.modules)); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=sub_env)
     assert r.returncode == 0, r.stderr
     assert "1 spike(s)" in r.stdout and "57,000" in r.stdout and "logit drift" in r.stdout
     assert "what the detector would do" in r.stdout and "time: read" in r.stdout
+    assert "extras []" in r.stdout
 
 
 def test_sparse_log_every_10_steps(tmp_path, capsys):

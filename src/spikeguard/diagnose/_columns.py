@@ -120,17 +120,20 @@ def choose(names: Sequence[str], mapping: dict[str, str]) -> tuple[dict[str, str
     return {m: c for m, (_, c) in chosen.items()}, notes
 
 
-def to_floats(values: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, int]:
+def to_floats(values: Sequence[Any], *, exact: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
     """(float64 values, missing mask, count of unreadable cells) for raw cells.
 
     None and "" are missing (NaN in the values); "NaN", "Infinity", "inf" and numbers are values.
-    Anything else (text) counts as unreadable and is missing.
+    Anything else (text) counts as unreadable and is missing. ``exact=False`` counts every NaN
+    as missing (cheaper; right for metrics whose NaN means "not measured", such as log Z).
     """
     try:
         arr = np.array(values, dtype=np.float64)
     except (ValueError, TypeError):
         arr = None
     if arr is not None and arr.ndim == 1:
+        if not exact:
+            return arr, np.isnan(arr), 0
         missing = np.zeros(len(arr), dtype=bool)
         nan = np.flatnonzero(np.isnan(arr))  # only NaN cells can be missing ones
         if len(nan):

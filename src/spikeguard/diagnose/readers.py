@@ -104,6 +104,7 @@ def _read_jsonl(path: Path, mapping: dict[str, str], warnings: list[str], *,
     keys: tuple[str, ...] = ()
     rows: list[tuple[Any, ...]] = []
     parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    exact: set[str | None] = set()
     cut = False
 
     def flush() -> None:
@@ -111,8 +112,8 @@ def _read_jsonl(path: Path, mapping: dict[str, str], warnings: list[str], *,
             if k == "action":
                 vals = np.array([codes.get(v, -1) for v in col], dtype=np.float64)
                 parts[k].append((vals, vals < 0))
-            else:
-                vals, miss, _ = to_floats(col)
+            else:  # NaN vs missing matters for the loss, the grad norm and the step only
+                vals, miss, _ = to_floats(col, exact=k in exact)
                 parts[k].append((vals, miss))
         rows.clear()
 
@@ -125,6 +126,7 @@ def _read_jsonl(path: Path, mapping: dict[str, str], warnings: list[str], *,
                 raise ValueError(f"{path}: schema={schema!r} is newer than this spikeguard reads "
                                  f"(schema {SCHEMA}); upgrade spikeguard to read this log")
         chosen, _ = choose(list(seen), mapping)
+        exact.update(chosen.get(m) for m in ("step", "loss", "grad_norm"))
         ks = tuple(dict.fromkeys([*chosen.values(), "tier", "action", "schema"]))
         for k in ks:
             parts[k] = []
