@@ -12,9 +12,10 @@ import pytest
 
 import spikeguard as sg
 from spikeguard.cli import main
-from spikeguard.diagnose import FindConfig, MetricsLog, find_spikes, rollback_target
+from spikeguard.diagnose import FindConfig, MetricsLog, find_spikes, rollback_step
 from spikeguard.diagnose.evidence import first_move
 from spikeguard.diagnose.spikes import block_median, prior_min, trailing_mean
+from spikeguard.respond.checkpoint import rollback_target
 from spikeguard.respond.detector import DetectorConfig
 from spikeguard.testing import scenarios as sc
 
@@ -105,18 +106,19 @@ def test_clean_run_has_nothing_above_tier1(tmp_path, capsys):
 
 # ---- rollback rule ------------------------------------------------------------------------------
 
-def test_rollback_target_predates_the_update_before_the_onset():
-    def brute(onset, every):  # the newest checkpoint step s with s <= onset - 2
-        ok = [s for s in range(0, onset + 1, every) if s + 1 < onset]
+def test_rollback_step_is_the_guards_rule():
+    def brute(onset, every):  # saves at every, 2 every, ...: the newest s with s <= onset - 2
+        ok = [s for s in range(every, onset + 1, every) if s + 1 < onset]
         return ok[-1] if ok else None
 
     for onset in (0, 1, 2, 3, 999, 1000, 1001, 1002, 57_001, 57_002, 57_184, 58_001, 58_002):
         for every in (1, 7, 50, 1000):
-            assert rollback_target(onset, every) == brute(onset, every), (onset, every)
-    assert rollback_target(57_184, 1000) == 57_000 and rollback_target(57_001, 1000) == 56_000
-    assert rollback_target(500, None) == 498
-    with pytest.raises(ValueError, match="ckpt_every=0 must be an integer >= 1"):
-        rollback_target(500, 0)
+            assert rollback_step(onset, every) == brute(onset, every), (onset, every)
+            assert rollback_step(onset, every) == rollback_target(onset, every)
+    assert rollback_step(57_184, 1000) == 57_000 and rollback_step(57_001, 1000) == 56_000
+    assert rollback_step(500, None) == 498 and rollback_step(1, None) is None
+    with pytest.raises(ValueError, match="--ckpt-every=0 must be an integer >= 1"):
+        rollback_step(500, 0)
 
 
 # ---- the search and the evidence against brute force -------------------------------------------
@@ -215,7 +217,7 @@ def test_detector_flags_are_generated_from_the_config(capsys):
     (["--compare", "gradk=3"], "'gradk=3'"),
     (["--compare", "median_window=1.5"], "median_window takes an integer"),
     (["--compare", "skip_ratio=9"], "ratios must rise"),
-    (["--ckpt-every", "0"], "ckpt_every=0 must be an integer >= 1"),
+    (["--ckpt-every", "0"], "--ckpt-every=0 must be an integer >= 1"),
     (["--persist-steps", "0"], "--persist-steps=0 must be an integer >= 1"),
     (["--map", "x"], "write COLUMN=METRIC"),
 ])

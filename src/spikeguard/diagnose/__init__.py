@@ -5,7 +5,7 @@ the spike detector over it to classify each one and say what to do (:mod:`.class
 :mod:`.evidence`, :mod:`.triage`), and :mod:`.report` prints or writes the result.
 """
 
-from .classify import replay, replay_config, rollback_target
+from .classify import replay, replay_config, rollback_step
 from .readers import MetricsLog, read_log, read_quarantine
 from .report import print_summary, write_report
 from .spikes import FindConfig, find_spikes
@@ -23,6 +23,6 @@ __all__ = [
     "read_quarantine",
     "replay",
     "replay_config",
-    "rollback_target",
+    "rollback_step",
     "write_report",
 ]

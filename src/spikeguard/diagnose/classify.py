@@ -4,7 +4,7 @@ The detector (``spikeguard.respond.detector.SpikeDetector``) is the one implemen
 tiers: diagnose feeds it the log's records in step order and keeps every verdict that is not
 CONTINUE. A found spike and the verdicts around it (each spanning its ``onset_step`` to its step)
 merge into one event; its tier is the highest verdict tier in it, and its action the recommended
-one: skip; roll back to the checkpoint the Guard would pick (``rollback_target``); add z-loss 1e-4
+one: skip; roll back to the checkpoint the Guard would pick (``rollback_step``); add z-loss 1e-4
 when log Z led; change precision after a non-finite step.
 """
 
@@ -21,31 +21,28 @@ from typing import Any
 import numpy as np
 
 from ..record import ACTIONS, Action, StepMetrics
+from ..respond.checkpoint import rollback_target
 from ..respond.detector import DetectorConfig, SpikeDetector, Verdict
 from .readers import MetricsLog
 
 __all__ = ["Event", "Replay", "events", "recorded_whatif", "replay", "replay_config",
-           "rollback_target", "whatif"]
+           "rollback_step", "whatif"]
 
 
-def rollback_target(onset: int, every: int | None) -> int | None:
-    """The checkpoint step to roll back to for an anomaly that began at step ``onset``.
+def rollback_step(onset: int, every: int | None) -> int | None:
+    """The step to roll back to for an anomaly that began at step ``onset``.
 
-    A checkpoint at step s holds the state after update s, and update onset - 1 may itself be the
-    cause (a bad learning rate's first update looks normal in its own gradients), so the newest
-    safe checkpoint predates it: at or before onset - 2. With one every ``every`` steps that is
-    the largest multiple of ``every`` <= onset - 2; with ``every`` None, onset - 2 itself. None
-    when no step qualifies (restart from scratch).
+    With checkpoints every ``every`` steps: the Guard's rule,
+    ``respond.checkpoint.rollback_target`` (the newest checkpoint at or before onset - 2, since
+    update onset - 1 may itself be the cause; None when none exists). With ``every`` None (the
+    interval unknown): onset - 2 itself, the newest step whose checkpoint would be safe.
     """
-    last = onset - 2
-    if last < 0:
-        return None
     if every is None:
-        return last
+        return onset - 2 if onset >= 2 else None
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"ckpt_every={every!r} must be an integer >= 1 (the checkpoint interval "
-                         "in steps, e.g. 1000)")
-    return last // every * every
+        raise ValueError(f"--ckpt-every={every!r} must be an integer >= 1 (the checkpoint "
+                         "interval in steps, e.g. 1000)")
+    return rollback_target(onset, every)
 
 
 def _window_fields() -> tuple[str, ...]:
@@ -187,8 +184,8 @@ def whatif(rep: Replay, ckpt_every: int | None) -> dict[str, Any]:
     """The steps ``rep`` would have skipped, rolled back (and to where) and halted."""
     skip = [v.step for v in rep.flagged if v.action is Action.SKIP and v.tier >= 1]
     rollback = [{"step": v.step, "onset": v.onset_step,
-                 "to": rollback_target(v.onset_step if v.onset_step is not None else v.step,
-                                       ckpt_every)}
+                 "to": rollback_step(v.onset_step if v.onset_step is not None else v.step,
+                                     ckpt_every)}
                 for v in rep.flagged if v.action is Action.ROLLBACK]
     halt = [v.step for v in rep.flagged if v.action is Action.HALT]
     alerts = sum(1 for v in rep.flagged if v.action is Action.ALERT)

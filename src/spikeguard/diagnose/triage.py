@@ -26,7 +26,7 @@ from .classify import (
     recorded_whatif,
     replay,
     replay_config,
-    rollback_target,
+    rollback_step,
     whatif,
 )
 from .evidence import evidence
@@ -52,7 +52,7 @@ class Spike:
     action: str
     """The top verdict's action: skip, rollback, halt, alert, or continue."""
     rollback_step: int | None
-    """Tier >= 2: the checkpoint to restore (see ``rollback_target``)."""
+    """Tier >= 2: the checkpoint to restore (see ``rollback_step``)."""
     detected: int | None
     """The step of the first verdict at the top tier."""
     cause: str
@@ -130,7 +130,7 @@ def spike_from_event(log: MetricsLog, ev: Event, rep: Replay, *, ckpt_every: int
     skipped = [v.step for v in vs if v.skip]
     z_led = (top is not None and bool(top.reasons) and _metric(top.reasons[0]) == "log_z") or \
         evd.get("moved_first") == ["log_z"]
-    rb = rollback_target(start, ckpt_every) if tier >= 2 else None
+    rb = rollback_step(start, ckpt_every) if tier >= 2 else None
     where = (f"the checkpoint at step {rb:,}" if ckpt_every is not None and rb is not None
              else f"a checkpoint at or before step {rb:,}" if rb is not None
              else "the start of the run (no checkpoint predates the onset)")
@@ -208,7 +208,7 @@ def diagnose(path: str | os.PathLike[str], *, fmt: str = "auto",
     running medians and loss ratio per step for the plots.
     """
     if ckpt_every is not None:
-        rollback_target(2, ckpt_every)  # validates it
+        rollback_step(2, ckpt_every)  # validates it
     find = find or FindConfig()
     t = {"read": time.perf_counter()}
     log = read_log(path, fmt=fmt, mapping=mapping)
