@@ -159,9 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diagnose", help="triage a run's metrics log: spikes, tiers, what-if, report",
                        description="Find the spikes in a run's metrics log, classify each by "
                        "replaying the spike detector, and say what to do (skip, roll back to "
-                       "which checkpoint, add z-loss, change precision). Detector flags left out "
-                       "are sized to the log (DetectorConfig.for_run; windows divided by the "
-                       "stride of a sparse log); window flags count log records.")
+                       "which checkpoint, add z-loss, change precision). Detector values left at "
+                       "their defaults are sized to the log (DetectorConfig.for_run; windows "
+                       "divided by the stride of a sparse log); window flags count log records.")
     add_arguments(p)
     p.set_defaults(func=_cmd_diagnose)
     return parser

@@ -1,8 +1,9 @@
 """The ``spikeguard diagnose`` options and command (cli.py adds the subparser).
 
 The detector flags are generated from DetectorConfig (``--grad-k``, ``--skip-ratio``, ...) and
-the search flags from FindConfig, so no default is written twice. A detector flag left out keeps
-the value ``replay_config`` sizes to the log (the windows of a short or sparse log shrink).
+the search flags from FindConfig, both through ``DiagnoseConfig``, so no default is written twice.
+A detector value left at its default is sized to the log by ``replay_config`` (the windows of a
+short or sparse log shrink), as ``spikeguard train`` sizes them to the run.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._config_cli import add_config_args, config_from_args, flag_message
@@ -18,9 +20,25 @@ from ..respond.detector import DetectorConfig
 from .readers import FORMATS
 from .spikes import FindConfig
 
-__all__ = ["add_arguments", "parse_compare", "run"]
+__all__ = ["DiagnoseConfig", "add_arguments", "overrides", "parse_compare", "run"]
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DetectorConfig)}
+
+
+@dataclass(kw_only=True, frozen=True)
+class DiagnoseConfig:
+    """The thresholds behind ``spikeguard diagnose``, one flag per leaf field."""
+
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
+    """The detector replayed; values left at their defaults are sized to the log."""
+    find: FindConfig = field(default_factory=FindConfig)
+    """How spikes are found and their evidence measured."""
+
+
+def overrides(config: DetectorConfig) -> dict[str, Any]:
+    """The DetectorConfig fields that differ from the defaults (set on the command line)."""
+    base = DetectorConfig()
+    return {k: getattr(config, k) for k in _FIELDS if getattr(config, k) != getattr(base, k)}
 
 
 def parse_compare(text: str) -> dict[str, Any]:
@@ -71,12 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "grad_k=5,skip_ratio=2.0")
     p.add_argument("--quarantine", metavar="PATH",
                    help="the run's quarantine file (default: quarantine.jsonl beside the log)")
-    det = p.add_argument_group("detector thresholds (what-if: replay with other values)")
-    add_config_args(det, DetectorConfig)  # type: ignore[arg-type]
-    # unset flags stay None, so replay_config can size the windows to the log
-    p.set_defaults(**dict.fromkeys(_FIELDS))
-    find = p.add_argument_group("spike search")
-    add_config_args(find, FindConfig)  # type: ignore[arg-type]
+    group = p.add_argument_group("detector thresholds (what-if: replay with other values) and "
+                                 "the spike search")
+    add_config_args(group, DiagnoseConfig)  # type: ignore[arg-type]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,19 +100,17 @@ def run(args: argparse.Namespace) -> int:
     from .report import print_summary, write_report
     from .triage import diagnose
 
-    overrides = {k: getattr(args, k) for k in _FIELDS if getattr(args, k) is not None}
     try:
-        find = config_from_args(FindConfig, args)
+        cfg = config_from_args(DiagnoseConfig, args)
         diag = diagnose(args.log, fmt=args.fmt, mapping=parse_map(args.map),
-                        detector=overrides, ckpt_every=args.ckpt_every, find=find,
+                        detector=overrides(cfg.detector), ckpt_every=args.ckpt_every,
+                        find=cfg.find,
                         compare=parse_compare(args.compare) if args.compare else None,
                         quarantine=args.quarantine)
         if args.report:
             write_report(diag, args.report)
     except ValueError as exc:
-        msg = flag_message(exc, FindConfig) if "FindConfig." in str(exc) else \
-            flag_message(exc, DetectorConfig)
-        print(f"spikeguard diagnose: {msg}", file=sys.stderr)
+        print(f"spikeguard diagnose: {flag_message(exc, DiagnoseConfig)}", file=sys.stderr)
         return 2
     except ImportError as exc:
         print(f"spikeguard diagnose: {exc}", file=sys.stderr)

@@ -46,16 +46,18 @@ def rollback_step(onset: int, every: int | None) -> int | None:
 
 
 def _window_fields() -> tuple[str, ...]:
-    """The DetectorConfig windows that ``for_run`` sizes to a run (learned from for_run itself)."""
-    short, full = DetectorConfig.for_run(4), DetectorConfig()
+    """The DetectorConfig windows: the fields ``for_run`` scales with the run's length (learned
+    from for_run itself; the arming delay, which has a floor, is not one of them)."""
+    a, b = DetectorConfig.for_run(4), DetectorConfig.for_run(8)
     return tuple(f.name for f in dataclasses.fields(DetectorConfig)
-                 if getattr(short, f.name) != getattr(full, f.name))
+                 if (getattr(a, f.name), getattr(b, f.name)) == (1, 2))
 
 
 def replay_config(log: MetricsLog, **overrides: Any) -> DetectorConfig:
     """The detector configuration for replaying ``log``: ``DetectorConfig.for_run`` over its
     record count, each window divided by the log's stride for a sparse log (windows count
-    updates, and a sparse log has one update per record), then ``overrides`` (explicit flags)."""
+    updates, and a sparse log has one update per record; the arming delay counts samples and
+    stays), then ``overrides`` (explicit flags)."""
     n = max(4, len(log))
     cfg = DetectorConfig.for_run(n).to_dict()
     if log.stride > 1:
@@ -156,9 +158,10 @@ class Event:
     """Tier 0 verdicts in it (z-loss advice, fp16 overflows)."""
 
 
-def events(log: MetricsLog, found: list[Any], rep: Replay, *, gap: int) -> list[Event]:
-    """Merge found stretches and Tier >= 1 verdicts into events (overlapping, or within ``gap``
-    steps); Tier 0 verdicts join the event whose span holds them."""
+def events(log: MetricsLog, found: list[Any], rep: Replay) -> list[Event]:
+    """Merge found stretches and Tier >= 1 verdicts (each spanning its onset to its step) into
+    events where they overlap or touch (adjacent records); Tier 0 verdicts join the event whose
+    span holds them."""
     items: list[tuple[int, int, Any]] = [(int(log.steps[f.i0]), int(log.steps[f.i1]), f)
                                          for f in found]
     items += [(min(v.step, v.onset_step if v.onset_step is not None else v.step), v.step, v)
@@ -166,7 +169,8 @@ def events(log: MetricsLog, found: list[Any], rep: Replay, *, gap: int) -> list[
     items.sort(key=lambda t: (t[0], t[1]))
     out: list[Event] = []
     for a, b, item in items:
-        if not out or a > out[-1].end + gap:
+        if not out or int(np.searchsorted(log.steps, a)) > \
+                int(np.searchsorted(log.steps, out[-1].end, side="right")):
             out.append(Event(a, b))
         ev = out[-1]
         ev.end = max(ev.end, b)

@@ -206,16 +206,16 @@ def _outliers(log: MetricsLog, det: DetectorConfig, cfg: FindConfig) -> list[Fou
 
 def find_spikes(log: MetricsLog, detector: DetectorConfig | None = None,
                 config: FindConfig | None = None) -> list[Found]:
-    """Every persistent spike and single-step outlier of ``log``, merged where they overlap or
-    lie within ``persist_steps`` of each other, in step order."""
+    """Every persistent spike and single-step outlier of ``log``, in step order; stretches that
+    overlap or touch (adjacent records) are one. Two faults apart are two spikes, however close:
+    each gets its own tier and rollback step."""
     det = detector or DetectorConfig()
     cfg = config or FindConfig()
     found = sorted(_persistent(log, det, cfg) + _outliers(log, det, cfg), key=lambda f: f.i0)
-    gap = cfg.persist_steps
     merged: list[Found] = []
     for f in found:
         last = merged[-1] if merged else None
-        if last is not None and log.steps[f.i0] - log.steps[last.i1] <= gap:
+        if last is not None and f.i0 <= last.i1 + 1:
             last.i1 = max(last.i1, f.i1)
             last.kinds |= f.kinds
             if math.isnan(last.pre_level):

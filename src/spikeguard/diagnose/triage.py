@@ -218,7 +218,7 @@ def diagnose(path: str | os.PathLike[str], *, fmt: str = "auto",
     t["replay"] = time.perf_counter()
     rep = replay(log, config, trace=trace)
     t["classify"] = time.perf_counter()
-    evs = events(log, found, rep, gap=find.persist_steps)
+    evs = events(log, found, rep)
     spikes = [spike_from_event(log, e, rep, ckpt_every=ckpt_every, cfg=find) for e in evs]
     t["whatif"] = time.perf_counter()
     other = None
