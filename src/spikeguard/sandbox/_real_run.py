@@ -18,10 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["main"]
+from .real import ROOT_PREFIX, RealConfig
 
-ROOT_PREFIX = "spikeguard-sandbox-"
-"""The name of the server's temporary folder of runs starts with this."""
+__all__ = ["main"]
 
 
 def _exit_with_parent(parent: int, folder: Path) -> None:
@@ -40,8 +39,6 @@ def _exit_with_parent(parent: int, folder: Path) -> None:
 def main(argv: list[str]) -> int:
     folder = Path(argv[1])
     threading.Thread(target=_exit_with_parent, args=(os.getppid(), folder), daemon=True).start()
-    from .real import RealConfig
-
     config = RealConfig(**json.loads(argv[0]))
 
     import torch

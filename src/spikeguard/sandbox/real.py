@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from .._validate import check_int
-from ._real_run import ROOT_PREFIX
 
-__all__ = ["MAX_STEPS", "RealBusy", "RealConfig", "RealRun", "RealRuns"]
+__all__ = ["MAX_STEPS", "ROOT_PREFIX", "RealBusy", "RealConfig", "RealRun", "RealRuns"]
 
 MAX_STEPS = 2000
 """The longest real run the page may ask for (about a minute or two of one CPU core)."""
+
+ROOT_PREFIX = "spikeguard-sandbox-"
+"""The server's temporary folder of runs is named with this prefix."""
 
 _MIN_STEPS = 50
 _MAX_SEED = 2**31 - 1

@@ -31,7 +31,7 @@
       series: [{ label: "step" },
                { label: "loss", stroke: BLUE, width: 1.5, points: { show: false } },
                Object.assign({ label: "skipped by the guard" }, marker(RED)),
-               Object.assign({ label: "Tier 2 alert / rollback" }, marker(ORANGE)),
+               Object.assign({ label: "Tier 2-3: alert, rollback, halt" }, marker(ORANGE)),
                { label: "grad norm", scale: "g", stroke: GREY, width: 1, points: { show: false } }],
     };
     return new uPlot(opts, cols, el);
@@ -88,7 +88,7 @@
       onOff(w.clip !== null, "at " + w.clip) + ", warmup " +
       onOff(w.warmup_steps > 0, w.warmup_steps + " steps") + ", z-loss " +
       onOff(w.z_loss > 0, String(w.z_loss)) + ", QK-norm " + onOff(w.qk_norm, "on") +
-      "; Tier 2 " + w.tier2 + "s; " + (w.inject.length ? "fault " + w.inject.join(", ")
+      "; Tier 2: " + w.tier2 + "; " + (w.inject.length ? "fault " + w.inject.join(", ")
       : "no injected fault") + ". Data: " + w.data + ".";
   }
 
