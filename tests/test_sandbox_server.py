@@ -266,7 +266,8 @@ def test_real_mode_runs_one_at_a_time(server):
                 assert status == 403 and "refused" in json.loads(body)["error"], (path, body)
         status, _, body = raw_get(port, f"/api/real/events?run={run['run'] + 1}")
         assert status == 404 and f"current run is {run['run']}" in json.loads(body)["error"]
-        assert raw_get(port, "/api/real/events?run=x")[0] == 400
+        for bad in ("x", "%C2%B2", "1&run=2", "9" * 30):
+            assert raw_get(port, f"/api/real/events?run={bad}")[0] == 400, bad
         current = json.loads(raw_get(port, "/api/real")[2])
         assert current["run"] == run["run"] and current["running"]
     finally:

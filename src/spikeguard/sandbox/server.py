@@ -216,14 +216,15 @@ def create_app() -> FastAPI:
     async def api_real_events(request: Request) -> Response:
         q = request.query_params
         cur = runs.current
-        if set(q) != {"run"} or len(q.getlist("run")) != 1 or not q["run"].isdigit():
+        if set(q) != {"run"} or len(q.getlist("run")) != 1 \
+                or not (q["run"].isascii() and q["run"].isdigit()) or len(q["run"]) > 9:
             return _error(400, "give exactly one parameter, run=<id> (the id POST /api/real "
                                "answered)")
         if cur is None or cur.id != int(q["run"]):
             now = "none has started" if cur is None else f"the current run is {cur.id}"
             return _error(404, f"no real run {q['run'][:20]}: {now}")
         last = request.headers.get("last-event-id", "0")
-        after = int(last) if last.isdigit() and len(last) < 10 else 0
+        after = int(last) if last.isascii() and last.isdigit() and len(last) < 10 else 0
         return StreamingResponse(runs.events(cur, after), media_type="text/event-stream",
                                  headers={"X-Accel-Buffering": "no"})
 
