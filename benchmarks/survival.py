@@ -10,8 +10,10 @@ Faults (sizes chosen so that the off arm is really hurt; see BENCHMARKS.md):
 
 - outlier: one random-byte batch at step 150;
 - nan: a NaN in one gradient element at step 150;
-- lr: the learning rate x 50 for 20 steps from step 150;
-- logit-drift: the head's input scaled by (1 + 0.05 (t - 150)) from step 150 on.
+- lr: the learning rate x 2000 for 20 steps from step 150 (at the peak LR 1e-3 used here, x 50
+  and x 500 only hurt the unguarded tiny model by 25-38%: AdamW absorbs it);
+- logit-drift: the head's input (so the logits) scaled by (1 + 2 (t - 150)) from step 150 on
+  (0.05 and 0.5 only hurt the unguarded run by 1-23%: it learns to shrink its logits back).
 
 A run "survives" when it ends without NaN and its final loss (mean of the last 20 steps) is within
 2% of its arm's clean run; "diverged" when it ends in NaN or above 1.5x clean; a guarded nan run
@@ -37,13 +39,13 @@ __all__ = ["FAULTS", "main"]
 FAULTS = {
     "outlier": "outlier@{s}",
     "nan": "nan@{s}:blocks.0.mlp.fc.weight",
-    "lr": "lr@{s}:50:20",
-    "logit-drift": "logit-drift@{s}:0.05",
+    "lr": "lr@{s}:2000:20",
+    "logit-drift": "logit-drift@{s}:2",
 }
 
 
 def _one(job: tuple) -> dict:
-    arm, fault, seed, steps, model, root, faults = job
+    arm, fault, seed, steps, model, root, faults, lr = job
     import torch
 
     from spikeguard.train import TrainConfig, train
@@ -53,6 +55,7 @@ def _one(job: tuple) -> dict:
     cfg = TrainConfig(
         steps=steps, model=model, seed=seed, out=str(Path(root) / f"{arm}-{fault}-{seed}"),
         progress=False, plot=False, eval_batches=2, batch_size=8, ckpt_every=25, keep=20,
+        lr=lr,
         defenses="all" if arm == "on" else "none",
         inject=(faults[fault].format(s=at),) if fault != "clean" else ())
     if arm == "on":
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--model", default="tiny", choices=("tiny", "demo", "bench"))
     p.add_argument("--faults", nargs="*", default=list(FAULTS))
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="peak learning rate (train's 3e-3 is at the edge for the tiny model on 1 "
+                        "thread; see BENCHMARKS.md)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--spec", action="append", default=[], metavar="FAULT=TEMPLATE",
                    help="another size for a fault, e.g. lr=lr@{s}:100:20 ({s} is the fault step)")
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.seeds, args.steps = 1, min(args.steps, 60)
     root = tempfile.mkdtemp(prefix="survival_")
-    jobs = [(arm, fault, seed, args.steps, args.model, root, dict(FAULTS))
+    jobs = [(arm, fault, seed, args.steps, args.model, root, dict(FAULTS), args.lr)
             for seed in range(args.seeds) for arm in ("on", "off")
             for fault in ["clean", *args.faults]]
     t0 = time.perf_counter()
