@@ -142,6 +142,9 @@ class Guard(_Responses):
         self.step_index = 0
         self.rollbacks = 0
         self.applied = 0
+        self.last_skipped = False
+        """Whether the update of the step the host resolved last was withheld (a skip or a halt):
+        a framework that steps the LR scheduler itself holds it on such a step (integrations/)."""
         self.records = 0
         """Records handed to the sinks so far (one per step; a checkpoint saves the count, so a
         resumed run can cut a metrics file back to the checkpoint)."""
@@ -292,6 +295,7 @@ class Guard(_Responses):
             log.warning("spikeguard: device gate (%s) and host verdict (%s) disagree at step %d",
                         skipped, verdict.skip, p.step)
         self.history.add(p.step, loss, norm, log_z)
+        self.last_skipped = skipped
         if not skipped:
             self.applied += 1
             if self.scheduler is not None:
