@@ -4,12 +4,14 @@ schedule untouched, a NaN stops the Trainer with a report and then raises."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import spikeguard as sg
 from spikeguard.integrations import hf as sg_hf
@@ -46,21 +48,23 @@ def lr_lambda(step: int) -> float:
     return (step + 1) / WARMUP if step < WARMUP else max(0.1, 1 - (step - WARMUP) / STEPS)
 
 
-def make_trainer(tmp_path, *, steps=STEPS, outlier=None, callbacks=(), **arg_overrides):
+def make_trainer(tmp_path, *, steps=STEPS, outlier=None, callbacks=(), ga=1, **arg_overrides):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256,
-                                  n_positions=SEQ, bos_token_id=0, eos_token_id=0)
+                                  n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     kw = dict(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=BATCH,
               max_grad_norm=0.0, logging_steps=1, report_to="none", save_strategy="no",
               use_cpu=True, disable_tqdm=True, logging_nan_inf_filter=False,
-              train_sampling_strategy="sequential", dataloader_num_workers=0, seed=0)
+              train_sampling_strategy="sequential", dataloader_num_workers=0, seed=0,
+              gradient_accumulation_steps=ga)
     kw.update(arg_overrides)
     args = transformers.TrainingArguments(**kw)
     return transformers.Trainer(model=model, args=args,
-                                train_dataset=ByteDataset(steps * BATCH, outlier),
+                                train_dataset=ByteDataset(steps * BATCH * ga, outlier),
                                 optimizers=(opt, sched), compute_loss_func=sg_hf.SpikeguardLoss(),
                                 callbacks=list(callbacks))
 
@@ -181,6 +185,25 @@ def test_nan_stops_the_trainer_with_a_report_then_raises(tmp_path):
     assert math.isnan(records[-1]["loss"])
     last = [h for h in trainer.state.log_history if "spikeguard/loss" in h][-1]
     assert math.isnan(last["spikeguard/loss"]) and last["spikeguard/tier"] == 3.0
+
+
+def test_gradient_accumulation_is_one_guard_step_of_the_whole_batch(tmp_path):
+    trainer = make_trainer(tmp_path, steps=2, ga=2)
+    reference = copy.deepcopy(trainer.model)
+    callback = sg_hf.guard_trainer(trainer, config=guard_config())
+    trainer.train()
+    assert callback.guard.step_index == trainer.state.global_step == 2
+    # update 0 is the mean over both micro-batches' tokens: CE + 1e-4 * logZ^2, in float64
+    ids = torch.stack([trainer.train_dataset[i]["input_ids"] for i in range(2 * BATCH)])
+    logits = reference(input_ids=ids).logits.double()
+    lse = torch.logsumexp(logits[:, :-1], -1)
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+    (ce + 1e-4 * (lse ** 2).mean()).backward()
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in reference.parameters()))
+    first = sg.read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert first["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
+    assert first["loss"] == pytest.approx(ce.item(), rel=1e-5)
+    assert first["log_z"] == pytest.approx(lse.mean().item(), rel=1e-5)
 
 
 def test_refuses_what_would_hide_a_spike(tmp_path):

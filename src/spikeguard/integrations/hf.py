@@ -133,6 +133,10 @@ def guard_trainer(trainer: Any, *, config: GuardConfig | None = None,
         trainer.lr_scheduler = HeldScheduler(trainer.lr_scheduler, parts.guard, parts.optimizer)
     if isinstance(loss_func, SpikeguardLoss):
         loss_func.guard = parts.guard
+        if loss_func.shift_labels and hasattr(trainer, "_loss_shifts_labels"):
+            # the Trainer counts num_items_in_batch over labels[..., 1:] only for models whose
+            # loss_type it knows to shift; ours shifts, whatever the model says
+            trainer._loss_shifts_labels = True
     callback_cls, raiser_cls = _callback_classes()
     callback = callback_cls(trainer, parts, out)
     # first: what it adds to a log reaches every reporter (TensorBoard, W&B) after it
