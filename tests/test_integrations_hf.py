@@ -168,6 +168,8 @@ def test_nan_stops_the_trainer_with_a_report_then_raises(tmp_path):
     report = exc.value.report
     assert report.step == nan_step and any("non-finite" in r or "nan" in r.lower()
                                            for r in report.reasons)
+    # the re-run of the batch names the module whose output went non-finite first
+    assert report.traced and report.first_forward == "transformer.h.1.mlp"
     # the Trainer stopped its own way, right after the halted step
     assert trainer.control.should_training_stop
     assert trainer.state.global_step == nan_step + 1

@@ -48,13 +48,16 @@ class LitGPT(L.LightningModule):
         self.net = sg.GPT(sg.GPTConfig.tiny(seq_len=SEQ))
         self.guard_cb, self.nan_step = guard_cb, nan_step
         self.snaps: dict[str, dict[int, tuple]] = {"before": {}, "after": {}}
+        self.net.blocks[1].mlp.register_forward_hook(self._overflow)
+
+    def _overflow(self, module, args, output):
+        if self.global_step == self.nan_step:  # an activation overflowed
+            return output * float("nan")
+        return output
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        h = self.net(x)
-        if self.global_step == self.nan_step:
-            h = h * float("nan")  # an activation overflowed
-        out = self.net.loss(h, y)
+        out = self.net.loss(self.net(x), y)
         self.guard_cb.accumulate(out)
         return out.loss
 
@@ -151,6 +154,9 @@ def test_nan_stops_the_trainer_with_a_report_then_raises(tmp_path):
         trainer.fit(module, loader)
     report = exc.value.report
     assert report.step == nan_step
+    # the closure's re-run names the module whose output went non-finite first
+    assert report.traced and report.first_forward == "net.blocks.1.mlp"
+    assert "net.blocks.1.mlp.fc.weight" in report.nonfinite_params
     assert trainer.should_stop and trainer.global_step == nan_step + 1
     out = tmp_path / "run" / "version_0"
     saved = json.loads((out / "report.json").read_text())

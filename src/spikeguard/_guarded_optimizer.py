@@ -34,6 +34,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self.defer_halt = defer_halt
         self.halted: TrainingHalted | None = None
         """The halt that a deferred ``step()`` kept (None while the run is healthy)."""
+        self.rerun: Callable[[], Any] | None = None
+        """Re-runs the step's last forward and backward for the Tier 3 forensics
+        (``guard.step(rerun=...)``); an integration that can replay the batch sets it. When
+        unset, a ``step(closure)`` re-runs the closure (Lightning's: training_step + backward)."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -51,7 +55,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self.guard.step()
+            self.guard.step(rerun=self.rerun if self.rerun is not None else closure)
         except TrainingHalted as halt:
             if not self.defer_halt:
                 raise

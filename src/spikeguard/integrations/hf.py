@@ -55,12 +55,16 @@ class SpikeguardLoss:
         self.z_loss, self.shift_labels = z_loss, shift_labels
         self.ignore_index, self.softcap = ignore_index, softcap
         self.guard: Any = None
+        self.last: tuple[torch.Tensor, Any] | None = None
+        """The labels and num_items_in_batch of the last training call (for a re-run)."""
+        self.recording = True
 
     def __call__(self, outputs: Any, labels: torch.Tensor | None,
                  num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         if labels is None:
             raise ValueError("SpikeguardLoss needs the batch's 'labels' (the Trainer passes them "
                              "when the dataset has a 'labels' column)")
+        given = labels
         logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
         if self.shift_labels:
             logits, labels = logits[..., :-1, :], labels[..., 1:]
@@ -74,7 +78,8 @@ class SpikeguardLoss:
             denom = num_items_in_batch.to(out.loss.device).clamp(min=1)
         else:
             denom = max(int(num_items_in_batch), 1)
-        if torch.is_grad_enabled() and out.loss.requires_grad:
+        if torch.is_grad_enabled() and out.loss.requires_grad and self.recording:
+            self.last = (given, num_items_in_batch)
             if self.guard is None:
                 raise ValueError("SpikeguardLoss is not connected to a guard: call "
                                  "guard_trainer(trainer) before trainer.train()")
@@ -133,6 +138,7 @@ def guard_trainer(trainer: Any, *, config: GuardConfig | None = None,
         trainer.lr_scheduler = HeldScheduler(trainer.lr_scheduler, parts.guard, parts.optimizer)
     if isinstance(loss_func, SpikeguardLoss):
         loss_func.guard = parts.guard
+        parts.optimizer.rerun = _replay(trainer.model, loss_func)
         if loss_func.shift_labels and hasattr(trainer, "_loss_shifts_labels"):
             # the Trainer counts num_items_in_batch over labels[..., 1:] only for models whose
             # loss_type it knows to shift; ours shifts, whatever the model says
@@ -144,6 +150,33 @@ def guard_trainer(trainer: Any, *, config: GuardConfig | None = None,
     # last: the halt is raised once every other callback has seen the end of training
     trainer.add_callback(raiser_cls(parts.optimizer))
     return callback
+
+
+def _replay(model: torch.nn.Module, loss_func: SpikeguardLoss) -> Any:
+    """A re-run of the step's last micro-batch (its forward inputs kept by a forward pre-hook,
+    its labels by the loss) for the Tier 3 forensics, which name the first module that went
+    non-finite. The Trainer's own grad-norm pass multiplies every gradient by NaN on a
+    non-finite step, so the re-run is what locates the fault."""
+    last: dict[str, Any] = {}
+
+    def keep(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            last["call"] = (args, kwargs)
+
+    model.register_forward_pre_hook(keep, with_kwargs=True)
+
+    def rerun() -> None:
+        if "call" not in last or loss_func.last is None:
+            return
+        args, kwargs = last["call"]
+        labels, num_items = loss_func.last
+        loss_func.recording = False
+        try:
+            loss_func(model(*args, **kwargs), labels, num_items).backward()
+        finally:
+            loss_func.recording = True
+
+    return rerun
 
 
 class _GuardCallbackLogic:
