@@ -88,6 +88,10 @@ class GuardConfig:
             raise ValueError(f"GuardConfig.read_lag={self.read_lag!r} must be 0, 1 or None (auto)")
 
 
+def _split(values: list[float], n: int) -> tuple[list[float], list[float]]:
+    return values[:n], values[n:]
+
+
 class Guard(_Responses):
     """One call per optimizer step: measure, clip, gate, step or skip, decide, act, log, save.
 
@@ -100,8 +104,9 @@ class Guard(_Responses):
     ``on_alert(summary)`` is called on a Tier 2 alert; ``reconfigure(report)`` may answer a halt
     with changes (``{"precision": "bf16-mixed", "lr_scale": 0.5, "z_loss": 1e-3}``) to resume
     with from the last healthy checkpoint. ``extra_state`` names more objects with
-    ``state_dict``/``load_state_dict`` to checkpoint with the run. ``pp_group``/``tp_group`` go
-    to ``grad_stats``.
+    ``state_dict``/``load_state_dict`` to checkpoint with the run; those named in
+    ``keep_on_rollback`` are restored on ``resume`` only, never by a rollback (state outside the
+    run's timeline, such as a fault injector). ``pp_group``/``tp_group`` go to ``grad_stats``.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -112,6 +117,7 @@ class Guard(_Responses):
                  on_alert: Callable[[dict[str, Any]], None] | None = None,
                  reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None = None,
                  extra_state: Mapping[str, Any] | None = None,
+                 keep_on_rollback: Iterable[str] = (),
                  pp_group: Any = None, tp_group: Any = None) -> None:
         self.config = config if config is not None else GuardConfig()
         if self.config.tier2 == "rollback" and checkpoints is None:
@@ -124,6 +130,11 @@ class Guard(_Responses):
         if extra_state and "guard" in extra_state:
             raise ValueError("extra_state key 'guard' is the guard's own; rename it")
         self._extra = dict(extra_state or {})
+        self.keep_on_rollback = tuple(keep_on_rollback)
+        unknown = set(self.keep_on_rollback) - set(self._extra)
+        if unknown:
+            raise ValueError(f"keep_on_rollback names {sorted(unknown)}, which are not in "
+                             f"extra_state ({sorted(self._extra)})")
         if isinstance(precision, PrecisionRuntime):
             self.precision = precision
         else:
@@ -264,7 +275,11 @@ class Guard(_Responses):
         parts = [loss_g, log_z_g, stats.norm, applied_gate, armed, coef,
                  scale if scale is not None else torch.full((), float("nan"), device=dev)]
         vec = torch.stack([p.detach().to(dev, torch.float64).reshape(()) for p in parts])
-        probes = self.probes.collect() if self.probes is not None else {}
+        probes = self.probes.gather() if self.probes is not None else None
+        if probes is not None and probes.vector is not None:
+            # the probes' readings ride in the same read-back vector (no host read of their own)
+            vec = torch.cat([vec, probes.vector.detach().to(dev, torch.float64)])
+            probes.vector = None
         keep_grads = self.read_lag == 0
         if not keep_grads:
             self.optimizer.zero_grad(set_to_none=True)
@@ -274,11 +289,12 @@ class Guard(_Responses):
         if self.probes is not None:
             self.probes.start_step(self.step_index)
         return _Pending(t, _Readback(vec), lr, batches, data_state, rerun, probes,
-                        stats if keep_grads else None)
+                        stats if keep_grads else None,
+                        None if keep_grads else stats.finite_pieces())
 
     # -- the host side ------------------------------------------------------------------------
     def _resolve(self, p: _Pending) -> Verdict:
-        loss, log_z, norm, gate, armed, coef, scale = p.readback.values()
+        (loss, log_z, norm, gate, armed, coef, scale), rest = _split(p.readback.values(), 7)
         skipped, armed = gate != 0.0, armed != 0.0
         nan_frac: float | None = 0.0
         if not (norm == norm and abs(norm) != float("inf")):
@@ -300,7 +316,9 @@ class Guard(_Responses):
             self.applied += 1
             if self.scheduler is not None:
                 self.scheduler.step()
-        extras: dict[str, Any] = {"armed": armed, "skipped": skipped, "clip_coef": coef, **p.probes}
+        extras: dict[str, Any] = {"armed": armed, "skipped": skipped, "clip_coef": coef}
+        if p.probes is not None:
+            extras.update(p.probes.decode(rest))
         action = verdict.action
         if not self.config.respond:
             extras["verdict"] = action.value  # what the guard would have done
@@ -315,7 +333,8 @@ class Guard(_Responses):
         finally:
             if p.grads_alive:
                 self.optimizer.zero_grad(set_to_none=True)
-        if verdict.tier >= 1 or action is Action.ALERT:
+        # a skipped update never reached the weights: only an applied anomaly taints the interval
+        if (verdict.tier >= 1 and action is not Action.SKIP) or action is Action.ALERT:
             self._window_alerts.append(f"{p.step}: {'; '.join(verdict.reasons)}")
         self._log(m, verdict, action, extras)
         if action not in (Action.ROLLBACK, Action.HALT):
