@@ -77,7 +77,7 @@ def test_undeferred_guarded_optimizer_raises_at_once():
 
 
 def test_held_scheduler_forwards_the_rest():
-    model, opt, parts, sched, data = tiny_run()
+    model, _opt, parts, sched, data = tiny_run()
     assert sched.last_epoch == 0 and sched.base_lrs == [1e-3]
     assert sched.optimizer is parts.optimizer
     one_step(model, parts, sched, data)

@@ -150,12 +150,10 @@ class Guard(_Responses):
         self.detector = SpikeDetector(self.config.detector)
         self.gate = DeviceGate(self.config.detector, self.precision.device)
         self.history = History(self.config.detector.median_window)
-        self.step_index = 0
-        self.rollbacks = 0
-        self.applied = 0
+        self.step_index = self.rollbacks = self.applied = 0
         self.last_skipped = False
-        """Whether the update of the step the host resolved last was withheld (a skip or a halt):
-        a framework that steps the LR scheduler itself holds it on such a step (integrations/)."""
+        """Whether the last resolved step's update was withheld (a skip or a halt); a framework
+        that steps the LR scheduler itself holds it then (integrations/)."""
         self.records = 0
         """Records handed to the sinks so far (one per step; a checkpoint saves the count, so a
         resumed run can cut a metrics file back to the checkpoint)."""
