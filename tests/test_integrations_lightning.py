@@ -14,6 +14,7 @@ import torch
 
 import spikeguard as sg
 from spikeguard.integrations import lightning as sg_lightning
+from spikeguard.integrations._common import METRICS
 
 L = pytest.importorskip("lightning.pytorch")
 
@@ -138,8 +139,11 @@ def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
     rows = logged_rows(tmp_path)
     assert len(rows) == STEPS
     for row, r in zip(rows, records):
-        for key in ("loss", "grad_norm", "log_z", "nan_frac"):
-            assert float(row[f"spikeguard/{key}"]) == pytest.approx(r[key], rel=1e-6)
+        for key in METRICS:  # loss_ema_ratio is NaN at step 0 (no EMA yet)
+            assert float(row[f"spikeguard/{key}"]) == pytest.approx(r[key], rel=1e-6, nan_ok=True)
+    assert float(rows[OUTLIER]["spikeguard/loss_ema_ratio"]) > 1.0  # the NUL batch's loss jumped
+    # the EMA of the one loss before step 1 is that loss
+    assert records[1]["loss_ema_ratio"] == pytest.approx(records[1]["loss"] / records[0]["loss"])
     assert float(rows[OUTLIER]["spikeguard/skipped"]) == 1.0
     assert float(rows[-1]["spikeguard/skips"]) == 1.0
     assert guard_cb.halted is None and not (out / "report.json").exists()
