@@ -224,3 +224,23 @@ def test_refuses_what_would_hide_a_spike(tmp_path):
     trainer = make_trainer(tmp_path, logging_nan_inf_filter=True)
     with pytest.warns(UserWarning, match="logging_nan_inf_filter=True"):
         sg_hf.guard_trainer(trainer)
+
+
+def test_metrics_reach_tensorboard(tmp_path):
+    """The guard's numbers reach the Trainer's reporters (TensorBoard here), not only its
+    log_history: the callback adds them to the logs before any reporter sees them."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = 6
+    trainer = make_trainer(tmp_path, steps=steps, report_to="tensorboard")
+    sg_hf.guard_trainer(trainer, config=guard_config(steps))
+    trainer.train()
+    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    (found,) = tmp_path.rglob("events.out.tfevents*")  # under output_dir/runs/<date>
+    events = EventAccumulator(str(found.parent)).Reload()
+    for key in METRICS:
+        scalars = events.Scalars(f"train/spikeguard/{key}")
+        assert [s.step for s in scalars] == list(range(1, steps + 1))
+        for s, r in zip(scalars, records):  # TensorBoard stores float32
+            assert s.value == pytest.approx(r[key], rel=1e-6, nan_ok=True)
