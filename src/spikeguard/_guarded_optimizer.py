@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .respond.forensics import TrainingHalted
+
 if TYPE_CHECKING:
     from .guard import Guard
 
@@ -17,12 +19,25 @@ __all__ = ["GuardedOptimizer"]
 class GuardedOptimizer(torch.optim.Optimizer):
     """An optimizer whose ``step()`` is ``guard.step()``: for frameworks that only call
     ``optimizer.step()`` (HF Trainer, Lightning). The loss reaches the guard through
-    ``guard.accumulate(out)`` in the loss function; everything else is the wrapped optimizer's."""
+    ``guard.accumulate(out)`` in the loss function; everything else is the wrapped optimizer's.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, guard: Guard) -> None:
+    ``defer_halt=True`` (what the framework integrations use): a halt does not raise out of
+    ``step()``, whose caller is the framework's loop; it is kept in ``halted`` for a callback to
+    stop the run the framework's way and raise it afterwards. A ``step()`` after a halt raises
+    it: nothing trains past a halt."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, guard: Guard, *,
+                 defer_halt: bool = False) -> None:
         # no Optimizer.__init__: the wrapped optimizer owns param_groups and state
         self.optimizer, self.guard = optimizer, guard
         self.defaults = optimizer.defaults
+        self.defer_halt = defer_halt
+        self.halted: TrainingHalted | None = None
+        """The halt that a deferred ``step()`` kept (None while the run is healthy)."""
+        self.rerun: Callable[[], Any] | None = None
+        """Re-runs the step's last forward and backward for the Tier 3 forensics
+        (``guard.step(rerun=...)``); an integration that can replay the batch sets it. When
+        unset, a ``step(closure)`` re-runs the closure (Lightning's: training_step + backward)."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -33,11 +48,18 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        if self.halted is not None:
+            raise self.halted
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.guard.step()
+        try:
+            self.guard.step(rerun=self.rerun if self.rerun is not None else closure)
+        except TrainingHalted as halt:
+            if not self.defer_halt:
+                raise
+            self.halted = halt
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -150,9 +150,10 @@ class Guard(_Responses):
         self.detector = SpikeDetector(self.config.detector)
         self.gate = DeviceGate(self.config.detector, self.precision.device)
         self.history = History(self.config.detector.median_window)
-        self.step_index = 0
-        self.rollbacks = 0
-        self.applied = 0
+        self.step_index = self.rollbacks = self.applied = 0
+        self.last_skipped = False
+        """Whether the last resolved step's update was withheld (a skip or a halt); a framework
+        that steps the LR scheduler itself holds it then (integrations/)."""
         self.records = 0
         """Records handed to the sinks so far (one per step; a checkpoint saves the count, so a
         resumed run can cut a metrics file back to the checkpoint)."""
@@ -308,6 +309,7 @@ class Guard(_Responses):
             log.warning("spikeguard: device gate (%s) and host verdict (%s) disagree at step %d",
                         skipped, verdict.skip, p.step)
         self.history.add(p.step, loss, norm, log_z)
+        self.last_skipped = skipped
         if not skipped:
             self.applied += 1
             if self.scheduler is not None:

@@ -1,0 +1,246 @@
+"""The Guard inside HF Trainer: a tiny GPT-2 built from a config (nothing downloaded) trained on
+CPU on the Python docs' bytes; an outlier batch is skipped with params, optimizer state and LR
+schedule untouched, a NaN stops the Trainer with a report and then raises."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spikeguard as sg
+from spikeguard.integrations import hf as sg_hf
+from spikeguard.integrations._common import METRICS, HeldScheduler
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SEQ, BATCH, STEPS, OUTLIER = 32, 4, 24, 14
+LR, WARMUP = 3e-3, 4
+
+
+class ByteDataset(torch.utils.data.Dataset):
+    """Sequences of the corpus' bytes, in order; the batch of ``outlier_step`` is a run of NUL
+    bytes (a corrupt shard: a byte the text never holds)."""
+
+    def __init__(self, n: int, outlier_step: int | None = None) -> None:
+        tokens = sg.load_corpus("pydoc").train
+        self.seqs = [torch.from_numpy(tokens[i * SEQ:(i + 1) * SEQ].astype(np.int64))
+                     for i in range(n)]
+        if outlier_step is not None:
+            for i in range(outlier_step * BATCH, (outlier_step + 1) * BATCH):
+                self.seqs[i] = torch.zeros(SEQ, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.seqs[i], "labels": self.seqs[i].clone()}
+
+
+def lr_lambda(step: int) -> float:
+    """Linear warmup then linear decay: a different LR at every step."""
+    return (step + 1) / WARMUP if step < WARMUP else max(0.1, 1 - (step - WARMUP) / STEPS)
+
+
+def make_trainer(tmp_path, *, steps=STEPS, outlier=None, callbacks=(), ga=1, **arg_overrides):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256,
+                                  n_positions=SEQ, bos_token_id=0, eos_token_id=0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    kw = dict(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=BATCH,
+              max_grad_norm=0.0, logging_steps=1, report_to="none", save_strategy="no",
+              use_cpu=True, disable_tqdm=True, logging_nan_inf_filter=False,
+              train_sampling_strategy="sequential", dataloader_num_workers=0, seed=0,
+              gradient_accumulation_steps=ga)
+    kw.update(arg_overrides)
+    args = transformers.TrainingArguments(**kw)
+    return transformers.Trainer(model=model, args=args,
+                                train_dataset=ByteDataset(steps * BATCH * ga, outlier),
+                                optimizers=(opt, sched), compute_loss_func=sg_hf.SpikeguardLoss(),
+                                callbacks=list(callbacks))
+
+
+def guard_config(steps=STEPS):
+    return sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps, arm_after=5))
+
+
+class Snapshots(transformers.TrainerCallback):
+    """Params, optimizer state and LR schedule position before and after every step."""
+
+    def __init__(self):
+        self.before, self.after, self.trainer = {}, {}, None
+
+    def _snap(self, state):
+        t = self.trainer
+        opt = t.optimizer.optimizer.optimizer  # Accelerated -> Guarded -> AdamW
+        params = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        moments = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                   for i, s in enumerate(opt.state.values())}
+        sched = t.lr_scheduler
+        return params, moments, sched.scheduler.last_epoch, opt.param_groups[0]["lr"]
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.before[state.global_step] = self._snap(state)
+
+    def on_step_end(self, args, state, control, **kw):
+        self.after[state.global_step - 1] = self._snap(state)
+
+
+def same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def same_moments(a, b):
+    return a.keys() == b.keys() and all(
+        all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
+        for x, y in zip(a.values(), b.values()))
+
+
+def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
+    snaps = Snapshots()
+    trainer = make_trainer(tmp_path, outlier=OUTLIER, callbacks=[snaps], logging_steps=4)
+    snaps.trainer = trainer
+    callback = sg_hf.guard_trainer(trainer, config=guard_config())
+    assert isinstance(trainer.lr_scheduler, HeldScheduler)
+    trainer.train()
+    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
+    assert records[OUTLIER]["action"] == "skip"
+    # why: its grad norm is over 3x the median of the norms of the window before it
+    window = guard_config().detector.median_window
+    prior = sorted(r["grad_norm"] for r in records[OUTLIER - window:OUTLIER])
+    median = (prior[(window - 1) // 2] + prior[window // 2]) / 2
+    assert records[OUTLIER]["grad_norm"] > 3 * median
+    assert records[OUTLIER]["reasons"][0].startswith("grad_norm")
+    # the skipped step: params, AdamW moments and step count, schedule position, all unchanged
+    p0, m0, pos0, lr0 = snaps.before[OUTLIER]
+    p1, m1, pos1, lr1 = snaps.after[OUTLIER]
+    assert same(p0, p1) and same_moments(m0, m1)
+    assert pos1 == pos0 and lr1 == lr0
+    # a normal step moves all three (the comparison above is not vacuous)
+    q0, n0, qpos0, _ = snaps.before[OUTLIER - 1]
+    q1, n1, qpos1, _ = snaps.after[OUTLIER - 1]
+    assert not same(q0, q1) and not same_moments(n0, n1) and qpos1 == qpos0 + 1
+    # the schedule position is the count of applied updates: step t used lr_lambda(applied)
+    applied = 0
+    for r in records:
+        assert r["lr"] == pytest.approx(LR * lr_lambda(applied), rel=1e-12)
+        applied += not r["skipped"]
+    assert trainer.lr_scheduler.scheduler.last_epoch == applied == STEPS - 1
+    assert trainer.lr_scheduler.held_steps == 1 and callback.guard.applied == applied
+    # the five metrics reached the Trainer's log at every 4th step, and at the skip (a forced
+    # entry), equal to the guard's record of that step
+    logged = {h["step"] - 1: h for h in trainer.state.log_history if "spikeguard/loss" in h}
+    assert sorted(logged) == sorted({*range(3, STEPS, 4), OUTLIER})
+    for t, h in logged.items():
+        for key in METRICS:
+            assert h[f"spikeguard/{key}"] == pytest.approx(records[t][key], rel=1e-12)
+        assert h["spikeguard/skipped"] == float(t == OUTLIER)
+    assert logged[OUTLIER]["spikeguard/loss_ema_ratio"] > 1.0  # the NUL batch's loss jumped
+    assert logged[STEPS - 1]["spikeguard/skips"] == 1.0
+    assert callback.halted is None and callback.report_path is None
+
+
+def test_nan_stops_the_trainer_with_a_report_then_raises(tmp_path):
+    nan_step = 9
+    snaps = Snapshots()
+    trainer = make_trainer(tmp_path, callbacks=[snaps])
+    snaps.trainer = trainer
+    mlp = trainer.model.transformer.h[1].mlp
+
+    def poison(module, args, output):
+        if trainer.state.global_step == nan_step:
+            return torch.full_like(output, float("nan"))
+        return output
+
+    mlp.register_forward_hook(poison)
+    callback = sg_hf.guard_trainer(trainer, config=guard_config())
+    with pytest.raises(sg.TrainingHalted) as exc:
+        trainer.train()
+    report = exc.value.report
+    assert report.step == nan_step and any("non-finite" in r or "nan" in r.lower()
+                                           for r in report.reasons)
+    # the re-run of the batch names the module whose output went non-finite first
+    assert report.traced and report.first_forward == "transformer.h.1.mlp"
+    # the Trainer stopped its own way, right after the halted step
+    assert trainer.control.should_training_stop
+    assert trainer.state.global_step == nan_step + 1
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["step"] == nan_step and saved["reasons"] == list(report.reasons)
+    assert "HALT at step 9" in (tmp_path / "report.txt").read_text()
+    assert callback.report_path == tmp_path / "report.json"
+    # the NaN never reached the weights or the optimizer, nor the schedule
+    p0, m0, pos0, _ = snaps.before[nan_step]
+    p1, m1, pos1, _ = snaps.after[nan_step]
+    assert same(p0, p1) and same_moments(m0, m1) and pos1 == pos0
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    assert records[-1]["step"] == nan_step and records[-1]["action"] == "halt"
+    assert math.isnan(records[-1]["loss"])
+    last = [h for h in trainer.state.log_history if "spikeguard/loss" in h][-1]
+    assert math.isnan(last["spikeguard/loss"]) and last["spikeguard/tier"] == 3.0
+
+
+def test_gradient_accumulation_is_one_guard_step_of_the_whole_batch(tmp_path):
+    trainer = make_trainer(tmp_path, steps=2, ga=2)
+    reference = copy.deepcopy(trainer.model)
+    callback = sg_hf.guard_trainer(trainer, config=guard_config())
+    trainer.train()
+    assert callback.guard.step_index == trainer.state.global_step == 2
+    # update 0 is the mean over both micro-batches' tokens: CE + 1e-4 * logZ^2, in float64
+    ids = torch.stack([trainer.train_dataset[i]["input_ids"] for i in range(2 * BATCH)])
+    logits = reference(input_ids=ids).logits.double()
+    lse = torch.logsumexp(logits[:, :-1], -1)
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+    (ce + 1e-4 * (lse ** 2).mean()).backward()
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in reference.parameters()))
+    first = sg.read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert first["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
+    assert first["loss"] == pytest.approx(ce.item(), rel=1e-5)
+    assert first["log_z"] == pytest.approx(lse.mean().item(), rel=1e-5)
+
+
+def test_refuses_what_would_hide_a_spike(tmp_path):
+    trainer = make_trainer(tmp_path, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match=r"max_grad_norm=1.0 .* max_grad_norm=0"):
+        sg_hf.guard_trainer(trainer)
+    trainer = make_trainer(tmp_path)
+    trainer.compute_loss_func = None
+    with pytest.raises(ValueError, match="compute_loss_func=SpikeguardLoss"):
+        sg_hf.guard_trainer(trainer)
+    trainer = make_trainer(tmp_path)
+    with pytest.raises(ValueError, match="read_lag=1"):
+        sg_hf.guard_trainer(trainer, config=sg.GuardConfig(read_lag=1))
+    trainer = make_trainer(tmp_path, logging_nan_inf_filter=True)
+    with pytest.warns(UserWarning, match="logging_nan_inf_filter=True"):
+        sg_hf.guard_trainer(trainer)
+
+
+def test_metrics_reach_tensorboard(tmp_path):
+    """The guard's numbers reach the Trainer's reporters (TensorBoard here), not only its
+    log_history: the callback adds them to the logs before any reporter sees them."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = 6
+    trainer = make_trainer(tmp_path, steps=steps, report_to="tensorboard")
+    sg_hf.guard_trainer(trainer, config=guard_config(steps))
+    trainer.train()
+    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    (found,) = tmp_path.rglob("events.out.tfevents*")  # under output_dir/runs/<date>
+    events = EventAccumulator(str(found.parent)).Reload()
+    for key in METRICS:
+        scalars = events.Scalars(f"train/spikeguard/{key}")
+        assert [s.step for s in scalars] == list(range(1, steps + 1))
+        for s, r in zip(scalars, records):  # TensorBoard stores float32
+            assert s.value == pytest.approx(r[key], rel=1e-6, nan_ok=True)
