@@ -105,8 +105,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     base_tail = statistics.median(tails["none"] + tails["none2"])
     guard_share = (statistics.median(tails["defended"]) - base_tail) / med["none"]
     z_share = (statistics.median(loss_t[1e-4]) - statistics.median(loss_t[0.0])) / med["none"]
-    probe_share = (statistics.median(fwd_t["hooked"]) - statistics.median(fwd_t["plain"])) / \
+    # a reading costs this much on the steps it is due: every activation_every-th step
+    reading_share = (statistics.median(fwd_t["hooked"]) - statistics.median(fwd_t["plain"])) / \
         med["none"]
+    probe_share = reading_share / probes.config.activation_every
     share = guard_share + z_share + probe_share
     tps = 1.0 / (1.0 + share)
     print(f"\n{shape.n_layer} layers d={shape.d_model} T={shape.seq_len} batch {args.batch_size}, "
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"  guard (clip, gate, detector, probes, record) beyond a plain step: {guard_share:.3%}"
           " of a step")
     print(f"  z-loss 1e-4 inside the fused loss: {z_share:.3%} of a step")
-    print(f"  probes' forward hooks (activation max every step): {probe_share:.3%} of a step")
+    print(f"  probes' forward hooks: {reading_share:.3%} of a step when due, every "
+          f"{probes.config.activation_every} steps: {probe_share:.3%} per step")
     print(f"  every defense but QK-norm: tokens/s ratio {tps:.4f} (target >= 0.93: "
           f"{'PASS' if tps >= 0.93 else 'FAIL'})")
     print(f"  step ratio defended/none {med['defended'] / med['none']:.4f}   A/A none2/none "
