@@ -62,6 +62,8 @@ class _Pending:
     probes: dict[str, Any]
     stats: Any
     """The step's GradStats while its gradients are alive (read_lag 0), else None."""
+    rows: tuple[Any, ...] = ()
+    """Each micro-batch's per-sequence values (LossOutput.sequences, or None)."""
 
     @property
     def grads_alive(self) -> bool:
@@ -91,8 +93,10 @@ class _Responses:
     def _summary(self, p: _Pending, verdict: Verdict) -> dict[str, Any]:
         onset = verdict.onset_step if verdict.onset_step is not None else p.step
         target = self._rollback_target(onset)
-        return tier2_summary(self.history, step=p.step, reasons=verdict.reasons, onset=onset,
-                             data_range=self._data_range(onset, p.step), rollback_to=target)
+        summary = tier2_summary(self.history, step=p.step, reasons=verdict.reasons, onset=onset,
+                                data_range=self._data_range(onset, p.step), rollback_to=target)
+        summary["skips"] = self.attribution.summary(onset, p.step)  # by cause: data or transient
+        return summary
 
     def _rollback_target(self, onset: int) -> int | None:
         """The newest healthy checkpoint that predates the update before the onset: the
@@ -143,11 +147,18 @@ class _Responses:
                               detail=f"rollback budget of {self.config.max_rollbacks} exhausted")
         onset = verdict.onset_step if verdict.onset_step is not None else p.step
         skip = self._data_range(onset, p.step)
+        # before the restore, which takes the attribution history back to the checkpoint
+        drops = self.attribution.range_drops(onset, p.step) if hasattr(self.data, "drop") else None
         try:
             info = self._restore_before(onset)
         except CheckpointError as e:
             return self._halt(p, verdict, extras, summary=summary, detail=f"cannot roll back: {e}")
         self.rollbacks += 1
+        if drops is not None:  # only the quarantined sequences of the range, not the range
+            for index, rows in drops.items():
+                self.data.drop(index, rows)
+            skip = None
+            extras["dropped_sequences"] = {str(i): r for i, r in drops.items()}
         if skip is not None and hasattr(self.data, "skip"):
             self.data.skip(*skip)
         self._data_pos = self._position()
