@@ -20,7 +20,13 @@ from ._validate import check_positive
 from .record import Action, StepMetrics
 from .respond._summary import tier2_summary
 from .respond.detector import Verdict
-from .respond.forensics import HaltReport, TrainingHalted, nonfinite_params, trace_nonfinite
+from .respond.forensics import (
+    HaltReport,
+    TrainingHalted,
+    gather_names,
+    nonfinite_params,
+    trace_nonfinite,
+)
 
 __all__: list[str] = []
 
@@ -59,9 +65,13 @@ class _Pending:
     batches: tuple[int, int] | None
     data_state: dict[str, Any] | None
     rerun: Callable[[], Any] | None
-    probes: dict[str, Any]
+    probes: Any
+    """The step's ProbeValues (their numbers ride at the end of the read-back vector), or None."""
     stats: Any
     """The step's GradStats while its gradients are alive (read_lag 0), else None."""
+    finite: tuple[Any, list[int]] | None = None
+    """read_lag 1: per local gradient, whether its norm was finite (a device bool vector, read
+    only on the halt path) and its parameter's index: names the culprits after the grads are gone."""
     rows: tuple[Any, ...] = ()
     """Each micro-batch's per-sequence values (LossOutput.sequences, or None)."""
 
@@ -80,9 +90,23 @@ class _Frozen:
         return self._state
 
 
-
 class _Responses:
     """Tier 2 and Tier 3 actions of the Guard (see the module docstring)."""
+
+    # -- the data a step consumed -------------------------------------------------------------
+    def _position(self) -> int | None:
+        pos = getattr(self.data, "position", None)
+        return int(pos) if isinstance(pos, int) else None
+
+    def _consume_batches(self) -> tuple[int, int] | None:
+        pos = self._position()
+        if pos is None or self._data_pos is None:
+            self._data_pos = pos
+            return None
+        span = (self._data_pos, pos - 1)
+        self._data_pos = pos
+        self._batches.append((self.step_index, *span))
+        return span
 
     def _data_range(self, onset: int, detection: int) -> tuple[int, int] | None:
         spans = [(lo, hi) for s, lo, hi in self._batches if onset <= s <= detection and lo <= hi]
@@ -99,12 +123,13 @@ class _Responses:
         return summary
 
     def _rollback_target(self, onset: int) -> int | None:
-        """The newest healthy checkpoint that predates the update before the onset: the
-        checkpoint at s holds the state after update s, and update onset-1 may be the cause."""
+        """The newest healthy checkpoint that predates the update before the onset (the one
+        rule, ``respond.checkpoint.rollback_target``, applied to the healthy checkpoints)."""
         if self.checkpoints is None:
             return None
-        ok = [c.step for c in self.checkpoints.list() if c.healthy and c.step <= onset - 2]
-        return max(ok) if ok else None
+        from .respond.checkpoint import rollback_target
+
+        return rollback_target(onset, [c.step for c in self.checkpoints.list() if c.healthy])
 
     def _tier2(self, p: _Pending, verdict: Verdict, extras: dict[str, Any]) -> Action:
         summary = self._summary(p, verdict)
@@ -130,10 +155,14 @@ class _Responses:
         if target is None:
             raise CheckpointError(f"no healthy checkpoint at or before step {onset - 2} "
                                   f"(the update before the onset at {onset} may be the cause)")
+        # state that lives outside the run's timeline (a fault injector: the world does not rewind)
+        kept = {k: self._extra[k].state_dict() for k in self.keep_on_rollback}
         info = self.checkpoints.restore(
             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.precision if self.precision.scaler is not None else None,
             data=self.data, extra_state=self._extra_state(), at_or_before=target)
+        for k, state in kept.items():
+            self._extra[k].load_state_dict(state)
         self._pending = None
         self._micro.clear()
         return info
@@ -173,10 +202,14 @@ class _Responses:
         report = HaltReport(step=p.step, reasons=verdict.reasons, summary=summary, detail=detail)
         if p.grads_alive:
             report.nonfinite_params = nonfinite_params(self.named_params)
+        elif p.finite is not None and p.finite[0] is not None:
+            flags, owners = p.finite
+            local = [self.named_params[i][0] for i, ok in zip(owners, flags.tolist()) if not ok]
+            report.nonfinite_params = gather_names(local, self.named_params)
         if p.rerun is not None and verdict.tier >= 3:
             report.first_forward, report.first_backward = trace_nonfinite(self.model, p.rerun)
             report.traced = True
-            if not p.grads_alive:  # read_lag 1: the re-run rebuilt this step's gradients
+            if not report.nonfinite_params:  # the re-run rebuilt this step's gradients
                 report.nonfinite_params = nonfinite_params(self.named_params)
             self.optimizer.zero_grad(set_to_none=True)
         changes = self._try_reconfigure(report, verdict, extras)

@@ -91,6 +91,10 @@ class GuardConfig:
             raise ValueError(f"GuardConfig.read_lag={self.read_lag!r} must be 0, 1 or None (auto)")
 
 
+def _split(values: list[float], n: int) -> tuple[list[float], list[float]]:
+    return values[:n], values[n:]
+
+
 class Guard(_Responses):
     """One call per optimizer step: measure, clip, gate, step or skip, decide, act, log, save.
 
@@ -103,8 +107,9 @@ class Guard(_Responses):
     ``on_alert(summary)`` is called on a Tier 2 alert; ``reconfigure(report)`` may answer a halt
     with changes (``{"precision": "bf16-mixed", "lr_scale": 0.5, "z_loss": 1e-3}``) to resume
     with from the last healthy checkpoint. ``extra_state`` names more objects with
-    ``state_dict``/``load_state_dict`` to checkpoint with the run. ``pp_group``/``tp_group`` go
-    to ``grad_stats``.
+    ``state_dict``/``load_state_dict`` to checkpoint with the run; those named in
+    ``keep_on_rollback`` are restored on ``resume`` only, never by a rollback (state outside the
+    run's timeline, such as a fault injector). ``pp_group``/``tp_group`` go to ``grad_stats``.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -115,6 +120,7 @@ class Guard(_Responses):
                  on_alert: Callable[[dict[str, Any]], None] | None = None,
                  reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None = None,
                  extra_state: Mapping[str, Any] | None = None,
+                 keep_on_rollback: Iterable[str] = (),
                  pp_group: Any = None, tp_group: Any = None) -> None:
         self.config = config if config is not None else GuardConfig()
         if self.config.tier2 == "rollback" and checkpoints is None:
@@ -127,6 +133,11 @@ class Guard(_Responses):
         if extra_state and "guard" in extra_state:
             raise ValueError("extra_state key 'guard' is the guard's own; rename it")
         self._extra = dict(extra_state or {})
+        self.keep_on_rollback = tuple(keep_on_rollback)
+        unknown = set(self.keep_on_rollback) - set(self._extra)
+        if unknown:
+            raise ValueError(f"keep_on_rollback names {sorted(unknown)}, which are not in "
+                             f"extra_state ({sorted(self._extra)})")
         if isinstance(precision, PrecisionRuntime):
             self.precision = precision
         else:
@@ -151,7 +162,8 @@ class Guard(_Responses):
         resumed run can cut a metrics file back to the checkpoint)."""
         self._batches: deque[tuple[int, int, int]] = deque(maxlen=_BATCH_HISTORY)
         self._window_alerts: list[str] = []
-        self._micro: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._micro: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # loss, log Z, sequences
+        self._rerun_now: Callable[..., Any] | None = None
         self._pending: _Pending | None = None
         self._data_pos = self._position()
         self._warned_disagree = False
@@ -189,9 +201,9 @@ class Guard(_Responses):
              rerun: Callable[[], Any] | None = None) -> Verdict | None:
         """One optimizer step, after backward (see the module docstring). Returns the verdict the
         host read this call: step t's with read_lag 0; step t-1's with read_lag 1 (None on the
-        first step). ``rerun()`` re-runs the current batch's forward and backward and returns its
-        LossOutput (Tier 3 forensics; attribution after a skip, where ``rerun(keep=mask)`` keeps
-        only the rows ``mask`` marks). Raises TrainingHalted on a halt, after the record is written."""
+        first step). ``rerun()`` re-runs the batch's forward and backward and returns its LossOutput
+        (Tier 3 forensics; attribution of a skip, where ``rerun(keep=mask)`` keeps only the rows
+        ``mask`` marks). Raises TrainingHalted on a halt, after the record is written."""
         if out is not None:
             self.accumulate(out, log_z=log_z)
         if not self._micro:
@@ -230,20 +242,6 @@ class Guard(_Responses):
             if self.checkpoints is not None:
                 self.checkpoints.wait()
 
-    def _position(self) -> int | None:
-        pos = getattr(self.data, "position", None)
-        return int(pos) if isinstance(pos, int) else None
-
-    def _consume_batches(self) -> tuple[int, int] | None:
-        pos = self._position()
-        if pos is None or self._data_pos is None:
-            self._data_pos = pos
-            return None
-        span = (self._data_pos, pos - 1)
-        self._data_pos = pos
-        self._batches.append((self.step_index, *span))
-        return span
-
     def _device_step(self, batches: tuple[int, int] | None,
                      rerun: Callable[[], Any] | None) -> _Pending:
         t = self.step_index
@@ -268,7 +266,11 @@ class Guard(_Responses):
         parts = [loss_g, log_z_g, stats.norm, applied_gate, armed, coef,
                  scale if scale is not None else torch.full((), float("nan"), device=dev)]
         vec = torch.stack([p.detach().to(dev, torch.float64).reshape(()) for p in parts])
-        probes = self.probes.collect() if self.probes is not None else {}
+        probes = self.probes.gather() if self.probes is not None else None
+        if probes is not None and probes.vector is not None:
+            # the probes' readings ride in the same read-back vector (no host read of their own)
+            vec = torch.cat([vec, probes.vector.detach().to(dev, torch.float64)])
+            probes.vector = None
         keep_grads = self.read_lag == 0
         if not keep_grads:
             self.optimizer.zero_grad(set_to_none=True)
@@ -278,11 +280,12 @@ class Guard(_Responses):
         if self.probes is not None:
             self.probes.start_step(self.step_index)
         return _Pending(t, _Readback(vec), lr, batches, data_state, rerun, probes,
-                        stats if keep_grads else None, seqs)
+                        stats if keep_grads else None,
+                        None if keep_grads else stats.finite_pieces(), seqs)
 
     # -- the host side ------------------------------------------------------------------------
     def _resolve(self, p: _Pending) -> Verdict:
-        loss, log_z, norm, gate, armed, coef, scale = p.readback.values()
+        (loss, log_z, norm, gate, armed, coef, scale), rest = _split(p.readback.values(), 7)
         skipped, armed = gate != 0.0, armed != 0.0
         nan_frac: float | None = 0.0
         if not (norm == norm and abs(norm) != float("inf")):
@@ -303,7 +306,9 @@ class Guard(_Responses):
             self.applied += 1
             if self.scheduler is not None:
                 self.scheduler.step()
-        extras: dict[str, Any] = {"armed": armed, "skipped": skipped, "clip_coef": coef, **p.probes}
+        extras: dict[str, Any] = {"armed": armed, "skipped": skipped, "clip_coef": coef}
+        if p.probes is not None:
+            extras.update(p.probes.decode(rest))
         if skipped and self.config.respond and verdict.tier < 3:
             verdict = self.attribution.on_skip(self, p, verdict, extras, loss, norm)
         action = verdict.action
@@ -320,7 +325,8 @@ class Guard(_Responses):
         finally:
             if p.grads_alive:
                 self.optimizer.zero_grad(set_to_none=True)
-        if verdict.tier >= 1 or action is Action.ALERT:
+        # a skipped update never reached the weights: only an applied anomaly taints the interval
+        if (verdict.tier >= 1 and action is not Action.SKIP) or action is Action.ALERT:
             self._window_alerts.append(f"{p.step}: {'; '.join(verdict.reasons)}")
         self._log(m, verdict, action, extras)
         if action not in (Action.ROLLBACK, Action.HALT):
