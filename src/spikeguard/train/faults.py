@@ -3,8 +3,8 @@
 Specs (several may be given; a trailing ``!`` makes a fault sticky):
 
 - ``outlier@S``: batch S is garbage (random bytes; ``outlier@S:repeat`` repeats one byte);
-- ``seq@S[:ROW]``: one sequence of batch S (row ROW, default 0) is garbage (random bytes): what
-  the guard's attribution should trace to that row;
+- ``seq@S[:ROW[:repeat]]``: one sequence of batch S (row ROW, default 0) is garbage (random
+  bytes, or one byte repeated): what the guard's attribution should trace to that row;
 - ``grad@S:MULT``: every gradient of step S times MULT after the backward (a transient numeric
   fault, not the data: a re-run of the step does not reproduce it);
 - ``nan@S[:PARAM]``: a NaN in one element of PARAM's gradient (default: the first weight matrix);
@@ -54,7 +54,7 @@ class Fault:
 def parse_fault(spec: str) -> Fault:
     """Parse one spec; ValueError with the accepted forms on anything else."""
     m = _SPEC.match(spec.strip())
-    forms = ("outlier@S[:repeat], seq@S[:ROW], grad@S:MULT, nan@S[:PARAM], lr@S:MULT:LEN, "
+    forms = ("outlier@S[:repeat], seq@S[:ROW[:repeat]], grad@S:MULT, nan@S[:PARAM], lr@S:MULT:LEN, "
              "logit-drift@S[:EPS] (add ! to repeat)")
     if m is None:
         raise ValueError(f"--inject {spec!r} is not a fault spec; use {forms}")
@@ -69,7 +69,8 @@ def parse_fault(spec: str) -> Fault:
                 raise ValueError
         elif kind == "outlier" and args not in ((), ("repeat",)):
             raise ValueError
-        elif kind == "seq" and (len(args) > 1 or (args and int(args[0]) < 0)):
+        elif kind == "seq" and (len(args) > 2 or (args and int(args[0]) < 0)
+                                or args[1:] not in ((), ("repeat",))):
             raise ValueError
         elif kind == "grad" and (len(args) != 1 or not float(args[0]) > 0):
             raise ValueError
@@ -132,8 +133,9 @@ class Injector:
                 if not 0 <= row < x.shape[0]:
                     raise ValueError(f"--inject seq@{f.step}:{row}: the batch has rows 0.."
                                      f"{x.shape[0] - 1}")
-                w = torch.randint(0, self.vocab_size, (x.shape[1] + 1,), generator=self._gen,
-                                  dtype=x.dtype).to(x.device)
+                n = (1,) if f.args[1:] == ("repeat",) else (x.shape[1] + 1,)
+                w = torch.randint(0, self.vocab_size, n, generator=self._gen,
+                                  dtype=x.dtype).to(x.device).expand(x.shape[1] + 1)
                 x, y = x.clone(), y.clone()
                 x[row], y[row] = w[:-1], w[1:]
         return x, y
