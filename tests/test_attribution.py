@@ -231,3 +231,29 @@ def test_injected_sequence_and_gradient_faults():
     inj.after_backward(model)
     for b, p in zip(before, model.parameters()):
         assert torch.equal(p.grad, b * 10)
+
+
+def test_train_writes_the_quarantine_and_diagnose_shows_it_with_its_spike(tmp_path, capsys):
+    # spikeguard train end to end: the injected sequence goes to quarantine.jsonl beside the
+    # metrics, and spikeguard diagnose prints it under its spike
+    import dataclasses
+    import json
+
+    from spikeguard.cli import main
+    from spikeguard.train import TrainConfig, train
+
+    cfg = TrainConfig(steps=60, model="tiny", batch_size=8, eval_batches=1, progress=False,
+                      plot=False, out=str(tmp_path), inject=("seq@45:3:repeat",))
+    cfg = dataclasses.replace(cfg, guard=dataclasses.replace(
+        cfg.guard, attribution=AttributionConfig(rerun_budget=0.1)))
+    train(cfg, echo=False)
+    lines = [json.loads(x) for x in (tmp_path / "quarantine.jsonl").read_text().splitlines()]
+    assert [(q["stream_index"], q["rank"], q["row"]) for q in lines if q["step"] == 45] == \
+        [(45, 0, 3)]
+    rec = {r["step"]: r for r in sg.read_metrics(tmp_path / "metrics.jsonl")}[45]
+    assert rec["action"] == "skip" and rec["cause"] == "data"
+    assert main(["diagnose", str(tmp_path / "metrics.jsonl")]) == 0
+    text = capsys.readouterr().out
+    spike = text[text.index("skip the update at step 45"):]
+    assert spike.splitlines()[1].strip().startswith(
+        "quarantined: step 45, stream_index 45, rank 0, row 3,")
