@@ -257,3 +257,11 @@ def test_train_writes_the_quarantine_and_diagnose_shows_it_with_its_spike(tmp_pa
     spike = text[text.index("skip the update at step 45"):]
     assert spike.splitlines()[1].strip().startswith(
         "quarantined: step 45, stream_index 45, rank 0, row 3,")
+
+
+def test_the_overhead_benchmark_smoke_prints_finite_shares(capsys):
+    import benchmarks.bench_attribution as bench
+
+    got = bench.main(["--smoke"])
+    assert all(math.isfinite(v) for v in got.values()) and got["reduce_share"] > 0
+    assert "attribution inside guard.step / median step:" in capsys.readouterr().out
