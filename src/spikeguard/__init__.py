@@ -19,7 +19,6 @@ from .prevent.budget import MemoryBudget, memory_budget
 from .prevent.init import fan_in_init_, gpt2_residual_init_
 from .prevent.losses import (
     LossOutput,
-    SequenceStats,
     cross_entropy,
     linear_cross_entropy,
     router_z_loss,
@@ -69,7 +68,6 @@ __all__ = [
     "ProbeConfig",
     "Probes",
     "QKNorm",
-    "SequenceStats",
     "SinkDisabledWarning",
     "Sinks",
     "SpikeDetector",
