@@ -3,12 +3,15 @@
 For each seed: a clean run of each arm, then one run per fault type and arm.
 
 - on: every default defense (z-loss, QK-norm, clip 1.0, the guard), ``--tier2 rollback``,
-  checkpoints every 25 steps;
+  checkpoints every 25 steps; a skip skips the whole batch;
+- drop (only beside the seq fault): on plus ``--drop-sequences``: a skip the guard traces to the
+  data re-runs the step without the quarantined sequences;
 - off: ``--defenses none`` (no z-loss, no QK-norm, no clipping, the guard only records).
 
 Faults (sizes chosen so that the off arm is really hurt; see BENCHMARKS.md):
 
 - outlier: one random-byte batch at step 150;
+- seq: one sequence of one repeated byte (row 3 of 8) in the batch of step 150;
 - nan: a NaN in one gradient element at step 150;
 - lr: the learning rate x 2000 for 20 steps from step 150 (at the peak LR 1e-3 used here, x 50
   and x 500 only hurt the unguarded tiny model by 25-38%: AdamW absorbs it);
@@ -38,6 +41,7 @@ __all__ = ["FAULTS", "main"]
 
 FAULTS = {
     "outlier": "outlier@{s}",
+    "seq": "seq@{s}:3:repeat",
     "nan": "nan@{s}:blocks.0.mlp.fc.weight",
     "lr": "lr@{s}:2000:20",
     "logit-drift": "logit-drift@{s}:2",
@@ -48,6 +52,7 @@ def _one(job: tuple) -> dict:
     arm, fault, seed, steps, model, root, faults, lr = job
     import torch
 
+    from spikeguard import read_metrics
     from spikeguard.train import TrainConfig, train
 
     torch.set_num_threads(1)
@@ -56,12 +61,14 @@ def _one(job: tuple) -> dict:
         steps=steps, model=model, seed=seed, out=str(Path(root) / f"{arm}-{fault}-{seed}"),
         progress=False, plot=False, eval_batches=2, batch_size=8, ckpt_every=25, keep=20,
         lr=lr,
-        defenses="all" if arm == "on" else "none",
+        defenses="none" if arm == "off" else "all",
         inject=(faults[fault].format(s=at),) if fault != "clean" else ())
-    if arm == "on":
+    if arm in ("on", "drop"):
         import dataclasses
 
-        cfg = dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, tier2="rollback"))
+        attribution = dataclasses.replace(cfg.guard.attribution, drop_sequences=arm == "drop")
+        cfg = dataclasses.replace(cfg, guard=dataclasses.replace(
+            cfg.guard, tier2="rollback", attribution=attribution))
     t0 = time.perf_counter()
     r = train(cfg, echo=False)
     last = r.losses[-20:]
@@ -70,7 +77,13 @@ def _one(job: tuple) -> dict:
             "nan": not all(map(math.isfinite, r.losses[-5:])) if r.losses else True,
             "halted": r.halted.step if r.halted else None,
             "named": list(r.halted.nonfinite_params) if r.halted else [],
-            "rollbacks": r.rollbacks, "seconds": time.perf_counter() - t0}
+            "rollbacks": r.rollbacks, "seconds": time.perf_counter() - t0,
+            "kept": [x["kept_rows"] for x in read_metrics(Path(cfg.out) / "metrics.jsonl")
+                     if x.get("kept_rows") and x.get("skipped") is False]}
+
+
+def _arms(fault: str) -> tuple[str, ...]:
+    return ("on", "drop", "off") if fault in ("clean", "seq") else ("on", "off")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -97,8 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.seeds, args.steps = 1, min(args.steps, 60)
     root = tempfile.mkdtemp(prefix="survival_")
     jobs = [(arm, fault, seed, args.steps, args.model, root, dict(FAULTS), args.lr)
-            for seed in range(args.seeds) for arm in ("on", "off")
-            for fault in ["clean", *args.faults]]
+            for seed in range(args.seeds) for fault in ["clean", *args.faults]
+            for arm in _arms(fault) if arm != "drop" or "seq" in args.faults]
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(args.workers) as pool:
         rows = pool.map(_one, jobs, chunksize=1)
@@ -109,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     for fault in args.faults:
         print(f"\n{fault} ({FAULTS[fault].format(s=args.steps // 2)})")
         print(f"  {'arm':4s} {'seed':>4s} {'final':>8s} {'clean':>8s} {'ratio':>7s}  outcome")
-        for arm in ("on", "off"):
+        for arm in _arms(fault):
             outcomes = []
             for r in sorted((r for r in rows if r["fault"] == fault and r["arm"] == arm),
                             key=lambda r: r["seed"]):
@@ -126,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
                 else:
                     outcome = f"hurt ({ratio - 1:+.1%})"
                 outcome += f", {r['rollbacks']} rollback(s)" if r["rollbacks"] else ""
+                outcome += "".join(f", kept {k}/{n} rows" for k, n in r["kept"])
                 outcomes.append(outcome)
                 print(f"  {arm:4s} {r['seed']:>4d} {r['final']:8.4f} {c:8.4f} {ratio:7.3f}  {outcome}")
             summary[(fault, arm)] = outcomes

@@ -23,9 +23,9 @@ PUBLIC = {
     "GradStats", "grad_stats", "clip_grad_norm_", "PrecisionPolicy", "Probes", "ProbeConfig",
     "AmaxMonitor", "StepMetrics", "metrics_record",
     # respond
-    "Guard", "GuardConfig", "GuardedOptimizer", "TrainingHalted", "Action", "DetectorConfig",
-    "SpikeDetector", "Verdict", "CheckpointManager", "CheckpointInfo", "CheckpointError",
-    "CheckpointWarning", "verify_checkpoint",
+    "Guard", "GuardConfig", "AttributionConfig", "GuardedOptimizer", "TrainingHalted", "Action",
+    "DetectorConfig", "SpikeDetector", "Verdict", "CheckpointManager", "CheckpointInfo",
+    "CheckpointError", "CheckpointWarning", "verify_checkpoint",
     # data and sinks
     "Corpus", "TokenStream", "load_corpus", "JsonlSink", "ConsoleSink", "TensorBoardSink",
     "WandbSink", "Sinks", "SinkDisabledWarning", "read_metrics",

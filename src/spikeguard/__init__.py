@@ -12,12 +12,17 @@ from .detect.fp8 import AmaxMonitor
 from .detect.gradnorm import GradStats, clip_grad_norm_, grad_stats
 from .detect.precision import PrecisionPolicy
 from .detect.probes import ProbeConfig, Probes
-from .guard import Guard, GuardConfig, GuardedOptimizer, TrainingHalted
+from .guard import AttributionConfig, Guard, GuardConfig, GuardedOptimizer, TrainingHalted
 from .model import GPT, GPTConfig
 from .prevent.attention import QKNorm, StackedLogitBoundsWarning, attention, softcap
 from .prevent.budget import MemoryBudget, memory_budget
 from .prevent.init import fan_in_init_, gpt2_residual_init_
-from .prevent.losses import LossOutput, cross_entropy, linear_cross_entropy, router_z_loss
+from .prevent.losses import (
+    LossOutput,
+    cross_entropy,
+    linear_cross_entropy,
+    router_z_loss,
+)
 from .record import Action, StepMetrics, metrics_record
 from .respond.checkpoint import (
     CheckpointError,
@@ -43,6 +48,7 @@ __all__ = [
     "GPT",
     "Action",
     "AmaxMonitor",
+    "AttributionConfig",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",

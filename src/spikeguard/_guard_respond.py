@@ -72,6 +72,8 @@ class _Pending:
     finite: tuple[Any, list[int]] | None = None
     """read_lag 1: per local gradient, whether its norm was finite (a device bool vector, read
     only on the halt path) and its parameter's index: names the culprits after the grads are gone."""
+    rows: tuple[Any, ...] = ()
+    """Each micro-batch's per-sequence values (LossOutput.sequences, or None)."""
 
     @property
     def grads_alive(self) -> bool:
@@ -88,9 +90,23 @@ class _Frozen:
         return self._state
 
 
-
 class _Responses:
     """Tier 2 and Tier 3 actions of the Guard (see the module docstring)."""
+
+    # -- the data a step consumed -------------------------------------------------------------
+    def _position(self) -> int | None:
+        pos = getattr(self.data, "position", None)
+        return int(pos) if isinstance(pos, int) else None
+
+    def _consume_batches(self) -> tuple[int, int] | None:
+        pos = self._position()
+        if pos is None or self._data_pos is None:
+            self._data_pos = pos
+            return None
+        span = (self._data_pos, pos - 1)
+        self._data_pos = pos
+        self._batches.append((self.step_index, *span))
+        return span
 
     def _data_range(self, onset: int, detection: int) -> tuple[int, int] | None:
         spans = [(lo, hi) for s, lo, hi in self._batches if onset <= s <= detection and lo <= hi]
@@ -101,8 +117,10 @@ class _Responses:
     def _summary(self, p: _Pending, verdict: Verdict) -> dict[str, Any]:
         onset = verdict.onset_step if verdict.onset_step is not None else p.step
         target = self._rollback_target(onset)
-        return tier2_summary(self.history, step=p.step, reasons=verdict.reasons, onset=onset,
-                             data_range=self._data_range(onset, p.step), rollback_to=target)
+        summary = tier2_summary(self.history, step=p.step, reasons=verdict.reasons, onset=onset,
+                                data_range=self._data_range(onset, p.step), rollback_to=target)
+        summary["skips"] = self.attribution.summary(onset, p.step)  # by cause: data or transient
+        return summary
 
     def _rollback_target(self, onset: int) -> int | None:
         """The newest healthy checkpoint that predates the update before the onset (the one
@@ -158,11 +176,18 @@ class _Responses:
                               detail=f"rollback budget of {self.config.max_rollbacks} exhausted")
         onset = verdict.onset_step if verdict.onset_step is not None else p.step
         skip = self._data_range(onset, p.step)
+        # before the restore, which takes the attribution history back to the checkpoint
+        drops = self.attribution.range_drops(onset, p.step) if hasattr(self.data, "drop") else None
         try:
             info = self._restore_before(onset)
         except CheckpointError as e:
             return self._halt(p, verdict, extras, summary=summary, detail=f"cannot roll back: {e}")
         self.rollbacks += 1
+        if drops is not None:  # only the quarantined sequences of the range, not the range
+            for index, rows in drops.items():
+                self.data.drop(index, rows)
+            skip = None
+            extras["dropped_sequences"] = {str(i): r for i, r in drops.items()}
         if skip is not None and hasattr(self.data, "skip"):
             self.data.skip(*skip)
         self._data_pos = self._position()

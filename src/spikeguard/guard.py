@@ -42,6 +42,7 @@ from .detect.gradnorm import grad_stats
 from .detect.precision import PrecisionPolicy, PrecisionRuntime
 from .detect.probes import ProbeConfig, Probes
 from .record import Action, StepMetrics, metrics_record
+from .respond._attribution import Attribution, AttributionConfig
 from .respond._detector_config import DetectorConfig
 from .respond._gate import DeviceGate
 from .respond._summary import History
@@ -49,7 +50,7 @@ from .respond.detector import SpikeDetector, Verdict
 from .respond.forensics import HaltReport, TrainingHalted
 from .sinks import Sinks
 
-__all__ = ["Guard", "GuardConfig", "GuardedOptimizer", "TrainingHalted"]
+__all__ = ["AttributionConfig", "Guard", "GuardConfig", "GuardedOptimizer", "TrainingHalted"]
 
 log = logging.getLogger("spikeguard")
 
@@ -76,6 +77,8 @@ class GuardConfig:
     """Steps between a step and the host reading its numbers: 0, 1, or None (1 on CUDA, else 0)."""
     respond: bool = True
     """Act on verdicts (skip, roll back, halt); False only measures and records (a baseline)."""
+    attribution: AttributionConfig = field(default_factory=AttributionConfig)
+    """After a skip: re-run it (data or transient?), quarantine outlier sequences, drop them."""
 
     def __post_init__(self) -> None:
         if self.clip is not None:
@@ -150,6 +153,7 @@ class Guard(_Responses):
         self.detector = SpikeDetector(self.config.detector)
         self.gate = DeviceGate(self.config.detector, self.precision.device)
         self.history = History(self.config.detector.median_window)
+        self.attribution = Attribution(self.config.attribution)
         self.step_index = self.rollbacks = self.applied = 0
         self.last_skipped = False
         """Whether the last resolved step's update was withheld (a skip or a halt); a framework
@@ -159,7 +163,8 @@ class Guard(_Responses):
         resumed run can cut a metrics file back to the checkpoint)."""
         self._batches: deque[tuple[int, int, int]] = deque(maxlen=_BATCH_HISTORY)
         self._window_alerts: list[str] = []
-        self._micro: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._micro: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # loss, log Z, sequences
+        self._rerun_now: Callable[..., Any] | None = None
         self._pending: _Pending | None = None
         self._data_pos = self._position()
         self._warned_disagree = False
@@ -179,6 +184,7 @@ class Guard(_Responses):
     def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None) -> None:
         """Record one micro-batch's loss and log Z (detached) after its backward; ``step()`` then
         uses their mean. ``out`` is a LossOutput (its ``ce`` and ``log_z``) or a 0-d loss."""
+        seq = getattr(out, "sequences", None)  # per-sequence values: attribution on a skip
         if hasattr(out, "ce") and hasattr(out, "log_z"):
             loss, log_z = out.ce, out.log_z if log_z is None else log_z
         else:
@@ -190,20 +196,22 @@ class Guard(_Responses):
         loss = loss.detach().float().reshape(())
         z = (torch.full_like(loss, float("nan")) if log_z is None
              else log_z.detach().float().reshape(()).to(loss.device))
-        self._micro.append((loss, z))
+        self._micro.append((loss, z, seq))
 
     def step(self, out: Any = None, *, log_z: torch.Tensor | None = None,
              rerun: Callable[[], Any] | None = None) -> Verdict | None:
         """One optimizer step, after backward (see the module docstring). Returns the verdict the
         host read this call: step t's with read_lag 0; step t-1's with read_lag 1 (None on the
-        first step). ``rerun()`` re-runs the current batch's forward and backward (for the Tier 3
-        forensics). Raises TrainingHalted on a halt, after the record is written."""
+        first step). ``rerun()`` re-runs the batch's forward and backward and returns its LossOutput
+        (Tier 3 forensics; attribution of a skip, where ``rerun(keep=mask)`` keeps only the rows
+        ``mask`` marks). Raises TrainingHalted on a halt, after the record is written."""
         if out is not None:
             self.accumulate(out, log_z=log_z)
         if not self._micro:
             raise ValueError("guard.step() needs the step's loss: pass step(out), or call "
                              "guard.accumulate(out) after each micro-batch's backward")
         batches = self._consume_batches()
+        self._rerun_now = rerun  # read_lag 1: attribution may redo this step's grads (a drop)
         if self.read_lag == 0:
             return self._resolve(self._device_step(batches, rerun))
         verdict = None
@@ -235,24 +243,10 @@ class Guard(_Responses):
             if self.checkpoints is not None:
                 self.checkpoints.wait()
 
-    def _position(self) -> int | None:
-        pos = getattr(self.data, "position", None)
-        return int(pos) if isinstance(pos, int) else None
-
-    def _consume_batches(self) -> tuple[int, int] | None:
-        pos = self._position()
-        if pos is None or self._data_pos is None:
-            self._data_pos = pos
-            return None
-        span = (self._data_pos, pos - 1)
-        self._data_pos = pos
-        self._batches.append((self.step_index, *span))
-        return span
-
     def _device_step(self, batches: tuple[int, int] | None,
                      rerun: Callable[[], Any] | None) -> _Pending:
         t = self.step_index
-        losses, zs = zip(*self._micro)
+        losses, zs, seqs = zip(*self._micro)
         self._micro.clear()
         loss = torch.stack(losses).mean()
         log_z = torch.stack(zs).mean()
@@ -288,7 +282,7 @@ class Guard(_Responses):
             self.probes.start_step(self.step_index)
         return _Pending(t, _Readback(vec), lr, batches, data_state, rerun, probes,
                         stats if keep_grads else None,
-                        None if keep_grads else stats.finite_pieces())
+                        None if keep_grads else stats.finite_pieces(), seqs)
 
     # -- the host side ------------------------------------------------------------------------
     def _resolve(self, p: _Pending) -> Verdict:
@@ -317,6 +311,8 @@ class Guard(_Responses):
         extras: dict[str, Any] = {"armed": armed, "skipped": skipped, "clip_coef": coef}
         if p.probes is not None:
             extras.update(p.probes.decode(rest))
+        if skipped and self.config.respond and verdict.tier < 3:
+            verdict = self.attribution.on_skip(self, p, verdict, extras, loss, norm)
         action = verdict.action
         if not self.config.respond:
             extras["verdict"] = action.value  # what the guard would have done
@@ -381,7 +377,8 @@ class Guard(_Responses):
                 "applied": self.applied, "rollbacks": self.rollbacks, "records": self.records,
                 "detector": self.detector.state_dict(), "gate": self.gate.state_dict(),
                 "history": self.history.state_dict(),
-                "batches": [list(b) for b in self._batches]}
+                "batches": [list(b) for b in self._batches],
+                "attribution": self.attribution.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
@@ -390,6 +387,7 @@ class Guard(_Responses):
         self.detector.load_state_dict(state["detector"])
         self.gate.load_state_dict(state["gate"])
         self.history.load_state_dict(state["history"])
+        self.attribution.load_state_dict(state.get("attribution"))
         self.step_index = int(state["step_index"])
         self.applied = int(state["applied"])
         self.records = int(state["records"])

@@ -240,14 +240,18 @@ class GPT(nn.Module):
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else softcap(logits, cap)
 
-    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> LossOutput:
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, *,
+             per_sequence: bool = True) -> LossOutput:
         """Fused output layer + cross-entropy + z-loss (``cfg.z_loss``); never builds the logits.
 
         Returns a LossOutput: ``.loss`` to backpropagate, ``.ce`` (mean next-token cross-entropy
-        in nats), ``.z_loss`` and ``.log_z`` detached. The final logit cap, when set, is applied
-        inside the fused loss exactly as in :meth:`logits`."""
+        in nats), ``.z_loss`` and ``.log_z`` detached, and ``.sequences`` (each sequence's mean
+        ce and log Z, from the per-token values of the same pass; None with
+        ``per_sequence=False``), which the Guard reads to name the sequences behind a skip. The
+        final logit cap, when set, is applied inside the fused loss exactly as in :meth:`logits`."""
         return linear_cross_entropy(hidden, self.output_weight, targets, z_loss=self.cfg.z_loss,
-                                    softcap=self.cfg.final_logit_softcap)
+                                    softcap=self.cfg.final_logit_softcap,
+                                    per_sequence=per_sequence)
 
     @torch.no_grad()
     def estimate_flops_per_token(self) -> float:

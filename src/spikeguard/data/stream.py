@@ -8,10 +8,11 @@ its state_dict yields exactly the batches it would have yielded. Rank and world 
 torch.distributed unless given (give both to shard over a data-parallel group that is not the
 whole world, e.g. under tensor parallelism).
 
-Its state is JSON: ``position`` (index of the next batch) and ``skip_ranges`` (inclusive batch
-ranges never yielded). After a rollback to a checkpoint taken at position c+1 with an anomaly
-whose batches ran from onset o to detection d, ``skip(o, d)`` makes the stream replay c+1..o-1
-and continue at d+1.
+Its state is JSON: ``position`` (index of the next batch), ``skip_ranges`` (inclusive batch
+ranges never yielded) and ``dropped`` (rows left out of single batches). After a rollback to a
+checkpoint taken at position c+1 with an anomaly whose batches ran from onset o to detection d,
+``skip(o, d)`` makes the stream replay c+1..o-1 and continue at d+1; ``drop(b, rows)`` instead
+replays batch b without the named rows (the guard's attribution names them).
 
 To load batches in DataLoader worker processes, iterate :meth:`TokenStream.loader`: the workers
 take turns at the stream's own order, so a rank receives exactly the batches it would receive
@@ -106,6 +107,7 @@ class TokenStream(torch.utils.data.IterableDataset):
                              f"{batch_size * world_size}; use a shorter seq_len or batch_size")
         self.position = 0
         self.skip_ranges: list[tuple[int, int]] = []
+        self.dropped: dict[int, list[int]] = {}
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
@@ -164,7 +166,14 @@ class TokenStream(torch.utils.data.IterableDataset):
         starts = self._window_ids(index) * self.seq_len
         w = np.stack([np.asarray(self.tokens[s: s + self.seq_len + 1]) for s in starts])
         w = torch.from_numpy(w.astype(np.int64))
+        if index in self.dropped:
+            w = w[self.rows_of(index)]
         return w[:, :-1], w[:, 1:]
+
+    def rows_of(self, index: int) -> list[int]:
+        """The rows of batch ``index`` that ``batch`` yields, numbered as in the full batch."""
+        gone = self.dropped.get(index, ())
+        return [r for r in range(self.batch_size) if r not in gone]
 
     # -- iteration ----------------------------------------------------------------------------
     def next_index(self) -> int:
@@ -200,6 +209,18 @@ class TokenStream(torch.utils.data.IterableDataset):
             raise ValueError(f"skip range [{start}, {stop}] must satisfy 0 <= start <= stop")
         self.skip_ranges.append((int(start), int(stop)))
 
+    def drop(self, index: int, rows: list[int]) -> None:
+        """Yield batch ``index`` without ``rows`` (its row numbers) from now on; dropping every
+        row skips the batch. Recorded in the state."""
+        bad = [r for r in rows if isinstance(r, bool) or not isinstance(r, int)
+               or not 0 <= r < self.batch_size]
+        if bad or isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"drop({index!r}, {rows!r}): the batch index must be an int >= 0 and "
+                             f"the rows ints in [0, batch_size={self.batch_size})")
+        self.dropped[index] = sorted(set(self.dropped.get(index, [])) | set(rows))
+        if len(self.dropped[index]) == self.batch_size:
+            self.skip(index, index)
+
     def index_of(self, count: int) -> int:
         """Index of the ``count``-th batch (0-based) yielded from position 0 under the current
         skip ranges: turns a step count into a batch index when ranges were skipped."""
@@ -210,8 +231,9 @@ class TokenStream(torch.utils.data.IterableDataset):
 
     # -- state (torchdata StatefulDataLoader protocol) ----------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able: position, skip ranges and the identity of the stream."""
+        """JSON-able: position, skip ranges, dropped rows and the identity of the stream."""
         return {"position": self.position, "skip_ranges": [list(r) for r in self.skip_ranges],
+                "dropped": {str(i): list(r) for i, r in self.dropped.items()},
                 "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
                 "batch_size": self.batch_size, "seq_len": self.seq_len,
                 "n_tokens": len(self.tokens)}
@@ -225,3 +247,5 @@ class TokenStream(torch.utils.data.IterableDataset):
                                  "stream resumes on the same number of data-parallel ranks)")
         self.position = int(state["position"])
         self.skip_ranges = [(int(a), int(b)) for a, b in state.get("skip_ranges", [])]
+        self.dropped = {int(i): [int(r) for r in rows]
+                        for i, rows in state.get("dropped", {}).items()}

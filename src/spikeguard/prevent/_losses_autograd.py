@@ -167,8 +167,9 @@ class LinearCrossEntropyFn(torch.autograd.Function):
     ``inv_norm`` replaces 1 / (count of counted tokens) as the factor on the sums (1.0 for a
     sum, 1 / normalizer for a caller's normaliser); log Z takes the same factor unless
     ``log_z_mean``, which keeps it the mean over counted tokens.
-    Returns (loss, ce, alpha * logZ^2 term, log Z), scalars in the compute dtype; only loss
-    is differentiable."""
+    Returns (loss, ce, alpha * logZ^2 term, log Z), scalars in the compute dtype, then the
+    per-token ce and log Z (masked, [N]: the products the sums are taken of, so per-sequence
+    values cost no extra pass); only loss is differentiable."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -202,17 +203,18 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         ctx.save_for_backward(
             dh, None if dw is None else dw.to(weight.dtype),
             None if db is None else db.to(bias.dtype))
-        lse_sum = (lse * m).sum()
-        ce_mean = (ce * m).sum() * inv_n
+        lse_m, ce_m = lse * m, ce * m
+        lse_sum = lse_m.sum()
+        ce_mean = ce_m.sum() * inv_n
         z_term = alpha * (lse.square() * m).sum() * inv_n
         log_z = lse_sum * (inv_count if log_z_mean else inv_n)
         loss = ce_mean + z_term
-        ctx.mark_non_differentiable(ce_mean, z_term, log_z)
-        return loss, ce_mean, z_term, log_z
+        ctx.mark_non_differentiable(ce_mean, z_term, log_z, ce_m, lse_m)
+        return loss, ce_mean, z_term, log_z, ce_m, lse_m
 
     @staticmethod
     @strict_once_differentiable
-    def backward(ctx, g_loss, _g_ce, _g_z, _g_logz):
+    def backward(ctx, g_loss, _g_ce, _g_z, _g_logz, _g_ce_m, _g_lse_m):
         dh, dw, db = ctx.saved_tensors
 
         def scaled(t: torch.Tensor | None) -> torch.Tensor | None:

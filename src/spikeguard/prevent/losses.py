@@ -12,6 +12,9 @@ Conventions shared by every function here:
 - "counted" tokens are those whose target is not ``ignore_index``; means are over counted tokens;
 - ``reduction``: "mean" (default), "sum" over counted tokens, or "none" (per-token values, 0 at
   ignored tokens, to trace a spike to its sequences);
+- ``per_sequence=True`` adds ``LossOutput.sequences``: each sequence's mean ce and log Z and its
+  count of counted tokens (a sequence is one row of the target's last dimension), reduced from
+  the per-token values the loss computes anyway: no extra pass over the logits;
 - ``normalizer`` (with "mean"): divide the sums by this number or 0-d tensor instead of the local
   count. Pass the count of counted tokens across every micro-batch and rank of a step (as
   torchtitan does) and the per-micro-batch losses add up to the step's true mean. A normaliser
@@ -39,7 +42,8 @@ from ._losses_autograd import (
     compute_dtype,
 )
 
-__all__ = ["LossOutput", "cross_entropy", "linear_cross_entropy", "router_z_loss"]
+__all__ = ["LossOutput", "SequenceStats", "cross_entropy", "linear_cross_entropy",
+           "router_z_loss"]
 
 _CHUNK_BYTES = 64 * 2**20
 """Default budget for one chunk of compute-dtype logits in linear_cross_entropy."""
@@ -49,8 +53,26 @@ _Z_LOSS_WARN = 1e-3
 Reduction = Literal["mean", "sum", "none"]
 
 
-class LossOutput(NamedTuple):
-    """What the losses return. ``loss`` is differentiable; the other three are detached.
+class SequenceStats(NamedTuple):
+    """Per-sequence values of one loss call, detached, [S] in the compute dtype; a sequence is
+    one row of the target's last dimension (target [B, T]: B sequences; 1-D: one sequence).
+    ``ce`` and ``log_z`` are means over the sequence's counted tokens (0 where none counts),
+    whatever the reduction; ``tokens`` is its count of counted tokens."""
+
+    ce: torch.Tensor
+    log_z: torch.Tensor
+    tokens: torch.Tensor
+
+
+class _LossTuple(NamedTuple):
+    loss: torch.Tensor
+    ce: torch.Tensor
+    z_loss: torch.Tensor
+    log_z: torch.Tensor
+
+
+class LossOutput(_LossTuple):
+    """What the losses return. ``loss`` is differentiable; the others are detached.
 
     With reduction "mean" (the default) all four are scalars: ``loss = ce + z_loss``, ``ce`` is
     the mean cross-entropy in nats, ``z_loss`` the weighted term alpha * mean(logZ^2), ``log_z``
@@ -58,12 +80,20 @@ class LossOutput(NamedTuple):
     tokens divided by it (so they add up across micro-batches and ranks to the global means).
     With "sum", loss, ce and z_loss are sums over counted tokens and log_z is still the mean.
     With "none" each has the target's shape, 0 at ignored positions: per-token loss (still
-    differentiable), ce, alpha * logZ^2 and log Z."""
+    differentiable), ce, alpha * logZ^2 and log Z.
 
-    loss: torch.Tensor
-    ce: torch.Tensor
-    z_loss: torch.Tensor
-    log_z: torch.Tensor
+    ``sequences`` holds the per-sequence values (SequenceStats) with ``per_sequence=True``, else
+    None. It is an attribute, not a tuple element: iterating or unpacking a LossOutput gives the
+    four values above, as it always has."""
+
+    sequences: SequenceStats | None = None
+
+    def __new__(cls, loss: torch.Tensor, ce: torch.Tensor, z_loss: torch.Tensor,
+                log_z: torch.Tensor, sequences: SequenceStats | None = None) -> LossOutput:
+        self = super().__new__(cls, loss, ce, z_loss, log_z)
+        if sequences is not None:
+            self.sequences = sequences
+        return self
 
 
 def _check_z_loss(z_loss: float) -> float:
@@ -154,6 +184,21 @@ def _check_reduction(reduction: str, normalizer: float | torch.Tensor | None,
     return 1.0 / normalizer if normalizer > 0 else 0.0
 
 
+def _sequences(ce_t: torch.Tensor, lse_t: torch.Tensor, mask: torch.Tensor,
+               lead: tuple[int, ...]) -> SequenceStats:
+    """Per-sequence means from masked per-token ce and log Z (flat [N], 0 at ignored tokens)."""
+    t = lead[-1] if lead else 1
+    n = mask.reshape(-1, t).to(ce_t.dtype).sum(1)
+    inv = 1.0 / n.clamp(min=1.0)
+    return SequenceStats(ce_t.reshape(-1, t).sum(1) * inv, lse_t.reshape(-1, t).sum(1) * inv, n)
+
+
+def _check_flag(value: bool, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
+    return value
+
+
 def _chunk_rows(chunk_size: int | None, n_classes: int, dtype: torch.dtype, budget: int) -> int:
     if chunk_size is None:
         return max(1, budget // (n_classes * compute_dtype(dtype).itemsize))
@@ -172,6 +217,7 @@ def cross_entropy(
     softcap: float | None = None,
     reduction: Reduction = "mean",
     normalizer: float | torch.Tensor | None = None,
+    per_sequence: bool = False,
 ) -> LossOutput:
     """Cross-entropy plus z-loss, returning log Z from the same pass.
 
@@ -181,8 +227,9 @@ def cross_entropy(
     the logits are first mapped to softcap * tanh(logits / softcap), and log Z is the logsumexp of
     the capped logits. Gradient w.r.t. a (capped) logit: (p_j * (1 + 2 z_loss logZ) - y_j) / N,
     N the count of counted tokens (1 with "sum", ``normalizer`` when given). ``reduction`` and
-    ``normalizer`` as in the module docstring; see LossOutput for the shapes. The gradient has
-    the logits' dtype; nothing syncs with the host (see the module docstring).
+    ``normalizer`` as in the module docstring; see LossOutput for the shapes; ``per_sequence``
+    adds ``sequences`` (SequenceStats). The gradient has the logits' dtype; nothing syncs with
+    the host (see the module docstring).
     """
     if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be a floating-point tensor, got "
@@ -192,24 +239,27 @@ def cross_entropy(
     inv_norm = _check_reduction(reduction, normalizer, logits.device,
                                 compute_dtype(logits.dtype))
     alpha, cap = _check_z_loss(z_loss), _check_softcap(softcap)
+    per_sequence = _check_flag(per_sequence, "per_sequence")
     lead, v = tuple(logits.shape[:-1]), logits.shape[-1]
     tgt, mask = _check_target(target, "logits", lead, v, logits.device, ignore_index)
     budget = _CE_CHUNK_BYTES_CPU if logits.device.type == "cpu" else _CHUNK_BYTES
     rows = _chunk_rows(None, v, logits.dtype, budget)
     loss_t, lse_t, ce_t = CrossEntropyFn.apply(logits.reshape(-1, v).contiguous(), tgt, mask,
                                                alpha, cap, rows)
+    seq = _sequences(ce_t, lse_t, mask, lead) if per_sequence else None
     if reduction == "none":
         return LossOutput(loss_t.view(lead), ce_t.view(lead), (alpha * lse_t.square()).view(lead),
-                          lse_t.view(lead))
+                          lse_t.view(lead), seq)
     total = loss_t.sum()
     ce, z = ce_t.sum(), alpha * lse_t.square().sum()
     inv_n = 1.0 / mask.sum().clamp(min=1).to(total.dtype)
     log_z = lse_t.sum() * inv_n
     if reduction == "sum":
-        return LossOutput(total, ce, z, log_z)
+        return LossOutput(total, ce, z, log_z, seq)
     if inv_norm is not None:
-        return LossOutput(total * inv_norm, ce * inv_norm, z * inv_norm, lse_t.sum() * inv_norm)
-    return LossOutput(total * inv_n, ce * inv_n, z * inv_n, log_z)
+        return LossOutput(total * inv_norm, ce * inv_norm, z * inv_norm, lse_t.sum() * inv_norm,
+                          seq)
+    return LossOutput(total * inv_n, ce * inv_n, z * inv_n, log_z, seq)
 
 
 def linear_cross_entropy(
@@ -224,6 +274,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     reduction: Reduction = "mean",
     normalizer: float | torch.Tensor | None = None,
+    per_sequence: bool = False,
 ) -> LossOutput:
     """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without the [N, V] logits.
 
@@ -233,7 +284,8 @@ def linear_cross_entropy(
     gradient ever exist. With grad enabled, the gradients of hidden, weight and bias are computed
     during the forward pass (3 matmuls in all, like the unfused path) and held until backward:
     that costs one [V, H] buffer in the compute dtype plus one [N, H]. ``reduction`` and
-    ``normalizer`` as in cross_entropy; with "none" the per-token weights arrive only in
+    ``normalizer`` and ``per_sequence`` as in cross_entropy (the per-sequence sums are taken
+    of per-token values the forward keeps anyway); with "none" the per-token weights arrive only in
     backward, so backward recomputes the logits chunk by chunk (one matmul more, no [V, H] or
     [N, H] buffer held between the passes). Outputs are in the compute dtype. The logits and
     hidden-gradient matmuls run in the input dtype; softmax math and the weight/bias gradients
@@ -265,6 +317,7 @@ def linear_cross_entropy(
         raise ValueError(f"bias shape {tuple(bias.shape)} must be ({v},) to match weight [V, H]")
     inv_norm = _check_reduction(reduction, normalizer, hidden.device, compute_dtype(hidden.dtype))
     alpha, cap = _check_z_loss(z_loss), _check_softcap(softcap)
+    per_sequence = _check_flag(per_sequence, "per_sequence")
     lead = tuple(hidden.shape[:-1])
     tgt, mask = _check_target(target, "hidden", lead, v, hidden.device, ignore_index)
     rows = _chunk_rows(chunk_size, v, hidden.dtype, _CHUNK_BYTES)
@@ -273,7 +326,8 @@ def linear_cross_entropy(
         loss_t, lse_t, ce_t = LinearCrossEntropyTokensFn.apply(h2, weight, bias, tgt, mask, alpha,
                                                                cap, rows)
         return LossOutput(loss_t.view(lead), ce_t.view(lead), (alpha * lse_t.square()).view(lead),
-                          lse_t.view(lead))
+                          lse_t.view(lead),
+                          _sequences(ce_t, lse_t, mask, lead) if per_sequence else None)
     if reduction == "sum":
         inv_norm = 1.0
     if inv_norm is None:  # the default: the mean over this call's counted tokens
@@ -282,7 +336,9 @@ def linear_cross_entropy(
     else:
         out = LinearCrossEntropyFn.apply(h2, weight, bias, tgt, mask, alpha, cap, rows,
                                          torch.is_grad_enabled(), inv_norm, reduction == "sum")
-    return LossOutput(*out)
+    loss, ce, z_term, log_z, ce_m, lse_m = out
+    return LossOutput(loss, ce, z_term, log_z,
+                      _sequences(ce_m, lse_m, mask, lead) if per_sequence else None)
 
 
 def router_z_loss(router_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

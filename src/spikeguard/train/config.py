@@ -81,7 +81,7 @@ class TrainConfig:
     seed: int = 0
     """Seed for weights and batch order."""
     inject: tuple[str, ...] = ()
-    """A fault: outlier@S, nan@S[:PARAM], lr@S:MULT:LEN, logit-drift@S[:EPS]; '!' = sticky."""
+    """A fault: outlier@S, seq@S[:ROW], grad@S:MULT, nan@S, lr@S:MULT:LEN, logit-drift@S (see docs)."""
     inject_rank: int | None = None
     """Inject faults on this rank only (default: every rank)."""
     parallel: Literal["none", "ddp", "fsdp"] = "none"

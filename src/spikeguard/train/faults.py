@@ -3,6 +3,10 @@
 Specs (several may be given; a trailing ``!`` makes a fault sticky):
 
 - ``outlier@S``: batch S is garbage (random bytes; ``outlier@S:repeat`` repeats one byte);
+- ``seq@S[:ROW[:repeat]]``: one sequence of batch S (row ROW, default 0) is garbage (random
+  bytes, or one byte repeated): what the guard's attribution should trace to that row;
+- ``grad@S:MULT``: every gradient of step S times MULT after the backward (a transient numeric
+  fault, not the data: a re-run of the step does not reproduce it);
 - ``nan@S[:PARAM]``: a NaN in one element of PARAM's gradient (default: the first weight matrix);
 - ``lr@S:MULT:LEN``: the learning rate times MULT for LEN training steps from S;
 - ``logit-drift@S[:EPS]``: from S on, the head's input is scaled by (1 + EPS (t - S)) through a
@@ -27,7 +31,7 @@ from torch import nn
 
 __all__ = ["Fault", "Injector", "parse_fault"]
 
-_SPEC = re.compile(r"^(outlier|nan|lr|logit-drift)@(\d+)(?::([^!]*))?(!?)$")
+_SPEC = re.compile(r"^(outlier|seq|grad|nan|lr|logit-drift)@(\d+)(?::([^!]*))?(!?)$")
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class Fault:
 def parse_fault(spec: str) -> Fault:
     """Parse one spec; ValueError with the accepted forms on anything else."""
     m = _SPEC.match(spec.strip())
-    forms = "outlier@S[:repeat], nan@S[:PARAM], lr@S:MULT:LEN, logit-drift@S[:EPS] (add ! to repeat)"
+    forms = ("outlier@S[:repeat], seq@S[:ROW[:repeat]], grad@S:MULT, nan@S[:PARAM], lr@S:MULT:LEN, "
+             "logit-drift@S[:EPS] (add ! to repeat)")
     if m is None:
         raise ValueError(f"--inject {spec!r} is not a fault spec; use {forms}")
     kind, step, rest, bang = m.group(1), int(m.group(2)), m.group(3), m.group(4)
@@ -63,6 +68,11 @@ def parse_fault(spec: str) -> Fault:
             if len(args) > 1 or (args and not float(args[0]) > 0):
                 raise ValueError
         elif kind == "outlier" and args not in ((), ("repeat",)):
+            raise ValueError
+        elif kind == "seq" and (len(args) > 2 or (args and int(args[0]) < 0)
+                                or args[1:] not in ((), ("repeat",))):
+            raise ValueError
+        elif kind == "grad" and (len(args) != 1 or not float(args[0]) > 0):
             raise ValueError
         elif kind == "nan" and len(args) > 1:
             raise ValueError
@@ -101,8 +111,10 @@ class Injector:
         self._last[i] = t
         return True
 
-    def begin(self, t: int, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Start step t: decide which faults are active; returns the (possibly garbage) batch."""
+    def begin(self, t: int, model: nn.Module, x: torch.Tensor,
+              y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start step t: decide which faults are active; returns the (possibly garbage) inputs
+        and targets."""
         self._active = [f for i, f in enumerate(self.faults) if self._is_active(i, f, t)]
         drift = next((f for f in self._active if f.kind == "logit-drift"), None)
         self._drift = (float(drift.args[0]) if drift.args else 2e-3, t - drift.step) if drift else None
@@ -116,7 +128,17 @@ class Injector:
                 else:
                     x = torch.randint(0, self.vocab_size, x.shape, generator=self._gen,
                                       dtype=x.dtype).to(x.device)
-        return x
+            elif f.kind == "seq":  # one random window: inputs and targets shifted, as real data
+                row = int(f.args[0]) if f.args else 0
+                if not 0 <= row < x.shape[0]:
+                    raise ValueError(f"--inject seq@{f.step}:{row}: the batch has rows 0.."
+                                     f"{x.shape[0] - 1}")
+                n = (1,) if f.args[1:] == ("repeat",) else (x.shape[1] + 1,)
+                w = torch.randint(0, self.vocab_size, n, generator=self._gen,
+                                  dtype=x.dtype).to(x.device).expand(x.shape[1] + 1)
+                x, y = x.clone(), y.clone()
+                x[row], y[row] = w[:-1], w[1:]
+        return x, y
 
     def _scale_hidden(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         if self._drift is None:
@@ -125,8 +147,12 @@ class Injector:
         return output * (1.0 + eps * k)
 
     def after_backward(self, model: nn.Module) -> None:
-        """NaN faults: plant one NaN in the named parameter's (local) gradient."""
+        """NaN faults: plant one NaN in the named parameter's (local) gradient; grad faults:
+        multiply every gradient."""
         for f in self._active:
+            if f.kind == "grad":
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                torch._foreach_mul_(grads, float(f.args[0]))
             if f.kind != "nan":
                 continue
             params = dict(model.named_parameters())

@@ -5,17 +5,21 @@ policy's autocast, backward through the loss scaler, ``guard.step``. The loop is
 ``guard.step_index``, so a rollback replays steps. Under torchrun (``WORLD_SIZE`` > 1) it joins
 the process group (gloo on CPU, NCCL on GPUs) and wraps the model in DDP or FSDP2; every rank
 takes the same decisions (the guard's are made from all-reduced numbers) and only rank 0 writes
-the record, the config and the plot.
+the record, the config and the plot. After a skip the guard may re-run the step through the
+loop's ``rerun`` closure (``rerun(keep=mask)`` re-runs it on the rows ``mask`` keeps), and the
+sequences it quarantines go to ``DIR/quarantine.jsonl``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,7 +107,7 @@ def _prepare_out(cfg: TrainConfig, out: Path, run_hash: str, console: Console) -
     ckpts = out / "checkpoints"
     if cfg.fresh and _dist.rank() == 0:
         shutil.rmtree(ckpts, ignore_errors=True)
-        for name in ("metrics.jsonl", "config.json", "run.png"):
+        for name in ("metrics.jsonl", "quarantine.jsonl", "config.json", "run.png"):
             (out / name).unlink(missing_ok=True)
     _dist.barrier()
     if cfg.fresh or not meta.is_file():
@@ -128,6 +132,17 @@ def _cut_metrics(path: Path, keep: int) -> None:
     os.replace(tmp, path)
 
 
+def _cut_quarantine(path: Path, last_step: int) -> None:
+    """Keep the quarantine lines of steps up to ``last_step`` (the checkpoint being resumed)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", -1) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
 def _schedule(cfg: TrainConfig) -> Any:
     warmup = cfg.warmup_steps
     if warmup >= cfg.steps:
@@ -138,6 +153,24 @@ def _schedule(cfg: TrainConfig) -> Any:
         return wsd(warmup_steps=warmup, total_steps=cfg.steps, decay_fraction=cfg.decay_fraction,
                    min_ratio=cfg.min_lr_ratio)
     return warmup_cosine(warmup_steps=warmup, total_steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _same_rng(device: torch.device, state: Any) -> Iterator[None]:
+    """Re-run under the RNG state the step's forward had (dropout masks), then restore."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
 
 
 def _wrap(model: GPT, parallel: str, device: torch.device) -> torch.nn.Module:
@@ -206,6 +239,7 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
             result.resumed_from = info.step
             if rank == 0:
                 _cut_metrics(out / "metrics.jsonl", guard.records)
+                _cut_quarantine(out / "quarantine.jsonl", info.step)
             console.print(f"resumed from the checkpoint at step {info.step}")
     start = time.perf_counter()
     skipped: list[int] = []
@@ -213,11 +247,15 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
         while guard.step_index < cfg.steps:
             t = guard.step_index
             x, y = next(stream)
-            x = injector.begin(t, model, x).to(device)
-            y = y.to(device)
+            x, y = injector.begin(t, model, x, y)
+            x, y = x.to(device), y.to(device)
+            rng = _rng_state(device) if gcfg.dropout > 0 else None
 
-            def rerun(x: torch.Tensor = x, y: torch.Tensor = y) -> Any:
-                with guard.autocast():
+            def rerun(keep: torch.Tensor | None = None, x: torch.Tensor = x, y: torch.Tensor = y,
+                      rng: Any = rng) -> Any:
+                if keep is not None:  # the rows attribution keeps (drop_sequences)
+                    x, y = x[keep], y[keep]
+                with _same_rng(device, rng), guard.autocast():
                     o = model.loss(fwd(x), y)
                 guard.backward(o)
                 return o

@@ -1,0 +1,375 @@
+"""Attribution of a skipped step: was it the data or the machine, and which sequences did it.
+
+A Tier 1 skip leaves the weights as they were before the step, so re-running the step's batch
+(the ``rerun`` closure given to ``guard.step``) is cheap and must reproduce it: loss and grad norm
+equal within ``rerun_rtol`` (bit-equal on deterministic kernels) mean the data caused the spike;
+anything else means a transient fault (hardware, a numeric accident). ``rerun_budget`` bounds the
+re-runs. From the per-sequence values of the loss (``LossOutput.sequences``, no extra pass) the
+sequences whose mean loss or log Z stands out against the rest of the batch (a robust z-score:
+median and MAD over the rows of every data-parallel rank) are quarantined, one JSON line each in
+``quarantine.jsonl`` beside the metrics file. With ``drop_sequences`` the guard re-runs the step
+without them (the loss is then the mean over the tokens kept) and applies that update if it
+passes the gate; a Tier 2 rollback drops them from its data range instead of skipping it whole.
+
+Every decision here is taken from all-reduced or gathered numbers, so every rank takes it alike.
+Private to the guard: ``Attribution.on_skip`` reads the guard's parameters, precision runtime,
+optimizer, gate and sinks, as the guard's response mixin does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _dist
+from .._validate import check_positive
+from ..detect.gradnorm import grad_stats
+from ..sinks import encode_record
+
+__all__ = ["Attribution", "AttributionConfig", "outliers", "robust_z"]
+
+log = logging.getLogger("spikeguard")
+
+_MIN_ROWS = 4
+"""Fewer rows than this in a batch: no z-score means anything, nothing is quarantined."""
+_KEEP = 1000
+"""Skipped steps whose cause and quarantined sequences the guard remembers (Tier 2 looks back)."""
+_MAD_SCALE = 1.4826     # MAD -> standard deviation for a normal distribution
+_MEAN_AD_SCALE = 1.2533  # mean absolute deviation -> standard deviation (sqrt(pi / 2))
+
+
+@dataclass(kw_only=True, frozen=True)
+class AttributionConfig:
+    """What the guard does after a skip: re-run it, quarantine sequences, drop them."""
+
+    rerun: bool = True
+    """Re-run a skipped step's batch to tell data-caused from transient (needs guard.step(rerun=))."""
+    rerun_budget: float = 0.01
+    """Steps that may be re-run, as a share of the steps so far, rounded up (the first one may)."""
+    rerun_rtol: float = 1e-3
+    """Loss and grad norm reproduced within this relative difference mean the data caused it."""
+    quarantine_z: float = 5.0
+    """Quarantine a sequence whose loss or log Z has a robust z-score (median, MAD) above this."""
+    drop_sequences: bool = False
+    """Re-run a data-caused skip without its quarantined sequences and apply that update."""
+
+    def __post_init__(self) -> None:
+        check_positive(self.rerun_budget, "AttributionConfig.rerun_budget", default=0.01,
+                       hint="0.01 allows one re-run per 100 steps")
+        check_positive(self.rerun_rtol, "AttributionConfig.rerun_rtol", default=1e-3)
+        check_positive(self.quarantine_z, "AttributionConfig.quarantine_z", default=5.0,
+                       hint="z > 5 is far outside ordinary batch-to-batch spread")
+        for name in ("rerun", "drop_sequences"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"AttributionConfig.{name}={getattr(self, name)!r} must be "
+                                 "True or False")
+
+
+def robust_z(values: Sequence[float]) -> list[float]:
+    """(x - median) / (1.4826 MAD) for each value, the median and MAD over the finite values.
+
+    With a MAD of 0 (more than half the values equal) the scale is 1.2533 x the mean absolute
+    deviation instead; when that is 0 too every finite value scores 0. A non-finite value
+    scores +inf (it stands out whatever the others are)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return [math.inf] * len(values)
+    med = statistics.median(finite)
+    dev = [abs(v - med) for v in finite]
+    scale = _MAD_SCALE * statistics.median(dev)
+    if scale == 0.0:
+        scale = _MEAN_AD_SCALE * sum(dev) / len(dev)
+    return [math.inf if not math.isfinite(v) else 0.0 if scale == 0.0 else (v - med) / scale
+            for v in values]
+
+
+def outliers(rows: Sequence[dict[str, Any]], threshold: float) -> list[dict[str, Any]]:
+    """The rows whose ``loss`` or ``log_z`` has a robust z-score above ``threshold``, each with
+    ``z`` (the larger of its two scores); nothing for fewer than 4 rows.
+
+    One-sided on purpose: a sequence with an unusually low loss has a small gradient (p - onehot
+    is near 0) and a low log Z small logits, so neither can drive a spike, while ordinary text
+    has a long low tail (tables, repeated characters) that a two-sided rule would quarantine."""
+    if len(rows) < _MIN_ROWS:
+        return []
+    z_loss = robust_z([r["loss"] for r in rows])
+    z_log_z = robust_z([r["log_z"] for r in rows])
+    return [{**r, "z": max(a, b)} for r, a, b in zip(rows, z_loss, z_log_z)
+            if max(a, b) > threshold]
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    return a == b or abs(a - b) <= rtol * max(abs(a), abs(b))
+
+
+def _loss_of(out: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, log Z) as float32 0-d tensors from what ``rerun`` returned, as ``accumulate``
+    takes them: a LossOutput, a 0-d loss, a list of either (micro-batches: their mean) or None."""
+    if isinstance(out, (list, tuple)) and not hasattr(out, "log_z"):
+        pairs = [_loss_of(o, device) for o in out]
+        return (torch.stack([p[0] for p in pairs]).mean(), torch.stack([p[1] for p in pairs]).mean())
+    nan = torch.full((), math.nan, device=device)
+    if hasattr(out, "ce") and hasattr(out, "log_z"):
+        return out.ce.detach().float().reshape(()), out.log_z.detach().float().reshape(())
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return out.detach().float().reshape(()), nan
+    return nan, nan
+
+
+def _takes_keep(fn: Any) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "keep" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+class _Aside:
+    """Re-runs happen with the gradients in place set aside and the probes quiet; ``restore``
+    puts both back. Under read_lag 1 the gradients in place are the next step's, taken at the
+    weights before this step: when an update was applied meanwhile (a drop), they are stale, so
+    the next step is re-run through its own closure (``guard._rerun_now``) at the new weights
+    instead, when there is one; otherwise they are restored (brought to the new loss scale)."""
+
+    def __init__(self, g: Any) -> None:
+        self.g = g
+        self.grads = [p.grad for p in g.params]
+        for p in g.params:
+            p.grad = None
+        self.scale = g.precision.grad_scale()
+        probes = g.probes
+        if probes is not None:  # the probes record into the next step: keep re-runs out of it
+            self.n_act = len(probes._act)
+            self.attn = [(m.logit_p99_request, m.last_logit_p99) for m in probes._attn_modules]
+            for m in probes._attn_modules:
+                m.logit_p99_request = False
+
+    def restore(self, *, next_step_stale: bool) -> None:
+        g, probes = self.g, self.g.probes
+        if probes is not None:
+            del probes._act[self.n_act:], probes._act_names[self.n_act:]
+            for m, (req, last) in zip(probes._attn_modules, self.attn):
+                m.logit_p99_request, m.last_logit_p99 = req, last
+        redo = getattr(g, "_rerun_now", None) if next_step_stale else None
+        if redo is not None:
+            for p in g.params:
+                p.grad = None
+            g._micro.clear()
+            out = redo()
+            for o in out if isinstance(out, (list, tuple)) and not hasattr(out, "log_z") else [out]:
+                g.accumulate(o)
+            return
+        for p, grad in zip(g.params, self.grads):
+            p.grad = grad
+        new = g.precision.grad_scale()
+        if next_step_stale and self.scale is not None and new != self.scale:
+            live = [x for x in self.grads if x is not None]
+            if live:
+                torch._foreach_mul_(live, new / self.scale)  # powers of two: exact
+
+
+class Attribution:
+    """The guard's attribution of skipped steps (module docstring); state in ``state_dict``."""
+
+    def __init__(self, config: AttributionConfig) -> None:
+        self.config = config
+        self.reruns = 0
+        """Steps re-run so far, against the budget: each cost one extra forward and backward,
+        two when the re-run without the quarantined sequences followed."""
+        self.skips: deque[tuple[int, str, list[tuple[int | None, int, int]]]] = deque(maxlen=_KEEP)
+        """(step, cause, quarantined (stream index, rank, row)) of each skip; cause is "data",
+        "transient" or "unknown" (not re-run)."""
+        self.path: Path | None = None
+        """The quarantine file; None: ``quarantine.jsonl`` beside the guard's JSONL sink's file."""
+        self._warned_keep = False
+
+    def _allowed(self, step: int) -> bool:
+        return self.reruns + 1 <= math.ceil(self.config.rerun_budget * (step + 1))
+
+    # -- the skip -----------------------------------------------------------------------------
+    def on_skip(self, g: Any, p: Any, verdict: Any, extras: dict[str, Any], loss: float,
+                norm: float) -> Any:
+        """Attribute the skipped step ``p`` (the guard's pending record, with its ``rerun`` and
+        per-sequence ``rows``); returns the verdict with the findings added to its reasons."""
+        cfg, reasons, cause = self.config, list(verdict.reasons), "unknown"
+        quarantined: list[dict[str, Any]] = []
+        aside, applied = _Aside(g), False
+        try:
+            if cfg.rerun and p.rerun is not None and self._allowed(p.step):
+                self.reruns += 1
+                loss1, _, norm1, _ = self._measure(g, p.rerun())
+                same = ((_close(loss, loss1, cfg.rerun_rtol) or math.isnan(loss1))
+                        and _close(norm, norm1, cfg.rerun_rtol))
+                cause = "data" if same else "transient"
+                extras.update(cause=cause, rerun={"loss": loss1, "grad_norm": norm1})
+                reasons.append(f"rerun: {cause} (loss {loss:.4g} -> {loss1:.4g}, grad norm "
+                               f"{norm:.4g} -> {norm1:.4g})")
+            rows = self._rows(g, p) if cause != "transient" else []
+            quarantined = outliers(rows, cfg.quarantine_z)
+            if quarantined:
+                self._write(g, p.step, quarantined)
+                extras["quarantined"] = len(quarantined)
+                reasons.append(f"quarantined {len(quarantined)} sequence(s): " + ", ".join(
+                    f"batch {q['stream_index']} rank {q['rank']} row {q['row']} (z {q['z']:.3g})"
+                    for q in quarantined[:4]))
+            # the same re-run step: the budget was charged by the verifying pass
+            if (cfg.drop_sequences and cause == "data" and quarantined and verdict.tier == 1
+                    and len(quarantined) < len(rows)):
+                reasons.append(self._drop(g, p, rows, quarantined, extras))
+                applied = extras.get("skipped") is False
+        finally:
+            aside.restore(next_step_stale=applied and not p.grads_alive)
+        self.skips.append((p.step, cause, [(q["stream_index"], q["rank"], q["row"])
+                                           for q in quarantined]))
+        return verdict._replace(reasons=tuple(reasons))
+
+    def _measure(self, g: Any, out: Any, *, unscale: bool = False) -> tuple[float, float, float, Any]:
+        """(loss, log Z, grad norm, GradStats) of the gradients a re-run left, all-reduced as the
+        step's own: one collective, then a host read."""
+        dev = g.precision.device
+        loss, log_z = _loss_of(out, dev)
+        scale = 1.0
+        if unscale:
+            g.precision.unscale_(g.optimizer)
+        elif g.precision.scaler is not None:
+            scale = g.precision.grad_scale()
+        stats = grad_stats(g.params, extras=torch.stack([loss.to(dev), log_z.to(dev)]),
+                           pp_group=g.pp_group, tp_group=g.tp_group)
+        n, lo, lz = torch.stack([stats.norm.double(), stats.extras[0].double(),
+                                 stats.extras[1].double()]).tolist()
+        return lo, lz, n / scale, stats  # a power-of-two loss scale divides exactly
+
+    def _rows(self, g: Any, p: Any) -> list[dict[str, Any]]:
+        """Every rank's rows of the step (stream index, rank, row, loss, log Z), gathered."""
+        seqs = [s for s in (p.rows or ()) if s is not None]
+        local: list[dict[str, Any]] = []
+        if seqs:
+            values = torch.stack([torch.cat([s.ce for s in seqs]).double(),
+                                  torch.cat([s.log_z for s in seqs]).double()]).tolist()
+            span = p.batches
+            one_each = span is not None and span[1] - span[0] + 1 == len(seqs)
+            rank, pos = _dist.rank(), 0
+            for i, s in enumerate(seqs):
+                index = span[0] + i if one_each else None
+                ids = list(range(len(s.ce)))
+                rows_of = getattr(g.data, "rows_of", None)
+                if index is not None and callable(rows_of):
+                    kept = rows_of(index)
+                    ids = kept if len(kept) == len(ids) else ids
+                for row in ids:
+                    local.append({"stream_index": index, "rank": rank, "row": int(row),
+                                  "loss": values[0][pos], "log_z": values[1][pos], "pos": pos})
+                    pos += 1
+        if _dist.world_size() == 1:
+            return local
+        gathered: list[Any] = [None] * _dist.world_size()
+        torch.distributed.all_gather_object(gathered, local)
+        return [r for part in gathered for r in part]
+
+    def _drop(self, g: Any, p: Any, rows: list[dict[str, Any]],
+              quarantined: list[dict[str, Any]], extras: dict[str, Any]) -> str:
+        """Re-run without the quarantined rows; apply the update if it passes the gate."""
+        kept = len(rows) - len(quarantined)
+        if not _takes_keep(p.rerun):
+            if not self._warned_keep:
+                self._warned_keep = True
+                log.warning("spikeguard: drop_sequences needs a rerun closure that takes keep= "
+                            "(a bool tensor of the rows to keep); skipping whole batches instead")
+            return "drop: rerun takes no keep=; skipped the batch"
+        for prm in g.params:  # the verifying re-run's gradients
+            prm.grad = None
+        rank = _dist.rank()
+        gone = {q["pos"] for q in quarantined if q["rank"] == rank}
+        n_local = sum(1 for r in rows if r["rank"] == rank)
+        keep = torch.tensor([i not in gone for i in range(n_local)], dtype=torch.bool,
+                            device=p.rows[0].ce.device if p.rows and p.rows[0] is not None
+                            else g.precision.device)
+        loss, _, norm, stats = self._measure(g, p.rerun(keep=keep), unscale=True)
+        gate, det = g.gate, g.config.detector
+        ema, median = float(gate.ema.value), float(gate.median.value)
+        ratio = loss / ema if ema > 0 else math.nan
+        ok = (math.isfinite(norm) and math.isfinite(loss)
+              and (not bool(gate.armed()) or not (norm > det.grad_k * median
+                                                  or ratio > det.skip_ratio)))
+        if ok and g.config.clip is not None:
+            stats.clip_(g.config.clip)
+        g.precision.step(g.optimizer, skip=not ok)
+        for prm in g.params:
+            prm.grad = None
+        extras.update(kept_rows=[kept, len(rows)], kept_loss=loss, kept_grad_norm=norm)
+        if not ok:
+            return (f"drop: the {kept}/{len(rows)} kept rows still fail the gate (loss {loss:.4g}, "
+                    f"grad norm {norm:.4g}); skipped the batch")
+        g.applied += 1
+        if g.scheduler is not None:
+            g.scheduler.step()
+        extras["skipped"] = False
+        return f"drop: applied the update of {kept}/{len(rows)} rows (grad norm {norm:.4g})"
+
+    def _write(self, g: Any, step: int, quarantined: list[dict[str, Any]]) -> None:
+        path = self.path if self.path is not None else self._beside_sink(g)
+        if path is None or (self.path is not None and _dist.rank() != 0):
+            return
+        keys = ("stream_index", "rank", "row", "loss", "log_z", "z")
+        lines = [encode_record({"step": step, **{k: q[k] for k in keys}}) for q in quarantined]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+    @staticmethod
+    def _beside_sink(g: Any) -> Path | None:
+        """``quarantine.jsonl`` beside the file of the first JSONL sink that writes on this rank
+        (with one file per rank, rank 0's); None without one."""
+        for s in getattr(g.sinks, "sinks", None) or ():
+            path = getattr(s, "path", None)
+            if (path is not None and str(path).endswith(".jsonl") and getattr(s, "active", True)
+                    and (getattr(s, "rank", 0) is not None or _dist.rank() == 0)):
+                return Path(path).parent / "quarantine.jsonl"
+        return None
+
+    # -- Tier 2 -------------------------------------------------------------------------------
+    def summary(self, onset: int, step: int) -> dict[str, Any]:
+        """The skips in [onset, step] by cause, and their quarantined sequences."""
+        skips = [s for s in self.skips if onset <= s[0] <= step]
+        return {cause: [s for s, c, _ in skips if c == cause]
+                for cause in ("data", "transient", "unknown")} | {
+            "quarantined": [[s, *q] for s, _, qs in skips for q in qs]}
+
+    def range_drops(self, onset: int, step: int) -> dict[int, list[int]] | None:
+        """This rank's rows to drop instead of skipping the batches of steps [onset, step]:
+        only with ``drop_sequences`` and when every skip there was data-caused and quarantined
+        sequences of known stream index; else None (skip the range). Same answer on every
+        rank (the history is gathered)."""
+        skips = [s for s in self.skips if onset <= s[0] <= step]
+        if (not self.config.drop_sequences or not skips
+                or any(c != "data" or not qs or any(q[0] is None for q in qs)
+                       for _, c, qs in skips)):
+            return None
+        rank, drops = _dist.rank(), {}
+        for _, _, qs in skips:
+            for index, r, row in qs:
+                if r == rank:
+                    drops.setdefault(int(index), []).append(int(row))
+        return drops
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"reruns": self.reruns,
+                "skips": [[s, c, [list(q) for q in qs]] for s, c, qs in self.skips]}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        # a rollback restores an older state: re-runs already spent stay spent
+        self.reruns = max(self.reruns, int(state["reruns"]))
+        self.skips = deque(((int(s), str(c), [tuple(q) for q in qs])
+                            for s, c, qs in state["skips"]), maxlen=_KEEP)

@@ -1,0 +1,81 @@
+"""Attribution on 2 gloo ranks under FSDP2: a garbage sequence in rank 1's batch only.
+
+Every rank re-runs the skipped step together (its collectives included), the rows of both ranks
+are gathered so the z-scores see the global batch, rank 0 writes the one quarantine line (naming
+rank 1), and the drop re-runs the step with 3 of rank 1's rows and all 4 of rank 0's.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+
+STEPS, AT, ROW, STOP = 60, 33, 3, 36  # batch 4 per rank: the global batches of tests that run
+# 8 rows on one process, so the same 0xFF row (global row 7) spikes the grad norm at step 33
+
+
+def _attributed_fsdp(rank: int, world: int, directory: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import spikeguard as sg
+    from spikeguard.guard import AttributionConfig
+    from tests.attribution_harness import plant
+
+    torch.manual_seed(0)
+    cfg = sg.GPTConfig.tiny()
+    model = sg.GPT(cfg)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, sg.schedules.warmup_cosine(warmup_steps=20, total_steps=STEPS, min_ratio=0.1))
+    tokens = sg.load_corpus("pydoc").train.copy()
+    data = sg.TokenStream(tokens, batch_size=4, seq_len=cfg.seq_len, seed=0, rank=rank,
+                          world_size=world)
+    if rank == 1:
+        plant(data, tokens, AT, ROW, kind="repeat")
+    guard = sg.Guard(model, opt, scheduler=sched, data=data,
+                     sinks=[sg.JsonlSink(f"{directory}/metrics.jsonl")],
+                     config=sg.GuardConfig(detector=sg.DetectorConfig.for_run(STEPS),
+                                           attribution=AttributionConfig(drop_sequences=True)))
+    verdicts = []
+    while guard.step_index < STOP:
+        x, y = next(data)
+
+        def again(keep=None, x=x, y=y):
+            if keep is not None:
+                x, y = x[keep], y[keep]
+            o = model.loss(model(x), y)
+            o.loss.backward()
+            return o
+
+        out = model.loss(model(x), y)
+        out.loss.backward()
+        v = guard.step(out, rerun=again)
+        verdicts.append((v.step, v.action.value, v.reasons, v.skip))
+    guard.close()
+    full = [p.detach().full_tensor() for p in model.parameters()]
+    return {"verdicts": verdicts, "applied": guard.applied, "reruns": guard.attribution.reruns,
+            "params": float(sum(p.double().square().sum() for p in full))}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_ranks_quarantine_the_sequence_of_rank_1_and_drop_only_it(tmp_path):
+    r0, r1 = run_distributed(_attributed_fsdp, 2, str(tmp_path))
+    assert r0 == r1  # every decision, every reason, the weights
+    flagged = [v for v in r0["verdicts"] if v[1] != "continue"]
+    assert [(s, a) for s, a, _, _ in flagged] == [(AT, "skip")]
+    lines = [json.loads(x) for x in (Path(tmp_path) / "quarantine.jsonl").read_text().splitlines()]
+    assert [(q["step"], q["stream_index"], q["rank"], q["row"]) for q in lines] == \
+        [(AT, AT, 1, ROW)]
+    rec = next(json.loads(x) for x in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()
+               if json.loads(x)["step"] == AT)
+    assert rec["cause"] == "data" and rec["kept_rows"] == [7, 8] and rec["skipped"] is False
+    assert r0["applied"] == STOP and r0["reruns"] == 1
