@@ -91,8 +91,13 @@ def _job(args: argparse.Namespace) -> None:
                 "rank": data.rank, "world_size": data.world_size, "refused": len(errors)}
         if step == args.hold_at:
             (out / f"held-rank{rank}.json").write_text(json.dumps(seen))
-            while True:  # killed here, with the workers' prefetched batches unconsumed
-                time.sleep(1)
+            # killed here, with the workers' prefetched batches unconsumed; torchrun may start
+            # the ranks in a session of their own, out of the test's kill, so a rank whose agent
+            # died leaves by itself (its DataLoader workers follow their parent out)
+            agent = os.getppid()
+            while os.getppid() == agent:
+                time.sleep(0.2)
+            os._exit(1)
         loss = model.loss(model(x), y).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
