@@ -17,6 +17,7 @@ from .prevent.attention import QKNorm, StackedLogitBoundsWarning, attention, sof
 from .prevent.budget import MemoryBudget, memory_budget
 from .prevent.init import fan_in_init_, gpt2_residual_init_
 from .prevent.losses import LossOutput, cross_entropy, linear_cross_entropy, router_z_loss
+from .prevent.mup import mup_param_groups
 from .record import Action, StepMetrics, metrics_record
 from .respond.checkpoint import (
     CheckpointError,
@@ -78,6 +79,7 @@ __all__ = [
     "load_corpus",
     "memory_budget",
     "metrics_record",
+    "mup_param_groups",
     "read_metrics",
     "router_z_loss",
     "schedules",
