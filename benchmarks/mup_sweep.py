@@ -8,7 +8,10 @@ losses (a diverged run scores inf). The best learning rate of a width is the arg
 of that score averaged over the seeds. Target: the standard parametrization's best learning rate
 moves >= 2 grid steps from the narrowest to the widest width, muP's <= 1.
 
-    PYTHONPATH=src:. nice -n 10 python benchmarks/mup_sweep.py [--workers 2] [--smoke]
+    PYTHONPATH=src:. nice -n 10 python benchmarks/mup_sweep.py [--workers 2] [--results F] [--smoke]
+
+``--results F`` appends each finished run to the JSON-lines file F and skips the runs already
+in it, so an interrupted sweep resumes where it stopped (CPU runs are deterministic).
 
 Never in CI except ``--smoke`` (a couple of steps, 2 widths, 2 learning rates), whose table a
 test parses. One torch thread per worker process.
@@ -17,6 +20,8 @@ test parses. One torch thread per worker process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import os
 import time
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--last", type=int, default=20, help="losses averaged for the score")
     p.add_argument("--workers", type=int, default=2, help="processes, one torch thread each")
+    p.add_argument("--results", help="JSON-lines file: finished runs are appended and reused")
     p.add_argument("--smoke", action="store_true", help="2 steps, 2 widths, 2 LRs, 1 worker")
     args = p.parse_args(argv)
     if args.smoke:
@@ -149,7 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = [Run(param=param, width=w, lr=lr, seed=s, steps=args.steps, batch_size=args.batch_size,
                 seq_len=args.seq_len, n_layer=args.n_layer, head_dim=args.head_dim,
                 warmup=max(1, args.steps // 10) if args.steps > 1 else 0, last=args.last)
-            for w in sorted(widths, reverse=True) for param in PARAMS for lr in lrs for s in seeds]
+            for w in sorted(widths) for param in PARAMS for lr in lrs for s in seeds]
+    done = {}
+    if args.results and os.path.exists(args.results):
+        with open(args.results) as f:
+            for line in f:
+                row = json.loads(line)
+                done[Run(**{k: row[k] for k in Run.__dataclass_fields__})] = float(row["score"])
     print(f"{len(runs)} runs: widths {widths}, lr 2^{lo}..2^{hi}, seeds {seeds}, {args.steps} "
           f"steps of {args.batch_size}x{args.seq_len} tokens, {args.n_layer} layers, head_dim "
           f"{args.head_dim}, {args.workers} worker(s); load average {os.getloadavg()[0]:.1f}",
@@ -157,18 +169,26 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     scores: dict[tuple[str, int, float, int], float] = {}
 
-    def record(result: tuple[Run, float, float]) -> None:
+    def record(result: tuple[Run, float, float], reused: bool = False) -> None:
         run, score, seconds = result
         scores[(run.param, run.width, run.lr, run.seed)] = score
         print(f"run {run.param} width {run.width} lr {run.lr:.3e} seed {run.seed}: "
-              f"{_fmt(score)} ({seconds:.0f} s)", flush=True)
+              f"{_fmt(score)} ({'from ' + args.results if reused else f'{seconds:.0f} s'})",
+              flush=True)
+        if args.results and not reused:
+            with open(args.results, "a") as f:
+                f.write(json.dumps(dataclasses.asdict(run) | {"score": score}) + "\n")
 
+    for run in runs:
+        if run in done:
+            record((run, done[run], 0.0), reused=True)
+    todo = [run for run in runs if run not in done]
     if args.workers == 1:
-        for run in runs:
+        for run in todo:
             record(train_one(run))
     else:
         with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
-            for result in pool.map(train_one, runs):
+            for result in pool.map(train_one, todo):
                 record(result)
     shifts = print_table(scores, widths, lrs, seeds)
     print(f"\ntarget: standard shifts >= 2 grid steps ({shifts['standard']}), muP <= 1 "

@@ -174,10 +174,16 @@ def test_mup_param_groups_reject_bad_input(call, match):
         call()
 
 
-def test_mup_sweep_smoke_prints_a_table_that_parses(sub_env):
-    r = subprocess.run([sys.executable, "benchmarks/mup_sweep.py", "--smoke"], cwd=ROOT,
+def _sweep(sub_env, *args):
+    r = subprocess.run([sys.executable, "benchmarks/mup_sweep.py", "--smoke", *args], cwd=ROOT,
                        env=sub_env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_mup_sweep_smoke_prints_a_table_that_parses(sub_env, tmp_path):
+    results = tmp_path / "runs.jsonl"
+    r = _sweep(sub_env, "--results", str(results))
     rows, best, shift = {}, {}, {}
     for line in r.stdout.splitlines():
         parts = line.split()
@@ -198,3 +204,9 @@ def test_mup_sweep_smoke_prints_a_table_that_parses(sub_env):
             assert best[(param, w)] == min(means, key=means.get)
         idx = [grid.index(best[(param, w)]) for w in widths]
         assert shift[param] == abs(idx[-1] - idx[0])
+    # a second run with the same results file trains nothing and prints the same table
+    again = _sweep(sub_env, "--results", str(results))
+    assert again.stdout.count("from " + str(results)) == 16
+    table = [ln for ln in r.stdout.splitlines() if ln.split()[:1] in (["row"], ["best"], ["shift"])]
+    assert table == [ln for ln in again.stdout.splitlines()
+                     if ln.split()[:1] in (["row"], ["best"], ["shift"])]
