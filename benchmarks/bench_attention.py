@@ -1,7 +1,8 @@
 """Cost of bounding the attention logits, as ratios from interleaved runs in one process.
 
 1. attention fwd+bwd at GPTConfig.bench() shapes (6 heads x 64, T = 256): the capped eager path
-   (cap 50) against the same eager path uncapped, and against SDPA uncapped;
+   (cap 50) against the same eager path uncapped, and against SDPA uncapped; and the capped eager
+   path with grouped-query heads (half as many K/V heads) against the same with all heads;
 2. one bench training step (forward, backward, AdamW) with QK-norm against without.
 
 Ratios are throughput ratios (baseline time / candidate time): 1.0 means free, 0.5 half speed.
@@ -43,15 +44,17 @@ def _attention_cases(cfg: sg.GPTConfig, batch: int) -> dict[str, Callable[[], No
     shape = (batch, cfg.n_head, cfg.seq_len, cfg.head_dim)
     q, k, v = (torch.randn(shape, generator=gen).requires_grad_() for _ in range(3))
     grad = torch.randn(shape, generator=gen)
+    h_kv = max(1, cfg.n_head // 2)  # GQA: each K/V head serves two query heads (if H is even)
+    k_g, v_g = (x[:, :h_kv].detach().clone().requires_grad_() for x in (k, v))
 
-    def case(cap: float | None, backend: str) -> Callable[[], None]:
+    def case(cap: float | None, backend: str, kv=(k, v)) -> Callable[[], None]:
         def run() -> None:
-            out = sg.attention(q, k, v, causal=True, softcap=cap, backend=backend)
-            torch.autograd.grad(out, (q, k, v), grad)
+            out = sg.attention(q, *kv, causal=True, softcap=cap, backend=backend)
+            torch.autograd.grad(out, (q, *kv), grad)
         return run
 
     return {"eager capped 50": case(50.0, "eager"), "eager uncapped": case(None, "eager"),
-            "sdpa uncapped": case(None, "sdpa")}
+            "sdpa uncapped": case(None, "sdpa"), "eager capped gqa": case(50.0, "eager", (k_g, v_g))}
 
 
 def _step_case(cfg: sg.GPTConfig, batch: int) -> Callable[[], None]:
@@ -90,11 +93,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     results = {
         "capped_vs_eager_uncapped": att["eager uncapped"] / att["eager capped 50"],
         "capped_vs_sdpa_uncapped": att["sdpa uncapped"] / att["eager capped 50"],
+        "gqa_vs_mha_capped": att["eager capped 50"] / att["eager capped gqa"],
     }
     for name, sec in att.items():
         print(f"  attention fwd+bwd {name:<16} {sec * 1e3:8.2f} ms")
     print(f"capped eager vs uncapped eager: {results['capped_vs_eager_uncapped']:.3f} (target >= 0.75)")
     print(f"capped eager vs uncapped SDPA:  {results['capped_vs_sdpa_uncapped']:.3f}")
+    print(f"capped eager GQA vs capped eager MHA: {results['gqa_vs_mha_capped']:.3f} "
+          f"({cfg.n_head} query heads on {max(1, cfg.n_head // 2)} K/V heads)")
 
     steps = interleaved_medians({"plain": _step_case(cfg, batch),
                                  "qk_norm": _step_case(sg.GPTConfig(**{**vars(cfg), "qk_norm": True}), batch)},

@@ -22,7 +22,7 @@ __all__ = ["main"]
 
 
 def _stream(n: int, scenarios: bool = True) -> list:
-    """A healthy run with both seed scenarios spliced in, cycled to ``n`` records."""
+    """A healthy run with the data-anomaly and logit-drift scenarios spliced in, cycled to ``n``."""
     base = clean_run(0, steps=min(n, 50_000)).metrics
     if scenarios:
         base += data_anomaly(0).metrics + logit_drift(0).metrics

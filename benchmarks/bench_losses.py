@@ -6,6 +6,10 @@ subprocess so its peak RSS can be read, rounds interleaved, medians reported.
 2. linear_cross_entropy vs torch.nn.functional.linear_cross_entropy with options=None (its
    reference path, i.e. the naive matmul + cross-entropy), plus torch's chunked path
    (LinearCrossEntropyOptions()). Targets: time <= 1.1x, peak memory above the inputs <= 0.25x.
+   Also reduction="none" (per-token losses; backward recomputes the logits: one matmul more).
+
+Each table is followed by one line per variant, "time ratio VARIANT / BASELINE: R", which the
+smoke test parses (the memory column is n/a with --smoke, which runs in-process).
 
     PYTHONPATH=src:. python benchmarks/bench_losses.py            # full size (needs ~20 GB free)
     PYTHONPATH=src:. python benchmarks/bench_losses.py --ce-v 32768   # CE at V=32k
@@ -27,7 +31,8 @@ __all__ = ["main"]
 
 CE_VARIANTS = ("F.cross_entropy", "sg.cross_entropy", "F.cross_entropy+logsumexp z-loss")
 LCE_VARIANTS = ("F.linear_cross_entropy(options=None)", "sg.linear_cross_entropy",
-                "F.linear_cross_entropy(LinearCrossEntropyOptions())")
+                "F.linear_cross_entropy(LinearCrossEntropyOptions())",
+                "sg.linear_cross_entropy(reduction='none')")
 
 
 def _rss_bytes() -> int:
@@ -68,6 +73,10 @@ def _lce_step(variant: str, h, w, t):
         out = sg.linear_cross_entropy(h, w, t, z_loss=1e-4)
         out.loss.backward()
         return float(out.ce), float(out.log_z)
+    if variant == "sg.linear_cross_entropy(reduction='none')":
+        out = sg.linear_cross_entropy(h, w, t, z_loss=1e-4, reduction="none")
+        out.loss.mean().backward()
+        return float(out.ce.mean()), float(out.log_z.mean())
     options = None if variant.endswith("(options=None)") else torch.nn.LinearCrossEntropyOptions()
     loss = F.linear_cross_entropy(h, w, t, options=options)
     loss.backward()
@@ -143,8 +152,13 @@ def _bench(group: str, variants: tuple[str, ...], *, n: int, v: int, h: int, rou
         t = statistics.median(r["time"] for r in runs[name])
         m = statistics.median(r["peak_above_inputs"] for r in runs[name])
         ce = runs[name][-1]["ce"]
-        summary[name] = {"time_ratio": t / t0, "mem_ratio": m / m0}
-        print(f"{name:<52} {t:8.3f} {t / t0:7.2f} {m / 2**30:9.3f} {m / m0:7.2f}  {ce:.5f}")
+        # in-process (--smoke) the RSS peak belongs to the whole process: no per-variant memory
+        mem_ratio = float("nan") if in_process else m / m0
+        summary[name] = {"time_ratio": t / t0, "mem_ratio": mem_ratio}
+        mem = f"{'n/a':>9} {'n/a':>7}" if in_process else f"{m / 2**30:9.3f} {mem_ratio:7.2f}"
+        print(f"{name:<52} {t:8.3f} {t / t0:7.2f} {mem}  {ce:.5f}")
+    for name in variants:
+        print(f"time ratio {name} / {base}: {summary[name]['time_ratio']:.4f}")
     return summary
 
 

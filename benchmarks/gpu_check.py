@@ -7,7 +7,11 @@ Each check is a function returning (passed, detail); add yours to CHECKS.
 - flex_softcap_matches_eager: the capped flex output and gradients equal the eager fp32 path;
 - stats_and_sinks: device running median / EMA equal the host versions bit for bit on CUDA, and
   the gate's calls plus a JsonlSink.log of CUDA tensors run under set_sync_debug_mode("error");
-- torchao_fp8_step: fp8 training through torchao on the eligible linears, with the amax monitor.
+- torchao_fp8_step: fp8 training through torchao on the eligible linears, with the amax monitor;
+- guard_no_sync: guarded fused-AdamW steps (healthy and skipped) under set_sync_debug_mode("error"),
+  and the guard's overhead beyond clip + step on the GPU;
+- nccl_collectives: spikeguard._dist on a one-rank NCCL group without the one-rank shortcut (the
+  CUDA path of a CPU vote), and checkpoints saved and restored under NCCL alone.
 
     PYTHONPATH=src:. python benchmarks/gpu_check.py [--smoke]
 """
@@ -27,7 +31,16 @@ import torch
 
 import spikeguard as sg
 
-__all__ = ["CHECKS", "flex_softcap_matches_eager", "flex_softcap_speed", "main", "stats_and_sinks", "torchao_fp8_step"]
+__all__ = [
+    "CHECKS",
+    "flex_softcap_matches_eager",
+    "flex_softcap_speed",
+    "guard_no_sync",
+    "main",
+    "nccl_collectives",
+    "stats_and_sinks",
+    "torchao_fp8_step",
+]
 
 
 def _qkv(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0):
@@ -187,6 +200,138 @@ def torchao_fp8_step(smoke: bool = False) -> tuple[bool, str]:
 
 
 CHECKS["torchao_fp8_step"] = torchao_fp8_step
+
+
+def guard_no_sync(smoke: bool = False) -> tuple[bool, str]:
+    """A guarded fused-AdamW step on CUDA under ``set_sync_debug_mode("error")``: healthy steps
+    and a Tier 1 skip (a random-byte batch after arming) raise nothing, and the skipped step left
+    params untouched. Then the guard's overhead beyond clip + step + schedule, as a share of the
+    median step (CUDA events; interleaved with a plain loop)."""
+    torch.manual_seed(0)
+    cfg = sg.GPTConfig.tiny() if smoke else sg.GPTConfig.bench()
+    model = sg.GPT(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, sg.schedules.warmup_cosine(
+        warmup_steps=2, total_steps=10_000))
+    guard = sg.Guard(model, opt, scheduler=sched, precision=sg.PrecisionPolicy(kind="bf16-mixed"),
+                     config=sg.GuardConfig(detector=sg.DetectorConfig(arm_after=5)))
+    assert guard.read_lag == 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    text = torch.randint(0, 64, (8, cfg.seq_len + 1), device="cuda", generator=gen)
+    n_steps, bad_at = 12, 9
+    torch.cuda.synchronize()
+    verdicts, before, after = [], None, None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for t in range(n_steps):
+            x = text if t != bad_at else torch.randint(0, cfg.vocab_size, text.shape, device="cuda",
+                                                       generator=gen)
+            with guard.autocast():
+                out = model.loss(model(x[:, :-1]), x[:, 1:])
+            out.loss.backward()
+            if t == bad_at:
+                before = [p.detach().clone() for p in model.parameters()]
+            verdicts.append(guard.step(out))
+            if t == bad_at:
+                after = [p.detach().clone() for p in model.parameters()]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    verdicts.append(guard.flush())
+    by_step = {v.step: v for v in verdicts if v is not None}
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+    verdict_ok = by_step[bad_at].skip and unchanged and sorted(by_step) == list(range(n_steps))
+    # overhead: guard.step vs the plain tail, CUDA-event timed
+    plain = sg.GPT(cfg).cuda()
+    popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
+
+    def tail_plain() -> None:
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        popt.step()
+        popt.zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {"plain": [], "guard": [], "step": []}
+    for _ in range(10 if smoke else 50):
+        for name, (m, tail) in {"plain": (plain, tail_plain),
+                                "guard": (model, None)}.items():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = m.loss(m(text[:, :-1]), text[:, 1:])
+            start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            start.record()
+            out.loss.backward()
+            mid.record()
+            if tail is None:
+                guard.step(out)
+            else:
+                tail()
+            end.record()
+            end.synchronize()
+            times[name].append(mid.elapsed_time(end))
+            if name == "plain":
+                times["step"].append(start.elapsed_time(end))
+    guard.close()
+    over = (statistics.median(times["guard"]) - statistics.median(times["plain"])) / \
+        statistics.median(times["step"])
+    return verdict_ok, (f"{n_steps} guarded steps, skip at {bad_at} left params "
+                                        f"{'untouched' if unchanged else 'CHANGED'} with no sync; "
+                                        f"guard beyond clip+step: {over:.2%} of the step")
+
+
+CHECKS["guard_no_sync"] = guard_no_sync
+
+def nccl_collectives(smoke: bool = False) -> tuple[bool, str]:
+    """spikeguard._dist on a one-rank NCCL group with the one-rank shortcut off, so the CUDA
+    path runs: a CPU vote goes to the GPU and back, barrier on the collective device, and a
+    CheckpointManager save/restore (sync, then async on its own gloo group) under NCCL alone.
+    Several NCCL ranks stay untested (one GPU)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from spikeguard import _dist
+
+    if dist.is_initialized():
+        return False, "a process group is already initialised in this process"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
+    try:
+        config = dist.get_backend_config()
+        picked = _dist.collective_device()
+        vote = torch.tensor([3], dtype=torch.int64)  # on the CPU, as CheckpointManager's votes
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _dist.all_reduce(vote, shortcut=False)
+        ran = [e.name for e in prof.events() if "allreduce" in e.name or "all_reduce" in e.name]
+        on_gpu = torch.ones(2, device=dev)
+        _dist.all_reduce(on_gpu, op=dist.ReduceOp.MAX, shortcut=False)
+        _dist.barrier()
+        ok = (picked == dev and vote.device.type == "cpu" and vote.item() == 3 and bool(ran)
+              and on_gpu.tolist() == [1.0, 1.0] and "cuda" in config)
+        detail = (f"backend config {config!r}; collective device {picked}; CPU vote reduced on "
+                  f"the GPU ({sorted(set(ran)) or 'no all_reduce seen'}), value kept; barrier passed")
+        model = sg.GPT(sg.GPTConfig.tiny()).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 256, (2, 33), device=dev)
+        model.loss(model(x[:, :-1]), x[:, 1:]).loss.backward()
+        opt.step()
+        want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with tempfile.TemporaryDirectory() as tmp:
+            for async_save in (False, True):
+                mgr = sg.CheckpointManager(Path(tmp) / str(async_save), every=1,
+                                           async_save=async_save)
+                mgr.save(1, model=model, optimizer=opt)
+                mgr.close()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.zero_()
+                info = mgr.restore(model=model, optimizer=opt)
+                same = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+                ok = ok and info.step == 1 and same
+                kind = "async" if async_save else "sync"
+                detail += f"; {kind} save + restore {'ok' if same else 'DIFFER'}"
+        return ok, detail
+    finally:
+        dist.destroy_process_group()
+
+
+CHECKS["nccl_collectives"] = nccl_collectives
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
-"""A plain PyTorch training loop with spikeguard's defenses added by hand.
+"""A plain PyTorch training loop with spikeguard: the loop you already have, plus the Guard.
 
 Read top to bottom: every spikeguard line is marked ``# sg``. The reference GPT trains on the
 Python docs that ship with the interpreter; ``--inject-at S`` replaces batch S with random bytes
-(a data outlier) so you can watch the detector skip it.
+(a data outlier) so you can watch the guard skip it.
 
     PYTHONPATH=src python examples/train_loop.py --steps 200 --inject-at 120 --out runs/example
 """
@@ -19,48 +19,35 @@ import spikeguard as sg
 
 def main(steps: int = 200, out: str = "runs/example", inject_at: int | None = None,
          seed: int = 0) -> list:
-    """Train for ``steps`` updates; returns the detector's verdict at every step."""
+    """Train for ``steps`` updates; returns the guard's verdict at every step."""
     torch.manual_seed(seed)
-    cfg = sg.GPTConfig.tiny(z_loss=1e-4)                                 # sg: z-loss on by default
+    cfg = sg.GPTConfig.tiny(z_loss=1e-4)                                 # sg: z-loss (PaLM)
     model = sg.GPT(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95),
+                                  weight_decay=0.1, fused=True)
     schedule = sg.schedules.warmup_cosine(warmup_steps=20, total_steps=steps, min_ratio=0.1)  # sg
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     data = sg.TokenStream.from_corpus("pydoc", batch_size=8, seq_len=cfg.seq_len, seed=seed)  # sg
-    detector = sg.SpikeDetector(sg.DetectorConfig.for_run(steps))        # sg: the seeds' triage
-    checkpoints = sg.CheckpointManager(Path(out) / "checkpoints", every=50, keep=3)  # sg
-    sink = sg.JsonlSink(Path(out) / "metrics.jsonl")                     # sg
+    guard = sg.Guard(                                                    # sg: one call per step
+        model, optimizer, scheduler=scheduler, data=data,                # sg
+        config=sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps), clip=1.0),  # sg
+        checkpoints=sg.CheckpointManager(Path(out) / "checkpoints", every=50, keep=3),  # sg
+        sinks=[sg.JsonlSink(Path(out) / "metrics.jsonl")])              # sg
 
     verdicts = []
-    for step, (x, y) in zip(range(steps), data):
-        if step == inject_at:
-            x = torch.randint(0, cfg.vocab_size, x.shape, generator=torch.Generator().manual_seed(step))
-        out_ = model.loss(model(x), y)   # LossOutput: .loss to backprop, .ce and .log_z detached
-        out_.loss.backward()
-        stats = sg.grad_stats(model.parameters(), extras=torch.stack([out_.ce, out_.log_z]))  # sg
-        metrics = sg.StepMetrics(step=step, loss=float(stats.extras[0]), grad_norm=float(stats.norm),
-                                 log_z=float(stats.extras[1]), lr=scheduler.get_last_lr()[0],
-                                 nan_frac=0.0 if bool(stats.finite) else stats.nan_frac)
-        verdict = detector.update(metrics)                               # sg: decide
+    while guard.step_index < steps:
+        x, y = next(data)
+        if guard.step_index == inject_at:
+            x = torch.randint(0, cfg.vocab_size, x.shape, generator=torch.Generator().manual_seed(1))
+        loss = model.loss(model(x), y)   # LossOutput: .loss to backprop, .ce and .log_z detached
+        loss.loss.backward()
+        verdict = guard.step(loss)       # sg: clip, skip or step, decide, log, checkpoint
         verdicts.append(verdict)
-        if verdict.action is sg.Action.HALT:
-            print(f"step {step}: HALT {verdict.reasons}")
-            break
-        if not verdict.skip:                                             # sg: a skip changes nothing
-            stats.clip_(1.0)
-            optimizer.step()
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        sink.log(sg.metrics_record(metrics, tier=verdict.tier, action=verdict.action,
-                                   reasons=verdict.reasons), step)      # sg
-        if verdict.action is not sg.Action.CONTINUE or step % 50 == 0:
-            print(f"step {step:4d} loss {metrics.loss:.3f} |g| {metrics.grad_norm:.3f} "
-                  f"logZ {metrics.log_z:.2f} -> {verdict.action.value} {list(verdict.reasons)}")
-        checkpoints.maybe_save(step, model=model, optimizer=optimizer, scheduler=scheduler,
-                               data=data, extra_state={"detector": detector},
-                               healthy=verdict.tier == 0)                # sg
-    sink.close()
-    checkpoints.close()
+        if verdict.action is not sg.Action.CONTINUE or verdict.step % 50 == 0:
+            e = verdict.evidence
+            print(f"step {verdict.step:4d} loss {e['loss']:.3f} |g| {e['grad_norm']:.3f} "
+                  f"-> {verdict.action.value} {list(verdict.reasons)}")
+    guard.close()                                                        # sg
     return verdicts
 
 
@@ -71,4 +58,7 @@ if __name__ == "__main__":
     ap.add_argument("--inject-at", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    main(a.steps, a.out, a.inject_at, a.seed)
+    try:
+        main(a.steps, a.out, a.inject_at, a.seed)
+    except sg.TrainingHalted as halt:                                    # sg: Tier 3 report
+        raise SystemExit(f"{halt}") from None

@@ -1,4 +1,7 @@
 import math
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,12 +29,20 @@ def _reference(q, k, v, *, causal, cap, mask_first=False):
     return torch.softmax(s, dim=-1) @ v
 
 
-def _qkv(b=2, h=3, t=17, s=17, d=8, spread=4.0, seed=0):
+def _qkv(b=2, h=3, t=17, s=17, d=8, spread=4.0, seed=0, h_kv=None):
     g = torch.Generator().manual_seed(seed)
+    h_kv = h if h_kv is None else h_kv
     q = (torch.randn(b, h, t, d, generator=g) * spread).requires_grad_()
-    k = (torch.randn(b, h, s, d, generator=g) * spread).requires_grad_()
-    v = torch.randn(b, h, s, d, generator=g).requires_grad_()
+    k = (torch.randn(b, h_kv, s, d, generator=g) * spread).requires_grad_()
+    v = torch.randn(b, h_kv, s, d, generator=g).requires_grad_()
     return q, k, v
+
+
+def _repeat_kv(q, k, v):
+    """Grouped-query attention written out: every query head gets its own copy of its K/V head
+    (head h reads K/V head h // group), the repeat_interleave of SDPA's enable_gqa docs."""
+    group = q.shape[1] // k.shape[1]
+    return q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
 def test_softcap_values_match_the_corrected_table_and_its_gradient():
@@ -175,6 +186,94 @@ def test_logit_p99_sample_tracks_the_full_quantile():
     assert got.shape == (4,) and got.dtype == torch.float32
 
 
+@pytest.mark.parametrize("h_kv", [1, 2], ids=["multi-query", "grouped-query"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("backend", "cap"), [("auto", None), ("eager", None), ("eager", 5.0),
+                                              ("auto", 50.0)])
+def test_grouped_and_multi_query_heads_equal_repeated_heads_in_float64(backend, cap, causal,
+                                                                       h_kv):
+    q, k, v = _qkv(h=6, h_kv=h_kv, s=17 if causal else 21, seed=h_kv)
+    out = sg.attention(q, k, v, causal=causal, softcap=cap, backend=backend)
+    assert out.shape == q.shape
+    ref = _reference(*_repeat_kv(q, k, v), causal=causal, cap=cap)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    refs = torch.autograd.grad(ref, (q, k, v), g.double())  # k, v: summed over each group
+    for a, r in zip(grads, refs):
+        assert a.shape == r.shape
+        torch.testing.assert_close(a.double(), r.double(), atol=5e-5, rtol=1e-4)
+
+
+def test_grouped_query_eager_path_across_several_head_chunks():
+    # 3 query heads per K/V head x 224 x 224 fp32 scores: 3 of the 4 (batch, K/V head) slices
+    # fit one chunk, so the loop runs twice and the last chunk is short
+    q, k, v = _qkv(b=2, h=6, h_kv=2, t=224, s=224, spread=2.0, seed=5)
+    out = sg.attention(q, k, v, softcap=5.0)
+    ref = _reference(*_repeat_kv(q, k, v), causal=True, cap=5.0)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    refs = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, r in zip(grads, refs):
+        torch.testing.assert_close(a.double(), r.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_heads_that_do_not_divide_and_double_backward_raise():
+    q, k, v = _qkv(h=6, h_kv=4)
+    with pytest.raises(ValueError, match="H_kv dividing H"):
+        sg.attention(q, k, v)
+    with pytest.raises(ValueError, match="H_kv dividing H"):
+        logit_p99(q.detach(), k.detach())
+    q, k, v = _qkv(h=4, h_kv=2)
+    out = sg.attention(q, k, v, softcap=5.0, backend="eager")
+    (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice.*once_differentiable"):
+        gq.sum().backward()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_logit_p99_with_grouped_heads_reads_each_query_heads_own_kv_head(causal):
+    q, k, _ = (x.detach() for x in _qkv(h=6, h_kv=2, t=9, s=9, seed=6))
+    k[:, 1] *= 10  # query heads 3..5 read K/V head 1: their logits are 10x larger
+    got = logit_p99(q, k, causal=causal)
+    _, k_rep, _ = _repeat_kv(q, k, k)
+    s = (q.double() @ k_rep.double().transpose(-2, -1)) / math.sqrt(8)
+    visible = ~torch.ones(9, 9, dtype=torch.bool).triu(1) if causal else torch.ones(9, 9, dtype=torch.bool)
+    for h in range(6):
+        want = torch.quantile(s[:, h][:, visible].abs().flatten(), 0.99, interpolation="higher")
+        assert float(got[h]) == pytest.approx(float(want), rel=1e-5)
+    assert float(got[3:].min()) > float(got[:3].max())
+    # sampled: the same draws as with the heads repeated by hand
+    q, k, _ = (x.detach() for x in _qkv(b=2, h=6, h_kv=3, t=64, s=64, seed=7))
+    a = logit_p99(q, k, sample=500, generator=torch.Generator().manual_seed(0))
+    b = logit_p99(q, _repeat_kv(q, k, k)[1], sample=500, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+def test_rope_dot_products_depend_only_on_the_offset():
+    """RoFormer's property: <R_m q, R_n k> depends on m - n alone, and equals
+    Re sum_i z_q,i conj(z_k,i) exp(1j (m - n) theta_i), z_i = x[2i] + 1j x[2i+1],
+    theta_i = 10000^(-2i / D), written here in complex float64 from the definition."""
+    cfg = sg.GPTConfig.tiny(pos="rope")
+    attn = Attention(cfg)
+    t, d = cfg.seq_len, cfg.head_dim
+    g = torch.Generator().manual_seed(8)
+    q0, k0 = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    # the same query and key vector at every position, rotated by the module's own tables
+    q = _apply_rope(q0.expand(1, 1, t, d), attn.rope_cos, attn.rope_sin)[0, 0]
+    k = _apply_rope(k0.expand(1, 1, t, d), attn.rope_cos, attn.rope_sin)[0, 0]
+    dots = (q @ k.T).double()  # dots[m, n] = q_m . k_n
+    torch.testing.assert_close(dots[1:, 1:], dots[:-1, :-1], atol=1e-4, rtol=0)  # shift both
+    zq = torch.complex(q0[0::2].double(), q0[1::2].double())
+    zk = torch.complex(k0[0::2].double(), k0[1::2].double())
+    theta = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    offset = torch.arange(t)[:, None] - torch.arange(t)[None, :]
+    want = (zq * zk.conj() * torch.exp(1j * offset[..., None] * theta)).sum(-1).real
+    torch.testing.assert_close(dots, want, atol=1e-4, rtol=1e-5)
+    assert float(want.std()) > 0.1  # it does vary with the offset: a constant would pass above
+    torch.testing.assert_close(q.norm(dim=-1), q0.norm().expand(t), atol=1e-5, rtol=1e-5)
+
+
 def test_gpt_attention_module_with_qknorm_rope_and_cap_matches_reference():
     torch.manual_seed(0)
     with pytest.warns(sg.StackedLogitBoundsWarning):
@@ -219,13 +318,15 @@ def test_gpt_knobs_cap_logits_and_train():
 
 
 def test_bench_attention_smoke_and_gpu_check_skip_on_cpu(sub_env, capsys):
-    import subprocess
-    import sys
-
     r = subprocess.run([sys.executable, "benchmarks/bench_attention.py", "--smoke", "--threads", "1"],
                        capture_output=True, text=True, timeout=120, env=sub_env, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    assert "capped eager vs uncapped eager:" in r.stdout and "QK-norm training step" in r.stdout
+    labels = ("capped eager vs uncapped eager", "capped eager vs uncapped SDPA",
+              "capped eager GQA vs capped eager MHA", "QK-norm training step vs plain")
+    for label in labels:
+        m = re.search(rf"^{re.escape(label)}:\s+(\S+)", r.stdout, re.M)
+        assert m, f"{label!r} missing from:\n{r.stdout}"
+        assert math.isfinite(float(m.group(1))) and float(m.group(1)) > 0, m.group(0)
     if not torch.cuda.is_available():
         from benchmarks import gpu_check
 

@@ -1,4 +1,5 @@
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -330,8 +331,54 @@ def test_public_names_and_model_loss():
         sg.GPTConfig(z_loss=-1e-3)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("fused", [False, True], ids=["cross_entropy", "linear_cross_entropy"])
+def test_double_backward_raises_torchs_once_differentiable_error(fused, reduction):
+    torch.manual_seed(12)
+    h = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([1, 2, -100, 3, 4, 5, 6, 7])
+    out = (linear_cross_entropy(h, w, t, reduction=reduction) if fused
+           else cross_entropy(F.linear(h, w), t, reduction=reduction))
+    loss = out.loss.sum()
+    (g_ref,) = torch.autograd.grad(_ref_loss(F.linear(h, w), t, 1e-4)[0] if reduction == "mean"
+                                   else (cross_entropy(F.linear(h, w), t, reduction="none")
+                                         .loss.sum()), h, retain_graph=True)
+    # a graph-building backward still gives the right first-order gradient ...
+    (g,) = torch.autograd.grad(loss, h, create_graph=True)
+    torch.testing.assert_close(g.detach(), g_ref, rtol=1e-10, atol=1e-14)
+    # ... and differentiating it again says why it cannot, instead of returning a silent zero
+    with pytest.raises(RuntimeError, match="differentiate twice.*once_differentiable"):
+        (g.square().sum() + h.sum()).backward()
+
+
+def test_autocast_reaches_the_logits_matmul_and_the_dtype_error_says_so():
+    torch.manual_seed(13)
+    hidden, weight = torch.randn(40, 16), torch.randn(300, 16)
+    t = _targets(40, 300)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = linear_cross_entropy(hidden, weight, t, chunk_size=16)
+    # under autocast the logits come from a bf16 matmul: exactly the loss on bf16-cast inputs
+    cast = linear_cross_entropy(hidden.bfloat16(), weight.bfloat16(), t, chunk_size=16)
+    for got, want in zip(inside, cast):
+        assert torch.equal(got, want)
+    assert not torch.equal(inside.loss, linear_cross_entropy(hidden, weight, t).loss)
+    with pytest.raises(ValueError, match="under torch.autocast the logits matmul inside already"):
+        linear_cross_entropy(hidden.bfloat16(), weight, t)
+
+
+def _ratios(stdout: str) -> dict[str, float]:
+    """variant -> time ratio against its group's baseline, from the benchmark's ratio lines."""
+    return {name: float(r) for name, r in re.findall(r"^time ratio (.+) / .+: (\S+)$", stdout, re.M)}
+
+
 def test_benchmark_smoke(sub_env):
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_losses.py"), "--smoke"],
                          env=sub_env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert "cross_entropy" in res.stdout and "linear_cross_entropy" in res.stdout
+    ratios = _ratios(res.stdout)
+    from benchmarks.bench_losses import CE_VARIANTS, LCE_VARIANTS
+
+    assert set(ratios) == set(CE_VARIANTS + LCE_VARIANTS), res.stdout
+    assert ratios[CE_VARIANTS[0]] == ratios[LCE_VARIANTS[0]] == 1.0  # each group's baseline
+    assert all(math.isfinite(r) and r > 0 for r in ratios.values()), ratios

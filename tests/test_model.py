@@ -46,14 +46,15 @@ def test_presets_and_validation():
 
 
 @pytest.mark.slow
-def test_reference_gpt_learns_the_default_corpus():
+def test_reference_gpt_learns_the_default_corpus(tmp_path):
     corpus = sg.load_corpus("pydoc")
     # the unigram byte entropy, computed here independently of Corpus.unigram_entropy
     p = np.bincount(corpus.train, minlength=256) / len(corpus.train)
     entropy = -sum(x * np.log(x) for x in p if x > 0)
     assert 3.0 < entropy < 3.5
-    cfg = TrainConfig(steps=200, model="demo", seed=0, log_every=1000)
-    result = train(cfg, corpus=corpus, echo=False)
+    cfg = TrainConfig(steps=200, model="demo", seed=0, out=str(tmp_path), progress=False,
+                      plot=False)
+    result = train(cfg, echo=False)
     assert result.val_loss <= 0.9 * entropy, (result.val_loss, entropy)
     assert np.mean(result.losses[-20:]) < np.mean(result.losses[:20]) - 1.0
 

@@ -1,7 +1,8 @@
 """Behaviour pinned by recordings made before a refactor: the same numbers bit for bit.
 
 - ``data/train50_losses.json``: the per-step losses of ``spikeguard train --steps 50`` (default
-  config, seed 0) on one thread, as float.hex strings.
+  config, seed 0) on one thread, as float.hex strings. Re-recorded when ``spikeguard train``
+  moved onto the Guard and the token stream (QK-norm on by default, the guard's clipping).
 - ``data/verdicts.json.gz``: every non-CONTINUE verdict of the detector on the streams of
   ``tests/verdict_streams.py`` (the worked scenarios and two 20,000-step random streams).
 
@@ -30,11 +31,12 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_train_50_steps_losses_are_bit_identical_to_the_recording(one_thread):
+def test_train_50_steps_losses_are_bit_identical_to_the_recording(one_thread, tmp_path):
     from spikeguard.train import TrainConfig, train
 
     want = [float.fromhex(h) for h in json.loads((DATA / "train50_losses.json").read_text())]
-    got = train(TrainConfig(steps=50, seed=0), echo=False).losses
+    cfg = TrainConfig(steps=50, seed=0, out=str(tmp_path), progress=False, plot=False)
+    got = train(cfg, echo=False).losses
     assert len(got) == len(want) == 50
     assert got == want  # exact equality: float bits
 

@@ -25,9 +25,9 @@ def _lrs(schedule, steps):
 
 
 def test_constant_with_warmup_keeps_its_behaviour():
-    f = S.constant_with_warmup(4)
+    f = S.constant_with_warmup(warmup_steps=4)
     assert [f(s) for s in range(7)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0]
-    assert S.constant_with_warmup(0)(0) == 1.0
+    assert S.constant_with_warmup(warmup_steps=0)(0) == 1.0
 
 
 def test_warmup_cosine_per_step_table():
@@ -88,7 +88,7 @@ def test_impossible_settings_raise_clear_errors(make, match):
 
 
 @pytest.mark.parametrize("schedule", [
-    S.constant_with_warmup(5),
+    S.constant_with_warmup(warmup_steps=5),
     S.warmup_cosine(warmup_steps=5, total_steps=40, min_ratio=0.1),
     S.wsd(warmup_steps=5, total_steps=40, decay="1-sqrt"),
 ])
@@ -154,12 +154,13 @@ def test_extend_refuses_once_decay_has_begun_and_other_misuse():
         S.extend(cosine, total_steps=20)
 
 
-def test_train_warms_up_within_a_short_run_and_says_so():
+def test_train_warms_up_within_a_short_run_and_says_so(tmp_path):
     from spikeguard.train import TrainConfig, train
 
-    cfg = TrainConfig(steps=2, model="tiny", batch_size=1, eval_batches=1, warmup_steps=20)
-    with pytest.warns(UserWarning, match="warming up over 1 steps instead"):
+    cfg = TrainConfig(steps=4, model="tiny", batch_size=1, eval_batches=1, warmup_steps=20,
+                      out=str(tmp_path), progress=False, plot=False)
+    with pytest.warns(UserWarning, match="warming up over 3 steps instead"):
         result = train(cfg, echo=False)
-    assert len(result.losses) == 2
-    with pytest.raises(ValueError, match="--min-lr-ratio=2"):
+    assert len(result.losses) == 4
+    with pytest.raises(ValueError, match="min_lr_ratio=2"):
         TrainConfig(min_lr_ratio=2)

@@ -9,7 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spikeguard.detect.stats import EMA, DeviceEMA, DeviceRunningMedian, RunningMedian
+from spikeguard.detect.stats import (
+    EMA,
+    DeviceEMA,
+    DeviceRunningMedian,
+    EventWindow,
+    RunningMedian,
+    SlidingMin,
+)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -152,7 +159,7 @@ def test_state_round_trip_equals_never_stopping(window, stream, cut, cross):
     """Stop after `cut` values, save through JSON, load into a fresh object (of the other kind
     when `cross`: host and device state dicts are interchangeable), continue."""
     cut = min(cut, len(stream))
-    kinds = [(lambda: RunningMedian(window), lambda: DeviceRunningMedian(1)),
+    kinds = [(lambda: RunningMedian(window), lambda: DeviceRunningMedian(window)),
              (lambda: EMA(0.2), lambda: DeviceEMA(0.5))]
     for make, make_twin in kinds:
         whole, first = make(), make()
@@ -161,8 +168,10 @@ def test_state_round_trip_equals_never_stopping(window, stream, cut, cross):
         for x in stream[:cut]:
             first.update(x)
         state = json.loads(json.dumps(first.state_dict()))
-        # a fresh object with other settings: everything must come from the state dict
-        second = make_twin() if cross else type(first)(*([1] if hasattr(first, "window") else [0.5]))
+        # a fresh object (a median with the same window: another one is refused; an EMA with
+        # another alpha): everything else must come from the state dict
+        second = make_twin() if cross else type(first)(*([window] if hasattr(first, "window")
+                                                          else [0.5]))
         second.load_state_dict(state)
         for x in stream[cut:]:
             second.update(x)
@@ -184,6 +193,31 @@ def test_old_ema_state_without_decay_loads():
         other = cls(0.1)
         other.load_state_dict(state)
         assert float(other.value) == pytest.approx(ema.value, rel=1e-15)
+
+
+@pytest.mark.parametrize("make", [RunningMedian, DeviceRunningMedian, SlidingMin, EventWindow])
+def test_load_refuses_another_window_and_names_both(make):
+    saved = make(5)
+    for i in range(8):
+        if make is SlidingMin:
+            saved.push(i, float(i), i)
+        elif make is EventWindow:
+            saved.add(i, i)
+        else:
+            saved.update(float(i))
+    state = json.loads(json.dumps(saved.state_dict()))
+    other = make(50)
+    before = json.dumps(other.state_dict())
+    with pytest.raises(ValueError, match=rf"{make.__name__} state has window=5 .*window=50"):
+        other.load_state_dict(state)
+    assert json.dumps(other.state_dict()) == before and other.window == 50
+    same = make(5)
+    same.load_state_dict(state)
+    assert same.state_dict() == saved.state_dict()
+    if make in (RunningMedian, DeviceRunningMedian):  # the two kinds still load each other's
+        twin = {RunningMedian: DeviceRunningMedian, DeviceRunningMedian: RunningMedian}[make](5)
+        twin.load_state_dict(state)
+        assert twin.values() == saved.values() == [3.0, 4.0, 5.0, 6.0, 7.0]
 
 
 def test_bad_arguments_name_the_field():

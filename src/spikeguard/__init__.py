@@ -12,6 +12,7 @@ from .detect.fp8 import AmaxMonitor
 from .detect.gradnorm import GradStats, clip_grad_norm_, grad_stats
 from .detect.precision import PrecisionPolicy
 from .detect.probes import ProbeConfig, Probes
+from .guard import Guard, GuardConfig, GuardedOptimizer, TrainingHalted
 from .model import GPT, GPTConfig
 from .prevent.attention import QKNorm, StackedLogitBoundsWarning, attention, softcap
 from .prevent.budget import MemoryBudget, memory_budget
@@ -52,6 +53,9 @@ __all__ = [
     "DetectorConfig",
     "GPTConfig",
     "GradStats",
+    "Guard",
+    "GuardConfig",
+    "GuardedOptimizer",
     "JsonlSink",
     "LossOutput",
     "MemoryBudget",
@@ -66,6 +70,7 @@ __all__ = [
     "StepMetrics",
     "TensorBoardSink",
     "TokenStream",
+    "TrainingHalted",
     "Verdict",
     "WandbSink",
     "__version__",

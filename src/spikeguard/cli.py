@@ -1,4 +1,5 @@
-"""The ``spikeguard`` command: ``budget`` and ``train`` (more subcommands join as they land)."""
+"""The ``spikeguard`` command: ``budget``, ``train``, ``sandbox`` and ``diagnose`` (more subcommands
+join as they land)."""
 
 from __future__ import annotations
 
@@ -72,24 +73,57 @@ def _cmd_budget(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from ._config_cli import config_from_args, flag_message
     from .train import TrainConfig, train
 
     try:
         cfg = config_from_args(TrainConfig, args)
+        if args.print_config:
+            print(json.dumps(dataclasses.asdict(cfg.resolved()), indent=2, default=str))
+            return 0
+        result = train(cfg)
     except ValueError as exc:
         print(f"spikeguard train: {flag_message(exc, TrainConfig)}", file=sys.stderr)
         return 2
-    train(cfg)
+    if result.halted is not None:
+        print(str(result.halted), file=sys.stderr)
+        print(f"HALT at step {result.halted.step}: {'; '.join(result.halted.reasons)}")
+        return 3
     return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line ("spikeguard train: error: ..."), not usage + error."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _cmd_sandbox(args: argparse.Namespace) -> int:
+    try:
+        from .sandbox.server import serve
+    except ImportError as exc:
+        print(f"spikeguard sandbox: {exc.name or exc} is not installed; the page needs the web extra: "
+              f"pip install 'spikeguard[web]'", file=sys.stderr)
+        return 2
+    return serve(args.port)
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from .diagnose._cli import run
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ._config_cli import add_config_args
     from .train import TrainConfig
+    from .train.config import SHAPE_FIELDS
 
-    parser = argparse.ArgumentParser(prog="spikeguard", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="spikeguard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("budget", help="static memory per parameter, ZeRO stages, activations")
     p.add_argument("model", help="a named model (gpt2, gpt2-xl, 7b, 13b, 70b) or a count like 13e9")
@@ -105,9 +139,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the chosen stage as JSON")
     p.set_defaults(func=_cmd_budget)
 
-    p = sub.add_parser("train", help="train the reference GPT on a corpus that ships with Python")
-    add_config_args(p, TrainConfig)
+    p = sub.add_parser("train", help="train the reference GPT through the Guard, every defense on",
+                       description="Train the reference GPT on text that ships with Python (or "
+                       "--data) through the Guard. Exit status 3 when the guard halts the run.")
+    # the model preset and the data decide these (spikeguard.train.config)
+    skip = (*(f"gpt.{name}" for name in SHAPE_FIELDS), "guard.detector.vocab_size")
+    add_config_args(p, TrainConfig, skip=skip)
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (defaults, --defenses, windows) and exit")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("sandbox", help="the loss-spike sandbox page, served on 127.0.0.1 only")
+    p.add_argument("--port", type=int, default=8765,
+                   help="port on 127.0.0.1 (default 8765; 0 picks a free one)")
+    p.set_defaults(func=_cmd_sandbox)
+
+    from .diagnose._cli import add_arguments
+
+    p = sub.add_parser("diagnose", help="triage a run's metrics log: spikes, tiers, what-if, report",
+                       description="Find the spikes in a run's metrics log, classify each by "
+                       "replaying the spike detector, and say what to do (skip, roll back to "
+                       "which checkpoint, add z-loss, change precision). Detector values left at "
+                       "their defaults are sized to the log (DetectorConfig.for_run; windows "
+                       "divided by the stride of a sparse log); window flags count log records.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_diagnose)
     return parser
 
 

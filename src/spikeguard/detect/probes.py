@@ -6,7 +6,9 @@ single host read per probe step, after the step's work has been queued. The valu
 step record under their names: ``activation_max``, ``activation_max_module``,
 ``attn_logit_p99`` (the largest over layers and heads) with ``attn_logit_p99_layer`` and the
 full [layer][head] table ``attn_logit_p99_heads``, and
-``layer_grad_norm/<layer>`` for each top-level block.
+``layer_grad_norm/<layer>`` for each top-level block (the norm of the unsharded gradient under
+FSDP2, TP or DDP: one all-reduce of a vector at the probe interval, so every rank must collect
+at the same steps).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .._validate import check_int
+from ._grad_layout import collect
 
-__all__ = ["ProbeConfig", "Probes", "layer_grad_norms"]
+__all__ = ["ProbeConfig", "ProbeValues", "Probes", "layer_grad_norms"]
 
 _SKIP_TYPES = (nn.Dropout, nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -55,23 +59,59 @@ def _layer_of(name: str) -> str:
     return parts[0] if len(parts) > 1 else name
 
 
-def layer_grad_norms(model: nn.Module) -> dict[str, float]:
-    """L2 norm of the gradients of each layer (top-level module, or ``blocks.i``), combined in
-    fp64 from per-tensor norms. Local tensors only: under sharding, each rank's shard."""
+def layer_grad_norms(model: nn.Module, *, pp_group: dist.ProcessGroup | None = None,
+                     tp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """L2 norm of the gradients of each layer (top-level module, or ``blocks.i``), as host floats.
+
+    Global, like ``grad_stats``: under FSDP2, HSDP, TP or DDP each layer's norm is that of its
+    unsharded gradient, computed from the local pieces weighted by their copy counts (DTensor
+    placements; ``pp_group``/``tp_group`` as in ``grad_stats``) and ONE all-reduce of the vector
+    of per-layer sums of squares over the default group, then one host read. A collective when
+    the world has more than one rank: every rank must call it at the same steps, and every rank
+    must hold the same layer names (so not across pipeline stages, whose layers differ).
+    Per-tensor norms run in float32 (float64 for float64 gradients) and combine in float64."""
     groups: dict[str, list[torch.Tensor]] = defaultdict(list)
     for name, p in model.named_parameters():
         if p.grad is not None:
-            g = p.grad
-            groups[_layer_of(name)].append(g.to_local() if hasattr(g, "to_local") else g)
+            groups[_layer_of(name)].append(p)
     if not groups:
         return {}
-    names = list(groups)
-    sums = []
-    for n in names:
-        norms = torch._foreach_norm(groups[n], 2.0)
-        sums.append(torch.stack([x.double() for x in norms]).square().sum())
-    values = torch.stack(sums).sqrt().tolist()
-    return dict(zip(names, values))
+    layouts = [collect(params, pp_group=pp_group, tp_group=tp_group) for params in groups.values()]
+    with torch.no_grad():
+        device = layouts[0].device()
+        sums = torch.stack([layout.sumsq(device) for layout in layouts])
+        if layouts[0].world > 1:
+            dist.all_reduce(sums)
+        values = sums.sqrt().tolist()
+    return dict(zip(groups, values))
+
+
+@dataclass
+class ProbeValues:
+    """One step's probe readings on their way to the host: ``vector`` (device, or None when no
+    probe was due) and the names that ``decode`` attaches to its numbers."""
+
+    vector: torch.Tensor | None
+    act_names: list[str]
+    heads_shape: tuple[int, int] | None
+    grad_norms: dict[str, float]
+
+    def decode(self, values: list[float]) -> dict[str, Any]:
+        """The record entries from ``vector``'s values read on the host."""
+        record: dict[str, Any] = {}
+        values = list(values)
+        if self.act_names:
+            record["activation_max"] = values.pop(0)
+            record["activation_max_module"] = self.act_names[int(values.pop(0))]
+        if self.heads_shape is not None:
+            record["attn_logit_p99"] = values.pop(0)
+            record["attn_logit_p99_layer"] = int(values.pop(0))
+            n_layers, n_heads = self.heads_shape
+            record["attn_logit_p99_heads"] = [values[i * n_heads:(i + 1) * n_heads]
+                                              for i in range(n_layers)]
+        for layer, norm in self.grad_norms.items():
+            record[f"layer_grad_norm/{layer}"] = norm
+        return record
 
 
 class Probes:
@@ -118,32 +158,37 @@ class Probes:
             m.logit_p99_request = self._attn_on(step)
             m.last_logit_p99 = None
 
-    def collect(self) -> dict[str, Any]:
-        """The due probes' values for the current step, as host numbers (one host read)."""
-        record: dict[str, Any] = {}
-        step = self._step
+    def gather(self) -> ProbeValues:
+        """The due probes' values for the current step, still on the device (no host read): a
+        flat vector plus what :meth:`ProbeValues.decode` needs to name them. A per-layer
+        grad-norm step is the exception: one all-reduce and one host read (every rank must call
+        it at the same steps under torch.distributed)."""
         pending: list[torch.Tensor] = []
+        act_names: list[str] = []
         if self._act:
             acts = torch.stack(self._act)
-            pending += [acts.max(), acts.argmax().float()]
+            pending += [acts.max().reshape(1), acts.argmax().float().reshape(1)]
+            act_names = list(self._act_names)
         p99 = [m.last_logit_p99 for m in self._attn_modules if m.last_logit_p99 is not None]
+        heads_shape: tuple[int, int] | None = None
         if p99:
             heads = torch.stack([t.float() for t in p99])  # [layers, heads]
-            pending += [heads.max(), heads.max(dim=1).values.argmax().float(), *heads.flatten()]
-        values = torch.stack(pending).tolist() if pending else []
-        if self._act:
-            record["activation_max"] = values.pop(0)
-            record["activation_max_module"] = self._act_names[int(values.pop(0))]
-        if p99:
-            record["attn_logit_p99"] = values.pop(0)
-            record["attn_logit_p99_layer"] = int(values.pop(0))
-            n_layers, n_heads = heads.shape
-            record["attn_logit_p99_heads"] = [values[i * n_heads:(i + 1) * n_heads]
-                                              for i in range(n_layers)]
-        if self.config.layer_grad_norms and step % self.config.grad_norms_every == 0:
-            for layer, norm in layer_grad_norms(self.model).items():
-                record[f"layer_grad_norm/{layer}"] = norm
-        return record
+            heads_shape = (heads.shape[0], heads.shape[1])
+            pending += [heads.max().reshape(1), heads.max(dim=1).values.argmax().float().reshape(1),
+                        heads.flatten()]
+        grad_norms: dict[str, float] = {}
+        if self.config.layer_grad_norms and self._step % self.config.grad_norms_every == 0:
+            grad_norms = layer_grad_norms(self.model)
+        device = pending[0].device if pending else torch.device("cpu")
+        vector = torch.cat([t.to(device) for t in pending]) if pending else None
+        return ProbeValues(vector, act_names, heads_shape, grad_norms)
+
+    def collect(self) -> dict[str, Any]:
+        """The due probes' values for the current step, as host numbers (one host read; at a
+        per-layer grad-norm step one all-reduce and one more read, so under torch.distributed
+        every rank must call it at the same steps)."""
+        values = self.gather()
+        return values.decode(values.vector.tolist() if values.vector is not None else [])
 
     def remove(self) -> None:
         """Detach every hook."""

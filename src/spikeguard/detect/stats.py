@@ -6,7 +6,7 @@ not being updated with them. The device twins (``DeviceRunningMedian``, ``Device
 state in float64 tensors and take the flag as a tensor, so the guard's gate can use them without a
 host sync; fed the same stream they give bit-identical numbers to the host versions. All four have
 ``state_dict`` / ``load_state_dict`` (host and device state dicts are interchangeable): save, load,
-continue equals never stopping.
+continue equals never stopping; a state saved with another window is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ import torch
 from .._validate import check_int
 
 __all__ = ["EMA", "DeviceEMA", "DeviceRunningMedian", "EventWindow", "RunningMedian", "SlidingMin"]
+
+
+def _window(obj: Any, state: dict[str, Any]) -> int:
+    """``obj.window``; ValueError if ``state`` was saved with another (never a silent resize)."""
+    if int(state["window"]) != obj.window:
+        raise ValueError(f"{type(obj).__name__} state has window={state['window']} but this one "
+                         f"has window={obj.window}: build it with the saved window to load it")
+    return obj.window
 
 
 class RunningMedian:
@@ -121,7 +129,7 @@ class RunningMedian:
         return {"window": self.window, "values": self.values()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.__init__(int(state["window"]))
+        self.__init__(_window(self, state))
         for v in state["values"]:
             self.update(v)
 
@@ -203,7 +211,7 @@ class SlidingMin:
         return {"window": self.window, "entries": [list(e) for e in self._q]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.window = int(state["window"])
+        _window(self, state)
         self._q = deque((int(i), float(v), int(s)) for i, v, s in state["entries"])
 
 
@@ -237,7 +245,7 @@ class EventWindow:
         return {"window": self.window, "entries": [list(e) for e in self._q]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.window = int(state["window"])
+        _window(self, state)
         self._q = deque((int(i), int(s)) for i, s in state["entries"])
 
 
@@ -329,10 +337,9 @@ class DeviceRunningMedian:
         return {"window": self.window, "values": self.values()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.__init__(int(state["window"]), device=self.device)
+        self.__init__(_window(self, state), device=self.device)
         vals = [float(v) for v in state["values"]][-self.window:]
-        if vals:
-            self._buf[: len(vals)] = torch.tensor(vals, dtype=torch.float64)
+        self._buf[: len(vals)] = torch.tensor(vals, dtype=torch.float64)
         self._pos.fill_(len(vals) % self.window)
         self._count.fill_(len(vals))
 

@@ -1,6 +1,6 @@
-"""The two autograd functions behind ``spikeguard.prevent.losses`` (private; inputs are checked there).
+"""The autograd functions behind ``spikeguard.prevent.losses`` (private; inputs are checked there).
 
-Both walk the tokens in row chunks, so only one chunk of logits lives in the compute dtype at a time
+All walk the tokens in row chunks, so only one chunk of logits lives in the compute dtype at a time
 (fp32 for bf16/fp16 inputs, the input dtype otherwise). One pass per chunk gives the log-softmax,
 from which cross-entropy (-log p_target) and log Z (x_target - log p_target) fall out together; the
 gradient needs softmax = exp(x - log Z), which uses the saved log Z instead of a second logsumexp.
@@ -8,14 +8,44 @@ gradient needs softmax = exp(x - log Z), which uses the saved log Z instead of a
 Gradient of alpha * logZ^2 + CE with respect to the (capped) logit c_j of one token:
     softmax_j * (1 + 2 * alpha * logZ) - onehot_j
 and with a softcap c = cap * tanh(x / cap) the chain rule adds a factor 1 - (c / cap)^2.
+
+The backwards are hand-written and not themselves differentiable: each is marked
+``strict_once_differentiable``, so a double backward raises torch's own once_differentiable error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 __all__: list[str] = []
+
+
+def strict_once_differentiable(backward: Callable) -> Callable:
+    """torch.autograd.function.once_differentiable that also catches the usual double backward.
+
+    torch's decorator attaches its "trying to differentiate twice" error only when an incoming
+    gradient requires grad. Under ``autograd.grad(loss, x, create_graph=True)`` the incoming
+    gradient is a constant, so torch's version returns a gradient with no history: a later
+    backward through it fails with an unrelated message, or, summed with other terms, silently
+    contributes nothing. Whenever a graph is being built, the incoming gradients are passed as
+    aliases that require grad (the backward runs under no_grad, so values are unchanged), and
+    every output then carries torch's error node."""
+    inner = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            grads = tuple(g.detach().requires_grad_() if isinstance(g, torch.Tensor)
+                          and g.dtype.is_floating_point else g for g in grads)
+        return inner(ctx, *grads)
+
+    return wrapper
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -55,6 +85,22 @@ def _grad_from_softmax(p: torch.Tensor, c: torch.Tensor | None, tgt: torch.Tenso
     return p.mul_(coef) if out is None else torch.mul(p, coef, out=out)
 
 
+def _chunk_grads(p: torch.Tensor, c: torch.Tensor, h: torch.Tensor, tgt: torch.Tensor,
+                 lse: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, alpha: float,
+                 softcap: float | None, dh: torch.Tensor | None, dw: torch.Tensor | None,
+                 db: torch.Tensor | None) -> None:
+    """One chunk of linear cross-entropy: write d/dhidden into ``dh`` (the chunk's rows) and add
+    d/dweight, d/dbias into ``dw``, ``db``; p is the chunk's softmax (consumed), c its capped
+    logits (consumed with a softcap)."""
+    p = _grad_from_softmax(p, c, tgt, lse, scale, alpha, softcap)
+    if dh is not None:
+        torch.mm(p.to(h.dtype), weight, out=dh)
+    if dw is not None:  # in the compute dtype: no [V, H] temporary, no rounding of p
+        dw.addmm_(p.t(), h.to(dw.dtype))
+    if db is not None:
+        db.add_(p.sum(0))
+
+
 class CrossEntropyFn(torch.autograd.Function):
     """Per-token (ce + alpha * logZ^2) * mask from logits [N, V]; also returns log Z and ce per
     token (masked, not differentiable). Backward scales by the incoming per-token gradient."""
@@ -81,6 +127,7 @@ class CrossEntropyFn(torch.autograd.Function):
         return loss, lse_out, ce_out
 
     @staticmethod
+    @strict_once_differentiable
     def backward(ctx, g_loss, _g_lse, _g_ce):
         logits, tgt, mask, lse = ctx.saved_tensors
         alpha, softcap, rows = ctx.alpha, ctx.softcap, ctx.chunk_rows
@@ -117,13 +164,17 @@ class LinearCrossEntropyFn(torch.autograd.Function):
     chunked over tokens. With grad enabled the gradients are computed in the forward pass (one
     matmul per chunk fewer than recomputing in backward) and only scaled in backward.
 
-    Returns (loss, ce, alpha * mean logZ^2, mean logZ), scalars in the compute dtype; only loss
+    ``inv_norm`` replaces 1 / (count of counted tokens) as the factor on the sums (1.0 for a
+    sum, 1 / normalizer for a caller's normaliser); log Z takes the same factor unless
+    ``log_z_mean``, which keeps it the mean over counted tokens.
+    Returns (loss, ce, alpha * logZ^2 term, log Z), scalars in the compute dtype; only loss
     is differentiable."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 tgt: torch.Tensor, mask: torch.Tensor, alpha: float, softcap: float | None,
-                chunk_rows: int, grad_enabled: bool):
+                chunk_rows: int, grad_enabled: bool,
+                inv_norm: torch.Tensor | float | None = None, log_z_mean: bool = True):
         n, dev, dtype = hidden.shape[0], hidden.device, hidden.dtype
         cd = compute_dtype(dtype)
         # needs_input_grad ignores torch.no_grad(), which the caller's grad_enabled reflects
@@ -131,7 +182,8 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         need_b = need_b and bias is not None
         need_any = need_h or need_w or need_b
         m = mask.to(cd)
-        inv_n = 1.0 / m.sum().clamp(min=1.0)  # all tokens ignored: every output and grad is 0
+        inv_count = 1.0 / m.sum().clamp(min=1.0)  # all tokens ignored: every output and grad is 0
+        inv_n = inv_count if inv_norm is None else inv_norm
         lse = torch.empty(n, dtype=cd, device=dev)
         ce = torch.empty(n, dtype=cd, device=dev)
         dh = torch.empty_like(hidden) if need_h else None
@@ -144,14 +196,8 @@ class LinearCrossEntropyFn(torch.autograd.Function):
             c = _capped(c, softcap, owned=True)
             lsm, ce[sl], lse[sl] = _logsoftmax_stats(c, t)
             if need_any:
-                p = _grad_from_softmax(lsm.exp_(), c, t, lse[sl], m[sl] * inv_n, alpha, softcap)
-                if need_h:
-                    torch.mm(p.to(dtype), weight, out=dh[sl])
-                if need_w:  # in the compute dtype: no [V, H] temporary, no rounding of p
-                    dw.addmm_(p.t(), h.to(cd))
-                if need_b:
-                    db.add_(p.sum(0))
-                del p
+                _chunk_grads(lsm.exp_(), c, h, t, lse[sl], m[sl] * inv_n, weight, alpha, softcap,
+                             None if dh is None else dh[sl], dw, db)
             del c, lsm  # free this chunk before the next one is allocated: peak is 2 chunks
         ctx.save_for_backward(
             dh, None if dw is None else dw.to(weight.dtype),
@@ -159,16 +205,77 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         lse_sum = (lse * m).sum()
         ce_mean = (ce * m).sum() * inv_n
         z_term = alpha * (lse.square() * m).sum() * inv_n
-        log_z = lse_sum * inv_n
+        log_z = lse_sum * (inv_count if log_z_mean else inv_n)
         loss = ce_mean + z_term
         ctx.mark_non_differentiable(ce_mean, z_term, log_z)
         return loss, ce_mean, z_term, log_z
 
     @staticmethod
+    @strict_once_differentiable
     def backward(ctx, g_loss, _g_ce, _g_z, _g_logz):
         dh, dw, db = ctx.saved_tensors
 
         def scaled(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t * g_loss.to(t.dtype)
 
-        return scaled(dh), scaled(dw), scaled(db), None, None, None, None, None, None
+        return scaled(dh), scaled(dw), scaled(db), None, None, None, None, None, None, None, None
+
+
+class LinearCrossEntropyTokensFn(torch.autograd.Function):
+    """Per-token (ce + alpha * logZ^2) * mask for logits = hidden @ weight.T + bias, with log Z
+    and ce per token (masked, not differentiable), as CrossEntropyFn returns them.
+
+    The upstream per-token weights are known only in backward, so the forward keeps log Z and
+    nothing of size [N, V]; backward recomputes each chunk's logits (4 matmuls in all, one more
+    than the mean path) under the autocast state the forward ran in."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                tgt: torch.Tensor, mask: torch.Tensor, alpha: float, softcap: float | None,
+                chunk_rows: int):
+        n, dev = hidden.shape[0], hidden.device
+        cd = compute_dtype(hidden.dtype)
+        lse = torch.empty(n, dtype=cd, device=dev)
+        ce = torch.empty(n, dtype=cd, device=dev)
+        for s in range(0, n, chunk_rows):
+            sl = slice(s, s + chunk_rows)
+            c = _capped(F.linear(hidden[sl], weight, bias).to(cd), softcap, owned=True)
+            _, ce[sl], lse[sl] = _logsoftmax_stats(c, tgt[sl])
+            del c
+        ctx.save_for_backward(hidden, weight, bias, tgt, mask, lse)
+        ctx.alpha, ctx.softcap, ctx.chunk_rows = alpha, softcap, chunk_rows
+        ctx.autocast = ((torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
+                        if torch.amp.is_autocast_available(dev.type) else None)
+        m = mask.to(cd)
+        lse_out, ce_out = lse * m, ce * m
+        ctx.mark_non_differentiable(lse_out, ce_out)
+        return ce_out + alpha * lse_out.square(), lse_out, ce_out
+
+    @staticmethod
+    @strict_once_differentiable
+    def backward(ctx, g_loss, _g_lse, _g_ce):
+        hidden, weight, bias, tgt, mask, lse = ctx.saved_tensors
+        alpha, softcap, rows = ctx.alpha, ctx.softcap, ctx.chunk_rows
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        cd, dev = lse.dtype, hidden.device
+        scale = g_loss.to(cd) * mask.to(cd)
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=cd, device=dev) if need_w else None
+        db = torch.zeros(weight.shape[0], dtype=cd, device=dev) if need_b else None
+        # recompute the logits as the forward did: under autocast they were in its dtype
+        autocast = (contextlib.nullcontext() if ctx.autocast is None else
+                    torch.autocast(dev.type, dtype=ctx.autocast[1], enabled=ctx.autocast[0]))
+        for s in range(0, hidden.shape[0], rows):
+            sl = slice(s, s + rows)
+            h, lse_c = hidden[sl], lse[sl]
+            with autocast:
+                c = F.linear(h, weight, bias)
+            c = _capped(c.to(cd), softcap, owned=True)
+            # the softmax from the saved log Z; in place when the capped logits are not needed
+            p = (c.sub_(lse_c.unsqueeze(1)) if softcap is None
+                 else torch.sub(c, lse_c.unsqueeze(1))).exp_()
+            _chunk_grads(p, c, h, tgt[sl], lse_c, scale[sl], weight, alpha, softcap,
+                         None if dh is None else dh[sl], dw, db)
+            del c, p
+        return (dh, None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype), None, None, None, None, None)

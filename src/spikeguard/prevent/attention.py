@@ -1,12 +1,15 @@
 """Bounding the attention logits: soft-capping, QK-norm, and attention that honours a cap.
 
 ``softcap(x, cap) = cap * tanh(x / cap)`` squashes a logit into (-cap, cap) and passes small ones
-almost unchanged; QK-norm normalises queries and keys so their dot product stays bounded. The seeds
-say to pick one of the two unless an ablation says otherwise, so stacking them warns.
+almost unchanged; QK-norm normalises queries and keys so their dot product stays bounded. Gemma 2
+uses the cap and OLMo 2 QK-norm; pick one of the two unless an ablation says otherwise, so
+stacking them warns.
 
 ``attention`` never drops a cap: SDPA cannot apply one, so it serves only uncapped calls; a capped
 call uses flex_attention's ``score_mod`` on CUDA and an eager fp32 path elsewhere (CPU flex has no
-backward). The cap is applied to the scaled scores before the causal mask.
+backward). The cap is applied to the scaled scores before the causal mask. Keys and values may
+have fewer heads than the queries (grouped-query and multi-query attention): query head h reads
+key/value head h // (H / H_kv), as SDPA's ``enable_gqa`` does.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ._losses_autograd import strict_once_differentiable
 
 __all__ = [
     "QKNorm",
@@ -122,16 +127,21 @@ class _EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, cap: float | None, scale: float):
+    def forward(ctx, q, k, v, causal: bool, cap: float | None, scale: float, groups: int):
+        # q: [n, groups * T, D], the queries of every head that shares one key/value head
+        # stacked along time; k, v: [n, S, D]. One bmm then serves the whole group, and the
+        # gradients of k and v sum over the group inside the backward bmm (no repeated copies).
         n, t, s_len = q.shape[0], q.shape[1], k.shape[1]
         chunk = max(1, _CHUNK_BYTES // (4 * t * s_len))
         # fold the cap's 2/cap into the query scale: a [.., T, D] multiply, not a [.., T, S] one
         qs = q * (2.0 * scale / cap if cap else scale)
         kt = k.transpose(1, 2)
-        mask = _causal_mask(t, s_len, q.device) if causal else None
+        mask = _causal_mask(t // groups, s_len, groups, q.device) if causal else None
         probs, sigs, outs = [], [], []
         for lo in range(0, n, chunk):
             s = torch.bmm(qs[lo:lo + chunk], kt[lo:lo + chunk])
+            # cap first, mask second: a capped -inf would be the finite -cap, and every masked
+            # key would get a little weight (Gemma 2 caps the raw scores for the same reason)
             if cap:
                 sig = s.sigmoid_()
                 sigs.append(sig)
@@ -146,6 +156,7 @@ class _EagerAttention(torch.autograd.Function):
         return torch.cat(outs)
 
     @staticmethod
+    @strict_once_differentiable
     def backward(ctx, dout):
         q, k, v, *rest = ctx.saved_tensors
         probs, sigs = rest[:ctx.n_chunks], rest[ctx.n_chunks:]
@@ -161,20 +172,27 @@ class _EagerAttention(torch.autograd.Function):
                 ds.mul_(torch.addcmul(sigs[i], sigs[i], sigs[i], value=-1.0))
             dqs.append(torch.bmm(ds, k[lo:lo + c]).mul_(scale))
             dks.append(torch.bmm(ds.transpose(1, 2), q[lo:lo + c]).mul_(scale))
-        return torch.cat(dqs), torch.cat(dks), torch.cat(dvs), None, None, None
+        return torch.cat(dqs), torch.cat(dks), torch.cat(dvs), None, None, None, None
 
 
 @functools.lru_cache(maxsize=16)
-def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    # True where masked: top-left aligned like SDPA's is_causal (key j visible to query i if j <= i)
-    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).triu_(1)
+def _causal_mask(q_len: int, kv_len: int, groups: int, device: torch.device) -> torch.Tensor:
+    # True where masked: top-left aligned like SDPA's is_causal (key j visible to query i if j <= i),
+    # tiled once per query head of a group (the rows are groups x q_len)
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).triu_(1)
+    return mask if groups == 1 else mask.repeat(groups, 1)
 
 
 def _eager(q, k, v, causal: bool, cap: float | None, scale: float) -> torch.Tensor:
     b, h, t, _ = q.shape
-    q3, k3, v3 = (x.float().reshape(b * h, x.shape[2], x.shape[3]) for x in (q, k, v))
+    h_kv = k.shape[1]
+    # [B, H_kv * G, T, D] -> [B * H_kv, G * T, D]: a view, since head h reads kv head h // G
+    q3 = q.float().reshape(b * h_kv, (h // h_kv) * t, q.shape[3])
+    k3, v3 = (x.float().reshape(b * h_kv, x.shape[2], x.shape[3]) for x in (k, v))
+    # the hand-written backward works on the fp32 tensors it saved: autocast must not re-cast the
+    # bmms inside (a bf16 score matrix would lose the cap's small derivatives near +-cap)
     with torch.autocast(q.device.type, enabled=False):
-        out = _EagerAttention.apply(q3, k3, v3, causal, cap, scale)
+        out = _EagerAttention.apply(q3, k3, v3, causal, cap, scale, h // h_kv)
     return out.view(b, h, t, v.shape[-1]).to(q.dtype)
 
 
@@ -205,9 +223,11 @@ def _cap_score_mod(cap: float):
     return cap_mod
 
 
-def _flex(q, k, v, causal: bool, cap: float, scale: float) -> torch.Tensor:
+def _flex(q, k, v, causal: bool, cap: float | None, scale: float) -> torch.Tensor:
     mask = _flex_causal_block_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
-    return _compiled_flex()(q, k, v, score_mod=_cap_score_mod(cap), block_mask=mask, scale=scale)
+    mod = None if cap is None else _cap_score_mod(cap)
+    return _compiled_flex()(q, k, v, score_mod=mod, block_mask=mask, scale=scale,
+                            enable_gqa=q.shape[1] != k.shape[1])
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -215,7 +235,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               backend: Literal["auto", "sdpa", "eager", "flex"] = "auto") -> torch.Tensor:
     """Scaled dot-product attention whose scores may be soft-capped.
 
-    q: [B, H, T, D], k: [B, H, S, D], v: [B, H, S, Dv], one dtype; returns [B, H, T, Dv] in it.
+    q: [B, H, T, D], k: [B, H_kv, S, D], v: [B, H_kv, S, Dv], one dtype; returns [B, H, T, Dv] in
+    it. H_kv divides H: H_kv = H is multi-head, 1 < H_kv < H grouped-query, H_kv = 1 multi-query
+    attention; query head h attends with key/value head h // (H / H_kv) (SDPA's ``enable_gqa``).
     Scores ``s = scale * q k^T`` (scale defaults to 1/sqrt(D)), then ``softcap * tanh(s /
     softcap)``, then the causal mask (top-left aligned, as SDPA's ``is_causal``), then softmax.
     ``backend="auto"``: SDPA without a cap; with a cap, compiled flex_attention on CUDA and an
@@ -227,10 +249,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     check_softcap(softcap, "softcap")
     if backend not in ("auto", "sdpa", "eager", "flex"):
         raise ValueError(f"attention backend={backend!r} must be 'auto', 'sdpa', 'eager' or 'flex'")
-    if not (q.shape[:2] == k.shape[:2] == v.shape[:2] and k.shape[2] == v.shape[2]
-            and q.shape[3] == k.shape[3]):
+    if not (q.shape[0] == k.shape[0] and k.shape[:3] == v.shape[:3] and q.shape[3] == k.shape[3]
+            and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0):
         raise ValueError(f"attention shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}; expected [B, H, T, D], [B, H, S, D], [B, H, S, Dv]")
+                         f"v {tuple(v.shape)}; expected [B, H, T, D], [B, H_kv, S, D], "
+                         "[B, H_kv, S, Dv] with H_kv dividing H (H_kv = H: multi-head, "
+                         "H_kv = 1: multi-query)")
+    gqa = q.shape[1] != k.shape[1]
     if backend == "auto":
         if softcap is None:
             backend = "sdpa"
@@ -240,6 +265,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         if softcap is not None:
             raise ValueError(f"SDPA cannot apply softcap={softcap}; use backend='auto' (flex on "
                              "CUDA, eager elsewhere) or drop the cap")
+        if gqa:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                  enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -247,10 +275,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         if q.device.type != "cuda":
             raise ValueError(f"backend='flex' trains only on CUDA (flex_attention has no backward "
                              f"on {q.device.type}); use backend='auto' or 'eager'")
-        if softcap is None:
-            mask = _flex_causal_block_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
-            return _compiled_flex()(q, k, v, block_mask=mask, scale=scale)
-        return _flex(q, k, v, causal, float(softcap), scale)
+        return _flex(q, k, v, causal, None if softcap is None else float(softcap), scale)
     return _eager(q, k, v, causal, softcap, scale)
 
 
@@ -260,20 +285,24 @@ def logit_p99(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scale: f
               generator: torch.Generator | None = None) -> torch.Tensor:
     """Per-head 99th percentile of |pre-softmax logit| from a sample of (query, key) pairs.
 
-    q: [B, H, T, D], k: [B, H, S, D]. Draws ``sample`` visible (batch, query, key) triples
-    uniformly (with replacement; all of them, exactly, when there are no more than ``sample``),
-    shared by every head, and returns a float32 [H] tensor on q's device: the value at 0-based
+    q: [B, H, T, D], k: [B, H_kv, S, D] (H_kv divides H, as in ``attention``). Draws ``sample``
+    visible (batch, query, key) triples uniformly (with replacement; all of them, exactly, when
+    there are no more than ``sample``), shared by every head, and returns a float32 [H] tensor on q's device: the value at 0-based
     rank ceil(0.99 (n - 1)) of the sorted |logits|, as torch.quantile(interpolation="higher").
     Logits are ``scale * q.k`` before any cap, or after ``softcap`` when one is given. No host
     sync; never builds the T x S matrix (torch.quantile refuses inputs over 16M elements).
     """
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"logit_p99 expects 4-D q, k; got {tuple(q.shape)}, {tuple(k.shape)}")
+    if not (q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3] and k.shape[1] > 0
+            and q.shape[1] % k.shape[1] == 0):
+        raise ValueError(f"logit_p99 shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}; "
+                         "expected [B, H, T, D] and [B, H_kv, S, D] with H_kv dividing H")
     if sample < 1:
         raise ValueError(f"logit_p99 sample={sample} must be >= 1")
     check_softcap(softcap, "softcap")
-    b, _, t, d = q.shape
-    s_len = k.shape[-2]
+    b, h, t, d = q.shape
+    h_kv, s_len = k.shape[1], k.shape[-2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     # visible pairs per sequence: row i sees keys 0..min(i, S-1) when causal
     rows = torch.arange(t, dtype=torch.int64)
@@ -293,8 +322,12 @@ def logit_p99(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, scale: f
     for lo in range(0, len(flat), 4096):
         sl = slice(lo, lo + 4096)
         qs = q[bi[sl], :, qi[sl], :].float()  # [n, H, D]
-        ks = k[bi[sl], :, kj[sl], :].float()
-        chunks.append(torch.einsum("nhd,nhd->hn", qs, ks))
+        ks = k[bi[sl], :, kj[sl], :].float()  # [n, H_kv, D]
+        if h_kv == h:
+            chunks.append(torch.einsum("nhd,nhd->hn", qs, ks))
+        else:  # query head h reads key head h // G
+            qg = qs.view(-1, h_kv, h // h_kv, d)
+            chunks.append(torch.einsum("nkgd,nkd->kgn", qg, ks).reshape(h, -1))
     logits = torch.cat(chunks, dim=1).mul_(scale)
     if softcap is not None:
         logits = _tanh_cap(logits, softcap)

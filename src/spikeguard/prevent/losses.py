@@ -10,11 +10,18 @@ Conventions shared by every function here:
 - math runs in max(fp32, input dtype): fp64 stays fp64, bf16/fp16 are upcast one chunk at a time,
   and the outputs come back in that compute dtype (fp32 for bf16 logits, unlike F.cross_entropy);
 - "counted" tokens are those whose target is not ``ignore_index``; means are over counted tokens;
+- ``reduction``: "mean" (default), "sum" over counted tokens, or "none" (per-token values, 0 at
+  ignored tokens, to trace a spike to its sequences);
+- ``normalizer`` (with "mean"): divide the sums by this number or 0-d tensor instead of the local
+  count. Pass the count of counted tokens across every micro-batch and rank of a step (as
+  torchtitan does) and the per-micro-batch losses add up to the step's true mean. A normaliser
+  of 0 (nothing counted anywhere) gives 0 outputs and 0 gradients;
 - if every token is ignored, loss, ce, z_loss and log_z are all 0 and every gradient is 0
   (F.cross_entropy returns NaN there); a fully padded micro-batch adds nothing to an accumulated
   step instead of poisoning it;
-- no host-device sync: the count of counted tokens stays a tensor. Target range is checked with
-  a ValueError on CPU; on an accelerator the same check is an asynchronous device assert.
+- no host-device sync: the count of counted tokens stays a tensor. Target range (and a tensor
+  normaliser's sign) is checked with a ValueError on CPU; on an accelerator the same check is an
+  asynchronous device assert.
 """
 
 from __future__ import annotations
@@ -25,7 +32,12 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from ._losses_autograd import CrossEntropyFn, LinearCrossEntropyFn, compute_dtype
+from ._losses_autograd import (
+    CrossEntropyFn,
+    LinearCrossEntropyFn,
+    LinearCrossEntropyTokensFn,
+    compute_dtype,
+)
 
 __all__ = ["LossOutput", "cross_entropy", "linear_cross_entropy", "router_z_loss"]
 
@@ -34,6 +46,7 @@ _CHUNK_BYTES = 64 * 2**20
 _CE_CHUNK_BYTES_CPU = 16 * 2**20
 """cross_entropy's chunk on CPU: small enough to stay in cache and reuse malloc'd buffers."""
 _Z_LOSS_WARN = 1e-3
+Reduction = Literal["mean", "sum", "none"]
 
 
 class LossOutput(NamedTuple):
@@ -41,9 +54,11 @@ class LossOutput(NamedTuple):
 
     With reduction "mean" (the default) all four are scalars: ``loss = ce + z_loss``, ``ce`` is
     the mean cross-entropy in nats, ``z_loss`` the weighted term alpha * mean(logZ^2), ``log_z``
-    the mean log Z, all over counted tokens. With "sum", loss, ce and z_loss are sums over counted
-    tokens and log_z is still the mean. With "none" each has the target's shape, 0 at ignored
-    positions."""
+    the mean log Z, all over counted tokens. With a ``normalizer`` all four are sums over counted
+    tokens divided by it (so they add up across micro-batches and ranks to the global means).
+    With "sum", loss, ce and z_loss are sums over counted tokens and log_z is still the mean.
+    With "none" each has the target's shape, 0 at ignored positions: per-token loss (still
+    differentiable), ce, alpha * logZ^2 and log Z."""
 
     loss: torch.Tensor
     ce: torch.Tensor
@@ -103,6 +118,42 @@ def _check_target(target: torch.Tensor, name: str, lead: tuple[int, ...], n_clas
     return safe.unsqueeze(1), mask
 
 
+def _check_reduction(reduction: str, normalizer: float | torch.Tensor | None,
+                     device: torch.device, dtype: torch.dtype) -> float | torch.Tensor | None:
+    """Validate ``reduction`` and return 1 / normalizer (0 where it is 0), or None without one.
+
+    A number stays a Python float and a tensor stays on its device: building a device tensor
+    from a host number would be a copy that waits for the device."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} must be 'mean', 'sum' or 'none'")
+    if normalizer is None:
+        return None
+    if reduction != "mean":
+        raise ValueError(f"normalizer is used with reduction='mean' only (it replaces the count "
+                         f"of counted tokens), got reduction={reduction!r}")
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.dim() != 0 or normalizer.dtype == torch.bool or normalizer.is_complex():
+            raise ValueError(f"normalizer must be a 0-d real tensor (a token count), got shape "
+                             f"{tuple(normalizer.shape)} and dtype {normalizer.dtype}")
+        if normalizer.device != device:
+            raise ValueError(f"normalizer is on {normalizer.device} but the loss inputs are on "
+                             f"{device}; all-reduce the count on their device")
+        n = normalizer.detach().to(dtype)
+        bad = ~(n >= 0) | ~n.isfinite()
+        if n.device.type == "cpu":
+            if bool(bad):
+                raise ValueError(f"normalizer={float(n)} must be a finite number >= 0 (the count "
+                                 "of counted tokens across micro-batches and ranks)")
+        else:
+            torch._assert_async(~bad, "normalizer must be finite and >= 0")
+        return torch.where(n > 0, n.reciprocal(), torch.zeros((), dtype=dtype, device=n.device))
+    if (isinstance(normalizer, bool) or not isinstance(normalizer, (int, float))
+            or not math.isfinite(normalizer) or normalizer < 0):
+        raise ValueError(f"normalizer={normalizer!r} must be a finite number >= 0 or a 0-d "
+                         "tensor (the count of counted tokens across micro-batches and ranks)")
+    return 1.0 / normalizer if normalizer > 0 else 0.0
+
+
 def _chunk_rows(chunk_size: int | None, n_classes: int, dtype: torch.dtype, budget: int) -> int:
     if chunk_size is None:
         return max(1, budget // (n_classes * compute_dtype(dtype).itemsize))
@@ -119,7 +170,8 @@ def cross_entropy(
     z_loss: float = 1e-4,
     ignore_index: int = -100,
     softcap: float | None = None,
-    reduction: Literal["mean", "sum", "none"] = "mean",
+    reduction: Reduction = "mean",
+    normalizer: float | torch.Tensor | None = None,
 ) -> LossOutput:
     """Cross-entropy plus z-loss, returning log Z from the same pass.
 
@@ -127,16 +179,18 @@ def cross_entropy(
     ``loss = ce + z_loss * mean(logZ^2)`` over counted tokens. Note the default z_loss is 1e-4,
     not 0: with z_loss=0 and no softcap, ``ce``/``loss`` equal F.cross_entropy. With ``softcap``
     the logits are first mapped to softcap * tanh(logits / softcap), and log Z is the logsumexp of
-    the capped logits. Gradient w.r.t. a (capped) logit: (p_j * (1 + 2 z_loss logZ) - y_j) / N.
-    The gradient has the logits' dtype; nothing syncs with the host (see the module docstring).
+    the capped logits. Gradient w.r.t. a (capped) logit: (p_j * (1 + 2 z_loss logZ) - y_j) / N,
+    N the count of counted tokens (1 with "sum", ``normalizer`` when given). ``reduction`` and
+    ``normalizer`` as in the module docstring; see LossOutput for the shapes. The gradient has
+    the logits' dtype; nothing syncs with the host (see the module docstring).
     """
     if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point:
         raise ValueError(f"logits must be a floating-point tensor, got "
                          f"{getattr(logits, 'dtype', type(logits).__name__)}")
     if logits.dim() < 1:
         raise ValueError("logits must have a class dimension last: [..., V]")
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction={reduction!r} must be 'mean', 'sum' or 'none'")
+    inv_norm = _check_reduction(reduction, normalizer, logits.device,
+                                compute_dtype(logits.dtype))
     alpha, cap = _check_z_loss(z_loss), _check_softcap(softcap)
     lead, v = tuple(logits.shape[:-1]), logits.shape[-1]
     tgt, mask = _check_target(target, "logits", lead, v, logits.device, ignore_index)
@@ -153,6 +207,8 @@ def cross_entropy(
     log_z = lse_t.sum() * inv_n
     if reduction == "sum":
         return LossOutput(total, ce, z, log_z)
+    if inv_norm is not None:
+        return LossOutput(total * inv_norm, ce * inv_norm, z * inv_norm, lse_t.sum() * inv_norm)
     return LossOutput(total * inv_n, ce * inv_n, z * inv_n, log_z)
 
 
@@ -166,6 +222,8 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     softcap: float | None = None,
     chunk_size: int | None = None,
+    reduction: Reduction = "mean",
+    normalizer: float | torch.Tensor | None = None,
 ) -> LossOutput:
     """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without the [N, V] logits.
 
@@ -174,10 +232,14 @@ def linear_cross_entropy(
     many as fit one chunk of compute-dtype logits in 64 MiB); neither the full logits nor their
     gradient ever exist. With grad enabled, the gradients of hidden, weight and bias are computed
     during the forward pass (3 matmuls in all, like the unfused path) and held until backward:
-    that costs one [V, H] buffer in the compute dtype plus one [N, H]. Returns a mean-reduced
-    LossOutput (scalars in the compute dtype). The logits and hidden-gradient matmuls run in the
-    input dtype; softmax math and the weight/bias gradients (matmul and the sum across chunks)
-    in max(fp32, dtype).
+    that costs one [V, H] buffer in the compute dtype plus one [N, H]. ``reduction`` and
+    ``normalizer`` as in cross_entropy; with "none" the per-token weights arrive only in
+    backward, so backward recomputes the logits chunk by chunk (one matmul more, no [V, H] or
+    [N, H] buffer held between the passes). Outputs are in the compute dtype. The logits and
+    hidden-gradient matmuls run in the input dtype; softmax math and the weight/bias gradients
+    (matmul and the sum across chunks) in max(fp32, dtype). Under torch.autocast the logits
+    matmul runs in the autocast dtype, as any F.linear does (the result equals this loss on
+    inputs cast to that dtype); the gradient matmuls are not autocast.
     """
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
@@ -193,26 +255,45 @@ def linear_cross_entropy(
     for name, t in others:
         if t.dtype != hidden.dtype:
             raise ValueError(f"{name} dtype {t.dtype} differs from hidden dtype {hidden.dtype}; "
-                             "cast them to one dtype (autocast does not reach inside this op)")
+                             "cast them to one dtype (under torch.autocast the logits matmul "
+                             "inside already runs in the autocast dtype, so the inputs may stay "
+                             "in fp32)")
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}; "
                              "move them to one device")
     if bias is not None and tuple(bias.shape) != (v,):
         raise ValueError(f"bias shape {tuple(bias.shape)} must be ({v},) to match weight [V, H]")
+    inv_norm = _check_reduction(reduction, normalizer, hidden.device, compute_dtype(hidden.dtype))
     alpha, cap = _check_z_loss(z_loss), _check_softcap(softcap)
-    tgt, mask = _check_target(target, "hidden", tuple(hidden.shape[:-1]), v, hidden.device,
-                              ignore_index)
+    lead = tuple(hidden.shape[:-1])
+    tgt, mask = _check_target(target, "hidden", lead, v, hidden.device, ignore_index)
     rows = _chunk_rows(chunk_size, v, hidden.dtype, _CHUNK_BYTES)
-    loss, ce, z, log_z = LinearCrossEntropyFn.apply(hidden.reshape(-1, h), weight, bias, tgt, mask,
-                                                    alpha, cap, rows, torch.is_grad_enabled())
-    return LossOutput(loss, ce, z, log_z)
+    h2 = hidden.reshape(-1, h)
+    if reduction == "none":
+        loss_t, lse_t, ce_t = LinearCrossEntropyTokensFn.apply(h2, weight, bias, tgt, mask, alpha,
+                                                               cap, rows)
+        return LossOutput(loss_t.view(lead), ce_t.view(lead), (alpha * lse_t.square()).view(lead),
+                          lse_t.view(lead))
+    if reduction == "sum":
+        inv_norm = 1.0
+    if inv_norm is None:  # the default: the mean over this call's counted tokens
+        out = LinearCrossEntropyFn.apply(h2, weight, bias, tgt, mask, alpha, cap, rows,
+                                         torch.is_grad_enabled())
+    else:
+        out = LinearCrossEntropyFn.apply(h2, weight, bias, tgt, mask, alpha, cap, rows,
+                                         torch.is_grad_enabled(), inv_norm, reduction == "sum")
+    return LossOutput(*out)
 
 
-def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
+def router_z_loss(router_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """ST-MoE's router z-loss: mean over tokens of logsumexp(router_logits, -1)^2.
 
-    router_logits: [..., n_experts]. Returns a differentiable scalar in max(fp32, dtype); the
-    caller multiplies it by its coefficient (ST-MoE uses 1e-3).
+    router_logits: [..., n_experts]. mask: None (every token counts) or a bool / 0-1 integer
+    tensor of shape router_logits.shape[:-1], True (1) at real tokens and False (0) at padding,
+    as a tokenizer's attention_mask; the mean is then over real tokens only, padded rows are
+    never read (a NaN there stays out of the loss and its gradient), and a fully padded batch
+    gives 0 with zero gradients. Returns a differentiable scalar in max(fp32, dtype); the caller
+    multiplies it by its coefficient (ST-MoE uses 1e-3). No host-device sync.
     """
     if not isinstance(router_logits, torch.Tensor) or not router_logits.dtype.is_floating_point:
         raise ValueError("router_logits must be a floating-point tensor [..., n_experts]")
@@ -220,4 +301,19 @@ def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"router_logits shape {tuple(router_logits.shape)} needs a non-empty "
                          "expert dimension last")
     x = router_logits.to(compute_dtype(router_logits.dtype))
-    return torch.logsumexp(x, dim=-1).square().mean()
+    if mask is None:
+        return torch.logsumexp(x, dim=-1).square().mean()
+    if not isinstance(mask, torch.Tensor) or mask.dtype.is_floating_point or mask.is_complex():
+        raise ValueError(f"mask must be a bool or integer tensor (True/1 at real tokens), got "
+                         f"{getattr(mask, 'dtype', type(mask).__name__)}")
+    if tuple(mask.shape) != tuple(router_logits.shape[:-1]):
+        raise ValueError(f"mask shape {tuple(mask.shape)} must equal router_logits.shape[:-1] = "
+                         f"{tuple(router_logits.shape[:-1])}")
+    if mask.device != router_logits.device:
+        raise ValueError(f"mask is on {mask.device} but router_logits is on "
+                         f"{router_logits.device}; move them to one device")
+    keep = mask.bool()
+    # zeros in padded rows, not a multiply by 0 afterwards: 0 * NaN would still be NaN
+    x = torch.where(keep.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    m = keep.to(x.dtype)
+    return (torch.logsumexp(x, dim=-1).square() * m).sum() / m.sum().clamp(min=1.0)

@@ -1,7 +1,8 @@
-"""DetectorConfig: every threshold of the spike detector, defaults = the seeds' numbers.
+"""DetectorConfig: every threshold of the spike detector, one field each.
 
-Seed 004 section 5.2.2 gives the tiers; shared/SEED-ERRATA.md settles where it contradicts itself
-(Tier 1 is grad-norm OR loss ratio; the log Z drift rule catches the seed's own scenario 2).
+The defaults are sized for a long pretraining run: medians over 5,000 updates, a loss EMA over
+1,000. ``DetectorConfig.for_run`` shrinks the windows (and the arming delay) for short runs. Why
+each rule exists is written beside it, in ``_rules.py`` and ``_rules_tier2.py``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from .._validate import check_int, check_positive
 
 __all__ = ["DetectorConfig"]
 
-# windows that DetectorConfig.for_run shrinks to total_steps // 4 for short runs
+# windows that DetectorConfig.for_run shrinks to total_steps // 4 for short runs (skip_window
+# is not among them: a tiny window makes one skip a storm)
 _WINDOWS = ("median_window", "loss_ema_steps", "recovery_ema_steps", "recovery_steps",
             "elevated_steps", "log_z_rise_steps")
+
+# for_run never arms on fewer kept updates than this: a median of 1-4 values is one noisy value
+_MIN_ARM_AFTER = 5
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -31,17 +36,17 @@ class DetectorConfig:
     arm_after: int = 50
     """Rules other than Tier 3 and fp16 overflows stay off until this many unflagged updates."""
     median_window: int = 5000
-    """Updates in the running medians of grad norm and log Z (seed: the prior 5,000 steps)."""
+    """Updates in the running medians of grad norm and log Z, and in the loss floor."""
     grad_k: float = 3.0
     """Tier 1 SKIP when grad_norm > grad_k x its running median."""
     grad_elevated: float = 1.5
     """A norm above this multiple of the median is 'elevated'; the run of them dates the onset."""
     loss_ema_steps: int = 1000
-    """Span of the loss EMA behind loss_ema_ratio (alpha = 1 / span; seed: 1,000 steps)."""
+    """Span of the loss EMA behind loss_ema_ratio (alpha = 1 / span)."""
     alert_ratio: float = 1.5
     """ALERT (Tier 1, no skip) when loss_ema_ratio exceeds this alone."""
     skip_ratio: float = 2.0
-    """Tier 1 SKIP when loss_ema_ratio exceeds this (seed: skip-batch above 2.0)."""
+    """Tier 1 SKIP when loss_ema_ratio exceeds this (the loss doubled: not noise)."""
     tier2_ratio: float = 2.5
     """Tier 2 when loss_ema_ratio stays above this for tier2_ratio_steps consecutive updates."""
     tier2_ratio_steps: int = 10
@@ -51,17 +56,18 @@ class DetectorConfig:
     recovery_steps: int = 200
     """A Tier 1 spike must recover within this many updates, else it escalates to Tier 2."""
     spike_nats: float = 0.1
-    """The seed's spike size: the short loss EMA this far above the pre-spike level is a spike."""
+    """Spike size in nats: the short loss EMA this far above the pre-spike level is a spike."""
     loss_onset_nats: float = 0.05
     """A loss excursion (and its onset) starts where the short EMA rises this far above its floor."""
     elevated_steps: int = 500
     """Tier 2 when the short loss EMA stays spike_nats above pre-spike for more updates than this."""
     log_z_rise: float = 3.0
-    """Tier 2 when log Z rises more than this within log_z_rise_steps (the seed's rule)."""
+    """Tier 2 when log Z rises more than this within log_z_rise_steps (a fast logit blow-up)."""
     log_z_rise_steps: int = 300
     """Window of the log Z rise rule, in updates."""
     log_z_drift: float = 3.0
-    """Tier 2 when log Z stands more than this above its running median (the drift rule)."""
+    """Tier 2 when log Z stands more than this above its running median (a drift too slow for
+    the rise rule)."""
     log_z_onset: float = 0.5
     """A log Z excursion (and its onset) starts where log Z stands this far above its median."""
     z_loss_advice_log_z: float = 12.0
@@ -105,7 +111,7 @@ class DetectorConfig:
         if not self.alert_ratio <= self.skip_ratio <= self.tier2_ratio:
             raise ValueError(f"DetectorConfig ratios must rise alert_ratio <= skip_ratio <= "
                              f"tier2_ratio; got {self.alert_ratio}, {self.skip_ratio}, "
-                             f"{self.tier2_ratio} (seed: 1.5, 2.0, 2.5)")
+                             f"{self.tier2_ratio} (defaults 1.5, 2.0, 2.5)")
         if self.loss_onset_nats > self.spike_nats:
             raise ValueError(f"DetectorConfig.loss_onset_nats={self.loss_onset_nats} must be <= "
                              f"spike_nats={self.spike_nats}: the onset comes before the spike")
@@ -119,16 +125,22 @@ class DetectorConfig:
 
     @classmethod
     def for_run(cls, total_steps: int, **overrides: Any) -> DetectorConfig:
-        """The seeds' defaults with each window shrunk to min(seed value, total_steps // 4).
+        """The defaults, sized for a run of ``total_steps`` updates.
 
-        Shrinks median_window, loss_ema_steps, recovery_ema_steps, recovery_steps,
-        elevated_steps and log_z_rise_steps; ``overrides`` are applied on top.
+        Each window (median_window, loss_ema_steps, recovery_ema_steps, recovery_steps,
+        elevated_steps, log_z_rise_steps) becomes min(default, total_steps // 4), so that it
+        fills within the first quarter of the run. ``arm_after`` becomes
+        min(default, max(5, total_steps // 10)): the rules start after a tenth of the run (50
+        updates of a 100-step run would be half of it), but never on a median of fewer than 5
+        values. ``overrides`` are applied on top. From 20,000 steps on, the result is
+        ``DetectorConfig()``.
         """
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 4:
             raise ValueError(f"for_run(total_steps={total_steps!r}): total_steps must be an "
                              "int >= 4 (the windows become total_steps // 4)")
         cap = total_steps // 4
-        sizes = {name: min(getattr(cls, name), cap) for name in _WINDOWS}
+        sizes: dict[str, Any] = {name: min(getattr(cls, name), cap) for name in _WINDOWS}
+        sizes["arm_after"] = min(cls.arm_after, max(_MIN_ARM_AFTER, total_steps // 10))
         sizes.update(overrides)
         return cls(**sizes)
 

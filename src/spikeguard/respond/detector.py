@@ -1,38 +1,46 @@
-"""The spike detector: seed 004 section 5.2.2's triage as a pure function of the metrics stream.
+"""The spike detector: triage of each training step into tiers, a pure function of the metrics.
 
 ``SpikeDetector(DetectorConfig()).update(StepMetrics) -> Verdict``. Pure Python: no torch, no
 I/O, host floats in and out; about 10 us an update. Tiers (every number a DetectorConfig field):
 
 * Tier 0: nothing, a z-loss advice ALERT, or an fp16 GradScaler overflow (SKIP, reason "scaler").
-* Tier 1: SKIP when grad_norm > 3x its running median OR loss_ema_ratio > 2.0 (shared/SEED-ERRATA:
-  OR, not the seed's AND); ALERT when loss_ema_ratio > 1.5 alone. A skipped step never enters a
-  median or an EMA. A skip must recover (short loss EMA back below max(spike-step loss,
-  pre-spike EMA + 0.1)) within 200 updates, else Tier 2.
-* Tier 2 (ROLLBACK; the guard may turn it into an alert): ratio > 2.5 for 10 updates; short loss
+* Tier 1: SKIP when grad_norm > 3x its running median OR loss_ema_ratio > 2.0. Either alone
+  suffices because a bad batch can move one without the other: a batch of repeated bytes gives a
+  huge gradient at a low loss, a batch of noise a high loss at an ordinary gradient. ALERT when
+  loss_ema_ratio > 1.5 alone. A skipped step never enters a median or an EMA. A skip must
+  recover (short loss EMA back below max(spike-step loss, pre-spike EMA + 0.1)) within 200
+  updates, else Tier 2.
+* Tier 2 (ROLLBACK; a caller may turn it into an alert): ratio > 2.5 for 10 updates; short loss
   EMA 0.1 above its pre-spike level for > 500 updates; log Z +3 within 300 updates; log Z more
-  than 3 above its running median (the drift rule); a skip storm; an unrecovered Tier 1.
-  Tier 2 rules are events: each fires once when its condition starts to hold.
+  than 3 above its running median (a drift too slow for the 300-update rule); a skip storm; an
+  unrecovered Tier 1. Tier 2 rules are events: each fires once when its condition starts to hold.
 * Tier 3 (HALT): nan_frac > 0, a non-finite loss or grad norm (under fp16: only when grad_scale
   is below 1 or after 10 consecutive overflows), or loss > 10 nats that the grad norm does not
   explain once the loss EMA is below 0.8 ln(vocab).
 
+Each rule is a small object in ``_rules.py`` / ``_rules_tier2.py``; this class feeds them in a
+fixed order, keeps flagged steps out of their histories and turns their events into a Verdict.
 ``Verdict.reasons`` lists what fired and which other metrics are in an excursion, ordered by
 onset: the first names the metric that moved first. ``onset_step`` is the earliest of those
-onsets; the rollback target is the last checkpoint at or before it.
+onsets; the rollback target is the newest checkpoint at or before ``onset_step - 2``
+(``respond.checkpoint.rollback_target``: the update before the onset may be the cause).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, NamedTuple
 
-from ..detect.stats import EMA, EventWindow, RunningMedian, SlidingMin
 from ..record import Action, StepMetrics
 from ._detector_config import DetectorConfig
+from ._rules import Event, GradSpike, LossHalt, LossRatio, NonFinite, Rule, ScalerOverflow
+from ._rules_tier2 import LogZDrift, LogZRise, LossElevated, RatioHeld, Recovery, SkipStorm
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+"""2: one entry per rule (``state["rules"][name]``); 1 was one flat dict, before the rules split."""
 
 
 class Verdict(NamedTuple):
@@ -52,7 +60,7 @@ class Verdict(NamedTuple):
     reasons: tuple[str, ...]
     """Short strings, each starting with the metric it is about, ordered by onset."""
     onset_step: int | None
-    """Where the anomaly began; roll back to the last checkpoint at or before it."""
+    """Where the anomaly began; roll back to the newest checkpoint at or before onset_step - 2."""
     evidence: dict[str, float]
     """The numbers behind the decision (NaN where not yet known)."""
     skip: bool
@@ -60,6 +68,31 @@ class Verdict(NamedTuple):
 
 
 _isfinite = math.isfinite
+_nan = math.nan
+_CONTINUE = Action.CONTINUE
+_new_verdict = tuple.__new__  # Verdict(...) without the keyword handling: the hot path
+
+# Types of StepMetrics fields already seen not to be torch tensors (numpy floats join on first
+# sight), so that the full check costs one set lookup per field.
+_HOST_TYPES = {float, int, bool, type(None)}
+_FIELDS = ("step", "loss", "grad_norm", "log_z", "nan_frac", "loss_ema_ratio", "grad_scale")
+
+
+def _check_host(m: StepMetrics) -> None:
+    h = _HOST_TYPES
+    if (type(m.loss) in h and type(m.grad_norm) in h and type(m.log_z) in h
+            and type(m.nan_frac) in h and type(m.loss_ema_ratio) in h
+            and type(m.grad_scale) in h and type(m.step) in h):
+        return
+    torch = sys.modules.get("torch")  # a tensor implies torch is imported: never import it here
+    for name in _FIELDS:
+        value = getattr(m, name)
+        if torch is not None and isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"StepMetrics.{name} is a torch.Tensor ({value.device}); SpikeDetector.update "
+                f"takes host numbers: pass float({name}) (read it once, e.g. one step late). "
+                "A tensor here would make every comparison in the detector a hidden device sync")
+        h.add(type(value))
 
 
 def _metric(reason: str) -> str:
@@ -69,64 +102,35 @@ def _metric(reason: str) -> str:
 class SpikeDetector:
     """Feed one :class:`StepMetrics` per step, in step order; get a :class:`Verdict` back.
 
-    Windows count updates, not step indices. State (medians, EMAs, windows, runs) round-trips
-    through ``state_dict`` / ``load_state_dict`` as JSON-ready plain data.
+    Windows count updates, not step indices. State (each rule's medians, EMAs, windows, runs)
+    round-trips through ``state_dict`` / ``load_state_dict`` as JSON-ready plain data.
     """
 
     def __init__(self, config: DetectorConfig | None = None) -> None:
         self.config = config if config is not None else DetectorConfig()
-        c = self.config
-        self._r = {
-            "grad": f"grad_norm > {c.grad_k:g}x median",
-            "grad_ctx": f"grad_norm > {c.grad_elevated:g}x median",
-            "skip_ratio": f"loss_ema_ratio > {c.skip_ratio:g}",
-            "alert_ratio": f"loss_ema_ratio > {c.alert_ratio:g}",
-            "t2_ratio": f"loss_ema_ratio > {c.tier2_ratio:g} for {c.tier2_ratio_steps} steps",
-            "not_recovered": f"loss not recovered within {c.recovery_steps} steps",
-            "elevated": f"loss +{c.spike_nats:g} nats for > {c.elevated_steps} steps",
-            "loss_ctx": f"loss +{c.loss_onset_nats:g} nats above its floor",
-            "z_rise": f"log_z +{c.log_z_rise:g} within {c.log_z_rise_steps} steps",
-            "z_drift": f"log_z > median + {c.log_z_drift:g}",
-            "z_ctx": f"log_z > median + {c.log_z_onset:g}",
-            "storm_run": f"skips > {c.max_consecutive_skips} consecutive",
-            "storm_frac": f"skips > {c.max_skip_fraction:.0%} of last {c.skip_window}",
-            "z_advice": "add or raise z-loss",
-            "loss_halt": f"loss > {c.halt_loss_nats:g} nats, grad_norm <= {c.grad_k:g}x median",
-            "scale_low": f"grad_scale < {c.min_grad_scale:g} at overflow",
-            "scaler_run": f"scaler overflows >= {c.max_scaler_skips} consecutive",
-        }
-        self._halt_loss_ema = (c.halt_loss_vocab_fraction * math.log(c.vocab_size)
-                               if c.vocab_size is not None else -math.inf)
-        self._skip_limit = c.max_skip_fraction * c.skip_window
         self.reset()
+
+    def _build(self) -> dict[str, Rule]:
+        c = self.config
+        # the order of evaluation: within a tier, events at equal onsets keep this order
+        return {"grad_spike": GradSpike(c), "loss_ratio": LossRatio(c), "ratio_held": RatioHeld(c),
+                "loss_halt": LossHalt(c), "skip_storm": SkipStorm(c),
+                "loss_elevated": LossElevated(c), "log_z_drift": LogZDrift(c),
+                "log_z_rise": LogZRise(c), "recovery": Recovery(c), "scaler": ScalerOverflow(c),
+                "non_finite": NonFinite()}
+
+    def _use(self, rules: dict[str, Rule]) -> None:
+        self._rules = rules
+        self._grad, self._ratio, self._held, self._halt, self._storm, self._loss, \
+            self._zdrift, self._zrise, self._recovery, self._scaler, self._nonfinite_rule = \
+            rules.values()
 
     def reset(self) -> None:
         """Forget all history (same config)."""
-        c = self.config
-        self._gmed = RunningMedian(c.median_window)
-        self._zmed = RunningMedian(c.median_window)
-        self._ema = EMA(1.0 / c.loss_ema_steps)
-        self._e50 = EMA(1.0 / c.recovery_ema_steps)
-        self._floor = SlidingMin(c.median_window)
-        self._zmin = SlidingMin(c.log_z_rise_steps)
-        self._skips = EventWindow(c.skip_window)
-        self._n_seen = 0          # updates that were not overflows / non-finite
-        self._n_clean = 0         # updates that entered the histories
-        self._gn_onset: int | None = None     # first step of the run of elevated grad norms
-        self._ratio_onset: int | None = None  # first step of the run of ratio > alert_ratio
-        self._ratio_hi = 0        # consecutive updates with ratio > tier2_ratio
-        self._skip_run = 0
-        self._skip_run_onset: int | None = None
-        self._storm_latched = False
-        self._lx_onset: int | None = None     # loss excursion: onset, pre-spike level, count
-        self._lx_pre = 0.0
-        self._lx_count = 0
-        self._zx_onset: int | None = None     # log Z excursion onset
-        self._zx_drift_fired = False
-        self._zx_rise_fired = False
-        self._pending: list[float] | None = None  # [onset, update index, pre EMA, threshold]
-        self._scaler_run = 0
-        self._scaler_onset: int | None = None
+        self._use(self._build())
+        self._arm_after = self.config.arm_after
+        self._n_seen = 0   # updates that reached the rules (not non-finite, not overflows)
+        self._n_clean = 0  # updates kept: they entered the histories
 
     @property
     def armed(self) -> bool:
@@ -136,152 +140,98 @@ class SpikeDetector:
     @property
     def grad_median(self) -> float:
         """Running median of the unflagged grad norms in the window; NaN while empty."""
-        return self._gmed.value
+        return self._grad.median.value
+
+    @property
+    def loss_ema(self) -> float:
+        """Bias-corrected EMA of the unflagged losses: what the next step's loss_ema_ratio divides
+        by. NaN before any history."""
+        return self._ratio.ema.value
 
     def update(self, m: StepMetrics) -> Verdict:
-        """Judge one step. Call once per step, in order, with host floats."""
-        c = self.config
-        r = self._r
-        step, loss, g = m.step, m.loss, m.grad_norm
-        nf = m.nan_frac or 0.0  # None (a log without the column) counts as 0
+        """Judge one step. Call once per step, in order, with host floats (a torch.Tensor field
+        raises TypeError: convert it with ``float(...)`` where a sync is acceptable)."""
+        step, loss, g, lz, nf, given = (m.step, m.loss, m.grad_norm, m.log_z, m.nan_frac,
+                                        m.loss_ema_ratio)
+        # the common case in one cheap test; anything else (ints, None, numpy floats, tensors)
+        # goes through the full check
+        if not (type(loss) is float and type(g) is float and type(lz) is float
+                and type(nf) is float and type(step) is int and given is None
+                and m.grad_scale is None):
+            _check_host(m)
+        if nf is None:  # a log without the column
+            nf = 0.0
         if not (nf <= 0.0 and _isfinite(loss) and _isfinite(g)):
+            # before any history: a NaN in a median or an EMA would poison it for its window
             return self._nonfinite(m)
-        self._scaler_run = 0
-        self._scaler_onset = None
+        scaler = self._scaler
+        if scaler.run:
+            scaler.clear()
         i = self._n_seen
         self._n_seen = i + 1
         j = self._n_clean
-        armed = j >= c.arm_after
-        med = self._gmed.value
-        ema_prev = self._ema.value
-        ratio = m.loss_ema_ratio
-        if ratio is None:
-            ratio = loss / ema_prev if ema_prev > 0.0 else math.nan
-        e50 = self._e50.value
+        armed = j >= self._arm_after
+        if lz is None:
+            lz = _nan
 
-        if g > c.grad_elevated * med:
-            if self._gn_onset is None:
-                self._gn_onset = step
-        else:
-            self._gn_onset = None
-        if ratio > c.alert_ratio:
-            if self._ratio_onset is None:
-                self._ratio_onset = step
-        else:
-            self._ratio_onset = None
-
-        t1: list[tuple[int, str]] = []
-        t2: list[tuple[int, str]] = []
-        t3: list[tuple[int, str]] = []
+        # Tier 1 (and the Tier 3 loss rule) read the histories as they were before this step
+        grad, ratio_rule = self._grad, self._ratio
+        t1: list[Event] = []
+        t2: list[Event] = []
         skip = False
-        if armed:
-            if g > c.grad_k * med:
-                t1.append((self._gn_onset, r["grad"]))
-                skip = True
-            if ratio > c.skip_ratio:
-                t1.append((self._ratio_onset, r["skip_ratio"]))
-                skip = True
-            elif ratio > c.alert_ratio:
-                t1.append((self._ratio_onset, r["alert_ratio"]))
-            if ratio > c.tier2_ratio:
-                self._ratio_hi += 1
-                if self._ratio_hi == c.tier2_ratio_steps:
-                    t2.append((self._ratio_onset, r["t2_ratio"]))
-            else:
-                self._ratio_hi = 0
-            if (loss > c.halt_loss_nats and ema_prev < self._halt_loss_ema
-                    and not g > c.grad_k * med):
-                t3.append((step, r["loss_halt"]))
+        e = grad.update(step, g, armed)
+        spike = e is not None
+        if spike:
+            t1.append(e)
+            skip = True
+        e = ratio_rule.update(step, loss, given, armed)
+        if e is not None:
+            t1.append(e)
+            skip = skip or ratio_rule.skip
+        ratio = ratio_rule.ratio
+        e = self._held.update(ratio, ratio_rule.onset, armed)
+        if e is not None:
+            t2.append(e)
+        halt = self._halt
+        t3 = halt.update(step, loss, ratio_rule.ema_prev, armed, spike) if halt.on else None
+        storm = self._storm
+        events = storm.update(step, i, skip)
+        if events is not None:
+            t2 += events
 
-        # skip storms count Tier 1 skips only (never fp16 overflows)
-        if skip:
-            if self._skip_run == 0:
-                self._skip_run_onset = step
-            self._skip_run += 1
-            self._skips.add(i, step)
-            if self._skip_run == c.max_consecutive_skips + 1:
-                t2.append((self._skip_run_onset, r["storm_run"]))
-        else:
-            self._skip_run = 0
-        n_skips = self._skips.count(i) if self._skips else 0
-        if n_skips > self._skip_limit:
-            if skip and not self._storm_latched:
-                t2.append((self._skips.first_step(), r["storm_frac"]))
-                self._storm_latched = True
-        elif n_skips <= self._skip_limit / 2:
-            self._storm_latched = False
-
-        flagged = skip or bool(t3)
-        if not flagged:
-            self._gmed.update(g)
-            self._ema.update(loss)
-            self._e50.update(loss)
-            e50 = self._e50.value
-            floor, _ = self._floor.min_before(j)
-            self._floor.push(j, e50, step)
+        # a flagged step stays out of every history: the next steps are judged against the
+        # run as it was, not against a level the anomaly itself has moved
+        kept = not (skip or t3 is not None)
+        if kept:
+            grad.keep(g)
+            ratio_rule.keep(loss)
             self._n_clean = j + 1
-            if armed and self._lx_onset is None and e50 > floor + c.loss_onset_nats:
-                self._lx_onset, self._lx_pre, self._lx_count = step, floor, 0
-        if self._lx_onset is not None:
-            if e50 <= self._lx_pre + c.loss_onset_nats:
-                self._lx_onset, self._lx_count = None, 0
-            elif e50 > self._lx_pre + c.spike_nats:
-                self._lx_count += 1
-                if self._lx_count == c.elevated_steps + 1:
-                    t2.append((self._lx_onset, r["elevated"]))
-            else:
-                self._lx_count = 0
+        lx = self._loss
+        e = lx.update(step, loss, j, armed, kept)
+        if e is not None:
+            t2.append(e)
+        short = lx.short
+        zdrift, zrise = self._zdrift, self._zrise
+        e = zdrift.update(step, lz, armed, kept)
+        if e is not None:
+            t2.append(e)
+        e = zrise.update(step, lz, j, armed, kept, zdrift.onset)
+        if e is not None:
+            t2.append(e)
+        recovery = self._recovery
+        if skip or recovery.pending is not None:  # else it has nothing to judge
+            e = recovery.update(i, skip, t1[0][0] if skip else None, loss, short)
+            if e is not None:
+                t2.append(e)
 
-        lz = m.log_z if m.log_z is not None else math.nan
-        zmed = self._zmed.value
-        zrise = math.nan
-        advice = False
-        if _isfinite(lz):
-            dev = lz - zmed
-            if dev > c.log_z_onset:
-                if self._zx_onset is None:
-                    self._zx_onset = step
-            else:
-                self._zx_onset = None
-                self._zx_drift_fired = False
-            zmin, zmin_step = self._zmin.min_before(j)
-            zrise = lz - zmin
-            if armed:
-                if dev > c.log_z_drift and not self._zx_drift_fired:
-                    t2.append((self._zx_onset, r["z_drift"]))
-                    self._zx_drift_fired = True
-                if zrise > c.log_z_rise:
-                    if not self._zx_rise_fired:
-                        onset = self._zx_onset if self._zx_onset is not None else zmin_step
-                        t2.append((onset, r["z_rise"]))
-                        self._zx_rise_fired = True
-                elif self._zx_onset is None:
-                    self._zx_rise_fired = False
-                advice = lz > c.z_loss_advice_log_z and dev > c.log_z_onset
-            if not flagged:
-                self._zmed.update(lz)
-                self._zmin.push(j, lz, step)
-
-        p = self._pending
-        if skip:
-            if p is None:
-                self._pending = [t1[0][0], i, e50, max(loss, e50 + c.spike_nats)]
-            else:
-                p[3] = max(p[3], loss)
-        elif p is not None:
-            progress = i - p[1]
-            if progress >= min(c.recovery_ema_steps, c.recovery_steps) and e50 < p[3]:
-                self._pending = None
-            elif progress >= c.recovery_steps:
-                t2.append((int(p[0]), r["not_recovered"]))
-                self._pending = None
-
+        advice = zdrift.advice
         evidence = {
-            "grad_norm": g, "grad_median": med, "loss": loss, "loss_ema": ema_prev,
-            "loss_ema_ratio": ratio, "loss_ema50": e50, "log_z": lz, "log_z_median": zmed,
-            "log_z_rise": zrise, "skips_in_window": n_skips,
+            "grad_norm": g, "grad_median": grad.med, "loss": loss,
+            "loss_ema": ratio_rule.ema_prev, "loss_ema_ratio": ratio, "loss_ema50": short,
+            "log_z": lz, "log_z_median": zdrift.med, "log_z_rise": zrise.rise,
+            "skips_in_window": storm.count,
         }
-        if t3:
+        if t3 is not None:
             tier, action = 3, Action.HALT
         elif t2:
             tier, action = 2, Action.ROLLBACK
@@ -290,97 +240,79 @@ class SpikeDetector:
         elif advice:
             tier, action = 0, Action.ALERT
         else:
-            return Verdict(step, 0, Action.CONTINUE, (), None, evidence, False)
-        if self._lx_onset is not None:
-            evidence["pre_spike_loss"] = self._lx_pre
-            evidence["loss_elevated_steps"] = self._lx_count
-        evidence["skips_consecutive"] = self._skip_run
-        return self._verdict(step, tier, action, t3 + t2 + t1, advice, evidence, skip or tier == 3)
+            return _new_verdict(Verdict, (step, 0, _CONTINUE, (), None, evidence, False))
+        if lx.onset is not None:
+            evidence["pre_spike_loss"] = lx.pre
+            evidence["loss_elevated_steps"] = lx.count
+        evidence["skips_consecutive"] = storm.run
+        fired = ([t3] if t3 is not None else []) + t2 + t1
+        return self._verdict(step, tier, action, fired, advice, evidence, skip or tier == 3)
 
-    def _verdict(self, step: int, tier: int, action: Action, fired: list[tuple[int, str]],
+    def _verdict(self, step: int, tier: int, action: Action, fired: list[Event],
                  advice: bool, evidence: dict[str, float], skip: bool) -> Verdict:
-        r = self._r
-        # at equal onsets a metric's own rule comes before a derived one (skip storms)
+        # Order: by onset; at equal onsets a metric's own rule comes before a derived one (skip
+        # storms), then higher tiers first, then the rules' evaluation order (a stable sort of
+        # tier 3 + tier 2 + tier 1 events).
         items = [(step if o is None else o, _metric(reason) == "skips", reason)
                  for o, reason in fired]
         seen = {_metric(reason) for _, _, reason in items}
-        for onset, reason in ((self._gn_onset, r["grad_ctx"]), (self._zx_onset, r["z_ctx"]),
-                              (self._lx_onset, r["loss_ctx"])):
+        # metrics in an excursion that did not fire themselves: the verdict names them as
+        # context, dated by their own runs, so that the first reason is the first to move
+        for onset, reason in ((self._grad.onset, self._grad.context),
+                              (self._zdrift.onset, self._zdrift.context),
+                              (self._loss.onset, self._loss.context)):
             if onset is not None and _metric(reason) not in seen:
                 items.append((onset, False, reason))
         items.sort(key=lambda t: (t[0], t[1]))
         reasons = [reason for _, _, reason in items]
         if advice:
-            reasons.append(r["z_advice"])
+            reasons.append("add or raise z-loss")
         onset = items[0][0] if items else step
         return Verdict(step, tier, action, tuple(dict.fromkeys(reasons)), onset, evidence, skip)
 
     def _nonfinite(self, m: StepMetrics) -> Verdict:
-        c = self.config
         evidence = {"loss": m.loss, "grad_norm": m.grad_norm, "nan_frac": m.nan_frac,
-                    "grad_median": self._gmed.value}
+                    "grad_median": self._grad.median.value}
         if m.grad_scale is not None:
-            # fp16: GradScaler already skips the step and halves the scale
-            if self._scaler_run == 0:
-                self._scaler_onset = m.step
-            self._scaler_run += 1
+            e = self._scaler.update(m.step, m.grad_scale)
             evidence["grad_scale"] = m.grad_scale
-            evidence["scaler_overflows"] = self._scaler_run
-            if m.grad_scale < c.min_grad_scale:
-                why = [(self._scaler_onset, self._r["scale_low"])]
-            elif self._scaler_run >= c.max_scaler_skips:
-                why = [(self._scaler_onset, self._r["scaler_run"])]
-            else:
+            evidence["scaler_overflows"] = self._scaler.run
+            if e is None:
                 return Verdict(m.step, 0, Action.SKIP, ("scaler",), m.step, evidence, True)
-            return self._verdict(m.step, 3, Action.HALT, why, False, evidence, True)
-        why = []
-        if not (m.nan_frac or 0.0) <= 0.0:
-            why.append((m.step, "nan_frac > 0"))
-        if not math.isfinite(m.loss):
-            why.append((m.step, "loss non-finite"))
-        if not math.isfinite(m.grad_norm):
-            why.append((m.step, "grad_norm non-finite"))
-        return self._verdict(m.step, 3, Action.HALT, why, False, evidence, True)
+            return self._verdict(m.step, 3, Action.HALT, [e], False, evidence, True)
+        return self._verdict(m.step, 3, Action.HALT, self._nonfinite_rule.update(m), False,
+                             evidence, True)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: JSON-ready plain data."""
         return {
             "version": _STATE_VERSION,
             "config": self.config.to_dict(),
-            "grad_median": self._gmed.state_dict(),
-            "log_z_median": self._zmed.state_dict(),
-            "loss_ema": self._ema.state_dict(),
-            "loss_ema50": self._e50.state_dict(),
-            "loss_floor": self._floor.state_dict(),
-            "log_z_min": self._zmin.state_dict(),
-            "skips": self._skips.state_dict(),
-            "scalars": {name: getattr(self, name) for name in _SCALARS},
-            "pending": None if self._pending is None else list(self._pending),
+            "updates": {"seen": self._n_seen, "kept": self._n_clean},
+            "rules": {name: rule.state_dict() for name, rule in self._rules.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a ``state_dict``; the config must match this detector's."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"detector state version {state.get('version')!r} is not "
-                             f"{_STATE_VERSION}; save it again with this spikeguard")
+        """Restore a ``state_dict``; the config must match this detector's. On an error the
+        detector is left as it was."""
+        version = state.get("version")
+        if version != _STATE_VERSION:
+            raise ValueError(
+                f"detector state version {version!r} cannot be loaded: this spikeguard reads "
+                f"version {_STATE_VERSION} (one entry per rule). Resume with the spikeguard that "
+                "saved it, or drop the saved detector state and start a fresh SpikeDetector: it "
+                f"re-arms after arm_after={self.config.arm_after} updates")
         mine = self.config.to_dict()
         diff = sorted(k for k, v in state["config"].items() if mine.get(k) != v)
         if diff:
             raise ValueError(f"detector state was saved with a different DetectorConfig "
                              f"(fields {diff}); build the detector with the saved config")
-        self.reset()
-        self._gmed.load_state_dict(state["grad_median"])
-        self._zmed.load_state_dict(state["log_z_median"])
-        self._ema.load_state_dict(state["loss_ema"])
-        self._e50.load_state_dict(state["loss_ema50"])
-        self._floor.load_state_dict(state["loss_floor"])
-        self._zmin.load_state_dict(state["log_z_min"])
-        self._skips.load_state_dict(state["skips"])
-        for name in _SCALARS:
-            setattr(self, name, state["scalars"][name])
-        self._pending = None if state["pending"] is None else list(state["pending"])
-
-
-_SCALARS = ("_n_seen", "_n_clean", "_gn_onset", "_ratio_onset", "_ratio_hi", "_skip_run",
-            "_skip_run_onset", "_storm_latched", "_lx_onset", "_lx_pre", "_lx_count",
-            "_zx_onset", "_zx_drift_fired", "_zx_rise_fired", "_scaler_run", "_scaler_onset")
+        rules = self._build()
+        if set(state["rules"]) != set(rules):
+            raise ValueError(f"detector state has rules {sorted(state['rules'])}, expected "
+                             f"{sorted(rules)}")
+        for name, rule in rules.items():
+            rule.load_state_dict(state["rules"][name])
+        self._use(rules)
+        self._n_seen = int(state["updates"]["seen"])
+        self._n_clean = int(state["updates"]["kept"])

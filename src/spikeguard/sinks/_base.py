@@ -1,15 +1,18 @@
 """What every sink shares: device values read one step late, failures reported and contained,
-pending records flushed at exit."""
+pending records flushed at exit, and the one rank that writes."""
 
 from __future__ import annotations
 
 import atexit
+import os
 import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from .. import _dist
 
 __all__ = ["Sink", "SinkDisabledWarning", "SinkLike", "Sinks", "host_record"]
 
@@ -94,6 +97,41 @@ def host_record(record: dict[str, Any]) -> dict[str, Any]:
     return _Pending(record, 0).resolve()[0]
 
 
+def this_rank(what: str) -> int:
+    """This process's rank; ValueError when torchrun started several ranks but the process
+    group does not exist yet (every rank would believe it is rank 0)."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if not _dist.is_dist() and launched.isdigit() and int(launched) > 1:
+        raise ValueError(f"{what}: this process was launched as one of WORLD_SIZE={launched} "
+                         "ranks but torch.distributed is not initialized, so its rank is "
+                         "unknown; create the sink after torch.distributed.init_process_group")
+    return _dist.rank()
+
+
+def _writes_here(rank: int | None, what: str) -> bool:
+    """Whether a sink for ``rank`` (None: every rank) writes in this process."""
+    if rank is None:
+        return True
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"{what} rank={rank!r} must be an integer >= 0 (the one rank that "
+                         "writes; 0 is usual) or None (every rank, to per-rank paths)")
+    world = _dist.world_size()
+    if rank >= world:
+        raise ValueError(f"{what} rank={rank}, but the job has {world} rank(s), so nothing "
+                         "would be written; use rank=0")
+    return this_rank(what) == rank
+
+
+def per_rank(target: str, rank: int | None, what: str, field: str) -> str:
+    """``target`` with ``{rank}`` replaced by this process's rank. With ``rank=None`` (every rank
+    writes) the placeholder is required, so that ranks never share a file or a run."""
+    if rank is None and "{rank}" not in target:
+        raise ValueError(f"{what}(rank=None) writes on every rank, so {field}={target!r} must "
+                         "hold a {rank} placeholder (e.g. 'metrics-rank{rank}.jsonl') to give "
+                         "each rank its own; or use rank=0 (the default) for one per job")
+    return target.replace("{rank}", str(this_rank(what)))
+
+
 _OPEN: weakref.WeakSet[Sink] = weakref.WeakSet()
 
 
@@ -108,6 +146,11 @@ class Sink:
     """Base of the built-in sinks. Subclasses write one host record in ``_write`` and release
     resources in ``_close``.
 
+    ``rank`` (default 0) is the one rank of a torch.distributed job that writes; on every other
+    rank the sink is inactive (``active`` False): it opens nothing and its methods do nothing.
+    ``rank=None`` writes on every rank, to a file, directory or run whose name holds a
+    ``{rank}`` placeholder (required). Without a process group the process is rank 0.
+
     ``log(record, step)`` never syncs and never raises: tensors on a device are copied off
     asynchronously and the record is written at the next ``log`` (or ``flush``/``close``), so
     step t may be written at t+1; records with no device tensors are written at once unless
@@ -115,13 +158,16 @@ class Sink:
     kept in ``self.error``, and disables the sink. Open sinks are closed at interpreter exit.
     """
 
-    def __init__(self, *, defer: bool | None = None) -> None:
+    def __init__(self, *, defer: bool | None = None, rank: int | None = 0) -> None:
+        self.rank = rank
+        self.active = _writes_here(rank, self.name)
         self.defer = defer
         self.disabled = False
         self.closed = False
         self.error: BaseException | None = None
         self._pending: _Pending | None = None
-        _OPEN.add(self)
+        if self.active:
+            _OPEN.add(self)
 
     @property
     def name(self) -> str:
@@ -144,7 +190,7 @@ class Sink:
 
     def log(self, record: dict[str, Any], step: int) -> None:
         """Queue ``record`` (values may be tensors) for step ``step``; see the class docstring."""
-        if self.disabled or self.closed:
+        if self.disabled or self.closed or not self.active:
             return
         try:
             pending = _Pending(record, step)
@@ -175,7 +221,7 @@ class Sink:
         self.flush()
         self.closed = True
         _OPEN.discard(self)
-        if not self.disabled:
+        if not self.disabled and self.active:
             try:
                 self._close()
             except Exception as exc:
@@ -187,16 +233,21 @@ class Sinks(Sink):
 
     Any object with ``log(record, step)`` may be in the list (``close()`` is called when
     present). One that raises is reported with a ``SinkDisabledWarning`` and dropped; the others
-    and the run go on. The guard wraps its sinks in this.
+    and the run go on. Each member decides on which rank it writes; on a rank where every
+    built-in member is inactive, the group is inactive too and reads nothing off the device.
+    The guard wraps its sinks in this.
     """
 
     def __init__(self, sinks: Iterable[SinkLike], *, defer: bool | None = None) -> None:
-        super().__init__(defer=defer)
+        super().__init__(defer=defer, rank=None)
         self.sinks = list(sinks)
         for s in self.sinks:
             if not callable(getattr(s, "log", None)):
                 raise ValueError(f"sink {s!r} has no log(record, step) method")
         self.failed: dict[str, BaseException] = {}
+        self.active = any(getattr(s, "active", True) for s in self.sinks)
+        if not self.active:
+            _OPEN.discard(self)
 
     def _drop(self, sink: Any, exc: BaseException) -> None:
         self.sinks = [s for s in self.sinks if s is not sink]

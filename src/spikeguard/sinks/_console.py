@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._validate import check_int
-from ._base import Sink
+from ._base import Sink, this_rank
 
 __all__ = ["ConsoleSink"]
 
@@ -48,15 +48,19 @@ class ConsoleSink(Sink):
     """One compact line per step: live in place on a terminal; elsewhere (logs, CI) printed every
     ``every`` steps and at every step whose action is not "continue". ``close()`` prints a table:
     last, min, max and mean of each metric, non-finite counts, and how often each action ran.
+    Under torch.distributed only rank ``rank`` (default 0) prints; ``rank=None`` prints on every
+    rank, each line headed by ``[rank r]``.
     """
 
     def __init__(self, *, console: Console | None = None, every: int = 10,
-                 live: bool | None = None, defer: bool | None = None) -> None:
+                 live: bool | None = None, defer: bool | None = None,
+                 rank: int | None = 0) -> None:
         check_int(every, "ConsoleSink every", hint="print every that many steps")
-        super().__init__(defer=defer)
+        super().__init__(defer=defer, rank=rank)
         self.console = console or Console(highlight=False)
         self.every = every
         self.live = self.console.is_terminal if live is None else live
+        self._head = f"[rank {this_rank(self.name)}] " if rank is None else ""
         self._live: Live | None = None
         self._stats: dict[str, _Summary] = {key: _Summary() for key, _, _ in _FIELDS}
         self._actions: Counter[str] = Counter()
@@ -90,7 +94,7 @@ class ConsoleSink(Sink):
                 summary.add(x)
         action = str(record.get("action", "continue"))
         self._actions[action] += 1
-        text = self.line(record, step)
+        text = self._head + self.line(record, step)
         if self.live:
             if self._live is None:
                 self._live = Live(Text(text), console=self.console, refresh_per_second=4,
@@ -99,7 +103,7 @@ class ConsoleSink(Sink):
             else:
                 self._live.update(Text(text))
         elif step % self.every == 0 or action != "continue":
-            self.console.print(text)
+            self.console.print(text, markup=False)
 
     def summary_table(self) -> Table:
         """The end-of-run table."""

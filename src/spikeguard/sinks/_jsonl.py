@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..record import RECORD_KEYS, SCHEMA
-from ._base import Sink
+from ._base import Sink, per_rank
 
 __all__ = ["JsonlSink", "encode_record", "read_metrics"]
 
@@ -125,15 +125,19 @@ class JsonlSink(Sink):
     earlier crash; ``"w"`` starts a new file. ``fsync=True`` also forces every line to disk (a
     machine crash, not only a process crash). The file opens at the first record, so a bad path
     is reported (``SinkDisabledWarning``) and never stops the run.
+
+    Under torch.distributed only rank ``rank`` (default 0) writes: one file per job. With
+    ``rank=None`` every rank writes its own file, and ``path`` must hold ``{rank}``
+    (``"metrics-rank{rank}.jsonl"``).
     """
 
     def __init__(self, path: str | os.PathLike[str] = "metrics.jsonl", *,
                  mode: Literal["a", "w"] = "a", fsync: bool = False,
-                 defer: bool | None = None) -> None:
+                 defer: bool | None = None, rank: int | None = 0) -> None:
         if mode not in ("a", "w"):
             raise ValueError(f"mode={mode!r} must be 'a' (append) or 'w' (overwrite)")
-        super().__init__(defer=defer)
-        self.path = Path(path)
+        super().__init__(defer=defer, rank=rank)
+        self.path = Path(per_rank(os.fspath(path), rank, self.name, "path"))
         self.mode = mode
         self.fsync = fsync
         self._fd: int | None = None

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
-from ._base import Sink
+from ._base import Sink, per_rank
 
 __all__ = ["TensorBoardSink", "WandbSink"]
 
 _SKIP = frozenset({"schema", "step"})
+
+
+def _require(module: str, what: str, extra: str) -> None:
+    """A missing extra is a set-up mistake: say so at once, on every rank (found, not imported:
+    the ranks that do not write never pay for the import)."""
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"{what} needs {module}: pip install 'spikeguard[{extra}]'")
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -27,19 +35,21 @@ class TensorBoardSink(Sink):
     """Each number of the record as a TensorBoard scalar under ``prefix + key`` at ``step``
     (NaN and inf kept, as TensorBoard stores them); the reasons of a flagged step as text.
     Uses ``torch.utils.tensorboard.SummaryWriter``; needs ``pip install spikeguard[tb]``.
+    Under torch.distributed only rank ``rank`` (default 0) opens a writer; ``rank=None`` opens
+    one on every rank, in a ``log_dir`` that must hold ``{rank}`` (``"tb/rank{rank}"``).
     """
 
     def __init__(self, log_dir: str | os.PathLike[str], *, prefix: str = "",
-                 defer: bool | None = None) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:  # a missing extra is a set-up mistake: say so at once
-            raise ImportError("TensorBoardSink needs tensorboard: pip install "
-                              "'spikeguard[tb]'") from exc
-        super().__init__(defer=defer)
-        self.log_dir = os.fspath(log_dir)
+                 defer: bool | None = None, rank: int | None = 0) -> None:
+        _require("tensorboard", "TensorBoardSink", "tb")
+        super().__init__(defer=defer, rank=rank)
+        self.log_dir = per_rank(os.fspath(log_dir), rank, self.name, "log_dir")
         self.prefix = prefix
         self._writer: Any = None
+        if not self.active:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
         try:
             self._writer = SummaryWriter(self.log_dir)
         except Exception as exc:
@@ -67,18 +77,32 @@ class WandbSink(Sink):
     (e.g. ``mode="offline", dir=...``) and ``run.finish()`` at close. An init that fails (no
     network, no login) is reported with a ``SinkDisabledWarning`` and disables the sink only.
     Needs ``pip install spikeguard[wandb]``.
+
+    Under torch.distributed only rank ``rank`` (default 0) starts a run: one run per job.
+    ``rank=None`` starts one run per rank, and ``name`` must hold ``{rank}`` (``name=
+    "exp-rank{rank}", group="exp"``; ``{rank}`` in ``id`` and ``dir`` is replaced too); a
+    ``run`` passed in is used on every rank as given.
     """
 
     def __init__(self, *, run: Any = None, project: str = "spikeguard",
-                 defer: bool | None = None, **init_kwargs: Any) -> None:
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ImportError("WandbSink needs wandb: pip install 'spikeguard[wandb]'") from exc
-        super().__init__(defer=defer)
+                 defer: bool | None = None, rank: int | None = 0, **init_kwargs: Any) -> None:
+        _require("wandb", "WandbSink", "wandb")
+        super().__init__(defer=defer, rank=rank)
+        if run is None:
+            if rank is None or isinstance(init_kwargs.get("name"), str):
+                init_kwargs["name"] = per_rank(init_kwargs.get("name") or "", rank, self.name,
+                                               "name")
+            for key in ("id", "dir"):
+                if isinstance(init_kwargs.get(key), str):
+                    init_kwargs[key] = per_rank(init_kwargs[key], 0, self.name, key)
         self._owns = run is None
         self.run: Any = run
         self._defined: set[str] = set()
+        if not self.active:
+            self.run = None
+            return
+        import wandb
+
         try:
             if self.run is None:
                 self.run = wandb.init(project=project, **init_kwargs)

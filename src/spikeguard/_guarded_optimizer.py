@@ -1,0 +1,56 @@
+"""``GuardedOptimizer``: an optimizer whose ``step()`` is the guard's, for frameworks that only
+call ``optimizer.step()`` (HF Trainer, Lightning)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+__all__ = ["GuardedOptimizer"]
+
+
+class GuardedOptimizer(torch.optim.Optimizer):
+    """An optimizer whose ``step()`` is ``guard.step()``: for frameworks that only call
+    ``optimizer.step()`` (HF Trainer, Lightning). The loss reaches the guard through
+    ``guard.accumulate(out)`` in the loss function; everything else is the wrapped optimizer's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, guard: Guard) -> None:
+        # no Optimizer.__init__: the wrapped optimizer owns param_groups and state
+        self.optimizer, self.guard = optimizer, guard
+        self.defaults = optimizer.defaults
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.guard.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"GuardedOptimizer({self.optimizer!r})"

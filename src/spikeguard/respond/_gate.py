@@ -1,0 +1,65 @@
+"""The Tier 1 and NaN gate, on the device: the detector's skip rule as tensors.
+
+At step t the gate is a 0-d bool tensor, true when the step must not be applied:
+
+    not finite(grad_norm) or not finite(loss)
+    or armed and grad_norm > grad_k x running median of earlier kept grad norms
+    or armed and loss / EMA of earlier kept losses > skip_ratio
+
+with ``armed`` = at least ``arm_after`` kept updates so far. It reads the same DetectorConfig as
+the host SpikeDetector and keeps the same histories (DeviceRunningMedian and DeviceEMA are
+bit-identical twins of the host statistics), so on every step of tier <= 1 the gate equals the
+host verdict's ``skip``; it just needs no host read. A flagged step never enters the histories,
+on the device as on the host. Rules that need host state (Tier 2 windows, the loss > 10 nats
+halt) stay with the host detector.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..detect.stats import DeviceEMA, DeviceRunningMedian
+from ._detector_config import DetectorConfig
+
+__all__ = ["DeviceGate"]
+
+
+class DeviceGate:
+    """Decide Tier 1 skips and non-finite steps on the device, with no host sync."""
+
+    def __init__(self, config: DetectorConfig, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.median = DeviceRunningMedian(config.median_window, device=self.device)
+        self.ema = DeviceEMA(1.0 / config.loss_ema_steps, device=self.device)
+
+    def armed(self) -> torch.Tensor:
+        """0-d bool: enough kept updates for the statistical rules (the detector's ``armed``)."""
+        return self.ema.count >= self.config.arm_after
+
+    def __call__(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """The gate for this step (0-d bool); then fold the step into the histories unless
+        it is flagged. Call once per step, in order."""
+        c = self.config
+        g = grad_norm.detach().to(self.device, torch.float64).reshape(())
+        x = loss.detach().to(self.device, torch.float64).reshape(())
+        armed = self.armed()
+        ema = self.ema.value
+        # the host detector's ratio is NaN (never a skip) while the EMA is not positive
+        ratio = torch.where(ema > 0, x / ema, math.nan)
+        spike = (g > c.grad_k * self.median.value) | (ratio > c.skip_ratio)
+        gate = ~torch.isfinite(g) | ~torch.isfinite(x) | (armed & spike)
+        self.median.update(g, flagged=gate)
+        self.ema.update(x, flagged=gate)
+        return gate
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready; a host read (for checkpoints, not the step)."""
+        return {"median": self.median.state_dict(), "ema": self.ema.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.median.load_state_dict(state["median"])
+        self.ema.load_state_dict(state["ema"])

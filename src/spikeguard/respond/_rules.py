@@ -1,0 +1,239 @@
+"""The detector's rules, one small object each: the base class, Tier 1, Tier 3 and fp16 overflows.
+
+A rule holds its own state (running statistics, the onset of the run it watches, latches) and
+has ``update(...)``, which judges one step from host floats and returns an *event*, an
+``(onset_step, reason)`` tuple, or None when it does not fire (``SkipStorm`` and ``NonFinite``
+may return several, as a list). ``SpikeDetector`` calls the rules in a fixed order, sorts their
+events by onset and turns them into a Verdict; it also decides which steps are *kept*: a step
+that any rule flags (a Tier 1 skip, a Tier 3 halt) never enters a rule's history.
+
+Rules with a history of the values they judge against get the step after the decision, through
+``keep(...)`` (Tier 1 rules, which decide whether the step is flagged) or through the ``kept``
+argument of ``update`` (the rules that run after the decision). The Tier 2 rules are in
+``_rules_tier2.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+from ..detect.stats import EMA, RunningMedian
+from ..record import StepMetrics
+from ._detector_config import DetectorConfig
+
+__all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "NonFinite", "Rule", "ScalerOverflow"]
+
+Event = tuple[int, str]
+"""(onset step, reason): where the anomaly a rule saw began, and a short text naming its metric."""
+
+_isfinite = math.isfinite
+_nan = math.nan
+
+
+class Rule:
+    """State round-trip shared by the rules: ``_scalars`` are plain attributes (JSON-ready),
+    ``_stats`` are running statistics with their own ``state_dict``. Whatever is not listed is
+    either configuration (rebuilt from the DetectorConfig) or a per-step output (``med``,
+    ``ratio``, ...) that is rewritten by every ``update`` before anyone reads it. Every rule
+    declares ``__slots__``: its attributes are read on every step (slots are faster to read, and
+    a misspelt attribute raises instead of creating a new one)."""
+
+    __slots__ = ()
+    _scalars: ClassVar[tuple[str, ...]] = ()
+    _stats: ClassVar[tuple[str, ...]] = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {name: getattr(self, name) for name in self._scalars}
+        state.update((name, getattr(self, name).state_dict()) for name in self._stats)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        want = set(self._scalars) | set(self._stats)
+        if set(state) != want:
+            raise ValueError(f"{type(self).__name__} state has keys {sorted(state)}, expected "
+                             f"{sorted(want)}; it was not written by this version's state_dict")
+        for name in self._scalars:
+            setattr(self, name, state[name])
+        for name in self._stats:
+            getattr(self, name).load_state_dict(state[name])
+
+
+class GradSpike(Rule):
+    """Tier 1 SKIP: grad_norm > grad_k x the running median of the kept grad norms.
+
+    ``onset`` is the first step of the current run of norms above grad_elevated x median: a
+    blow-up usually climbs for a few steps before it crosses grad_k, and the rollback target must
+    predate the climb, not its last step. The run also dates the "grad_norm elevated" context
+    that the verdict lists when another rule fires.
+
+    ``keep(g)`` adds a kept step's norm to the median (it is the median's own ``update``, bound
+    once: no extra call per step). Only kept steps: an outlier in the median would raise the bar
+    for the next one, and a storm of them would drag the median up until the storm looks normal.
+    """
+
+    __slots__ = ("context", "elevated", "k", "keep", "med", "median", "onset", "reason")
+    _scalars = ("onset",)
+    _stats = ("median",)
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.k = c.grad_k
+        self.elevated = c.grad_elevated
+        self.median = RunningMedian(c.median_window)
+        self.keep = self.median.update
+        self.onset: int | None = None
+        self.med = _nan
+        """The median this step was judged against (the window before it); NaN while empty."""
+        self.reason = f"grad_norm > {c.grad_k:g}x median"
+        self.context = f"grad_norm > {c.grad_elevated:g}x median"
+
+    def update(self, step: int, g: float, armed: bool) -> Event | None:
+        med = self.med = self.median.value
+        if g > self.elevated * med:
+            if self.onset is None:
+                self.onset = step
+        else:
+            self.onset = None
+        if armed and g > self.k * med:
+            return (self.onset, self.reason)
+        return None
+
+
+
+class LossRatio(Rule):
+    """Tier 1 on loss_ema_ratio = loss / EMA of the kept losses before this step: SKIP above
+    skip_ratio, ALERT (no skip) above alert_ratio.
+
+    The ratio divides by EMA_{t-1}, so a spike is measured against the level before it. A ratio
+    already in the StepMetrics (a replayed log) is used as it is. ``onset`` is the first step of
+    the current run of ratios above alert_ratio; ``RatioHeld`` dates its event by it too.
+
+    ``keep(loss)`` adds a kept step's loss to the EMA (the EMA's own ``update``, bound once). A
+    skipped loss stays out, so the steps after a spike are compared with the level before it
+    rather than with a mean the spike has pulled up.
+    """
+
+    __slots__ = ("alert", "alert_reason", "ema", "ema_prev", "keep", "onset", "ratio", "skip",
+                 "skip_at", "skip_reason")
+    _scalars = ("onset",)
+    _stats = ("ema",)
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.ema = EMA(1.0 / c.loss_ema_steps)
+        self.keep = self.ema.update
+        self.alert = c.alert_ratio
+        self.skip_at = c.skip_ratio
+        self.onset: int | None = None
+        self.ratio = _nan
+        """This step's loss / EMA_{t-1} (NaN before any history)."""
+        self.ema_prev = _nan
+        """EMA_{t-1}, the denominator."""
+        self.skip = False
+        """Whether the event this update returned asks for a skip (False for an ALERT)."""
+        self.skip_reason = f"loss_ema_ratio > {c.skip_ratio:g}"
+        self.alert_reason = f"loss_ema_ratio > {c.alert_ratio:g}"
+
+    def update(self, step: int, loss: float, given: float | None, armed: bool) -> Event | None:
+        ema_prev = self.ema_prev = self.ema.value
+        if given is not None:
+            ratio = given
+        else:
+            # NaN (no history yet) and a non-positive EMA give NaN, which compares False
+            ratio = loss / ema_prev if ema_prev > 0.0 else _nan
+        self.ratio = ratio
+        if ratio > self.alert:
+            if self.onset is None:
+                self.onset = step
+        else:
+            self.onset = None
+        if not armed:
+            return None
+        if ratio > self.skip_at:
+            self.skip = True
+            return (self.onset, self.skip_reason)
+        if ratio > self.alert:
+            self.skip = False
+            return (self.onset, self.alert_reason)
+        return None
+
+
+
+class LossHalt(Rule):
+    """Tier 3 HALT: loss > halt_loss_nats on a step whose grad norm is not a Tier 1 spike, once
+    the loss EMA is below halt_loss_vocab_fraction x ln(vocab_size).
+
+    A model that predicts uniformly over V tokens has loss ln V, so early in training (or with a
+    large vocabulary) a loss of 10 nats says nothing; after the model has learned, a loss that
+    high with an ordinary gradient is not a bad batch (which would move the gradient too) but a
+    broken forward pass, and skipping will not fix it. Off while vocab_size is unknown.
+    """
+
+    __slots__ = ("below", "nats", "on", "reason")
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.on = c.vocab_size is not None
+        """False while vocab_size is unknown: the rule never fires and need not be called."""
+        self.nats = c.halt_loss_nats
+        self.below = (c.halt_loss_vocab_fraction * math.log(c.vocab_size)
+                      if c.vocab_size is not None else -math.inf)
+        self.reason = f"loss > {c.halt_loss_nats:g} nats, grad_norm <= {c.grad_k:g}x median"
+
+    def update(self, step: int, loss: float, ema_prev: float, armed: bool,
+               grad_spike: bool) -> Event | None:
+        if armed and loss > self.nats and ema_prev < self.below and not grad_spike:
+            return (step, self.reason)
+        return None
+
+
+class NonFinite(Rule):
+    """Tier 3 HALT at the step itself: nan_frac > 0, a non-finite loss or a non-finite grad norm
+    (outside fp16 loss scaling, where ``ScalerOverflow`` judges it). Stateless."""
+
+    __slots__ = ()
+
+    def update(self, m: StepMetrics) -> list[Event]:
+        events = []
+        if not (m.nan_frac or 0.0) <= 0.0:  # `not <=` so that a NaN nan_frac counts too
+            events.append((m.step, "nan_frac > 0"))
+        if not _isfinite(m.loss):
+            events.append((m.step, "loss non-finite"))
+        if not _isfinite(m.grad_norm):
+            events.append((m.step, "grad_norm non-finite"))
+        return events
+
+
+class ScalerOverflow(Rule):
+    """fp16 loss scaling: a non-finite step with ``grad_scale`` set is a GradScaler overflow.
+
+    The scaler has already skipped the step and halved its scale, so an isolated overflow is
+    routine (the detector answers SKIP, reason "scaler", Tier 0). It becomes Tier 3 HALT when the
+    scale is already below min_grad_scale at an overflow (halving cannot help: the overflow is in
+    the model, not the scale), or after max_scaler_skips consecutive overflows. Overflows are not
+    Tier 1 skips and never count towards a skip storm.
+    """
+
+    __slots__ = ("low_reason", "max_run", "min_scale", "onset", "run", "run_reason")
+    _scalars = ("run", "onset")
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.min_scale = c.min_grad_scale
+        self.max_run = c.max_scaler_skips
+        self.run = 0
+        self.onset: int | None = None
+        self.low_reason = f"grad_scale < {c.min_grad_scale:g} at overflow"
+        self.run_reason = f"scaler overflows >= {c.max_scaler_skips} consecutive"
+
+    def update(self, step: int, grad_scale: float) -> Event | None:
+        if self.run == 0:
+            self.onset = step
+        self.run += 1
+        if grad_scale < self.min_scale:
+            return (self.onset, self.low_reason)
+        if self.run >= self.max_run:
+            return (self.onset, self.run_reason)
+        return None
+
+    def clear(self) -> None:
+        """A finite step ends the run of overflows (a non-finite step outside fp16 does not)."""
+        self.run = 0
+        self.onset = None

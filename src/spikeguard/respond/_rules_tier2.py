@@ -1,0 +1,302 @@
+"""The detector's Tier 2 rules (ROLLBACK; a caller may treat one as an alert instead).
+
+Tier 2 rules are events: each fires once, at the update where its condition starts to hold, not
+on every step while it holds; a latch re-arms it once the condition has cleared. The conventions
+(events, ``keep``, the ``kept`` argument, state dicts) are those of ``_rules.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..detect.stats import EMA, EventWindow, RunningMedian, SlidingMin
+from ._detector_config import DetectorConfig
+from ._rules import Event, Rule
+
+__all__ = ["LogZDrift", "LogZRise", "LossElevated", "RatioHeld", "Recovery", "SkipStorm"]
+
+_isfinite = math.isfinite
+_nan = math.nan
+
+
+class RatioHeld(Rule):
+    """loss_ema_ratio above tier2_ratio for tier2_ratio_steps consecutive armed updates: the
+    loss has jumped to a new level and stayed there, which skipping step by step cannot fix.
+    Dated by the start of the run of ratios above alert_ratio (``LossRatio.onset``)."""
+
+    __slots__ = ("above", "count", "reason", "steps")
+    _scalars = ("count",)
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.above = c.tier2_ratio
+        self.steps = c.tier2_ratio_steps
+        self.count = 0
+        self.reason = f"loss_ema_ratio > {c.tier2_ratio:g} for {c.tier2_ratio_steps} steps"
+
+    def update(self, ratio: float, onset: int | None, armed: bool) -> Event | None:
+        if not armed:
+            return None
+        if ratio > self.above:
+            self.count += 1
+            # `==`, not `>=`: the event fires once per run
+            if self.count == self.steps:
+                return (onset, self.reason)
+        else:
+            self.count = 0
+        return None
+
+
+class SkipStorm(Rule):
+    """A skip storm: more than max_consecutive_skips Tier 1 skips in a row, or more than
+    max_skip_fraction of the last skip_window updates skipped. Each skip alone is harmless; many
+    mean the run is unstable and skipping would go on for ever without fixing it.
+
+    Only Tier 1 skips count (never fp16 overflows, which the GradScaler handles). The fraction
+    rule is dated by the oldest skip still in the window.
+    """
+
+    __slots__ = ("count", "frac_reason", "latched", "limit", "max_run", "run", "run_onset",
+                 "run_reason", "window")
+    _scalars = ("run", "run_onset", "latched")
+    _stats = ("window",)
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.max_run = c.max_consecutive_skips
+        self.limit = c.max_skip_fraction * c.skip_window
+        self.window = EventWindow(c.skip_window)
+        self.run = 0
+        self.run_onset: int | None = None
+        self.latched = False
+        self.count = 0
+        """Skips among the last skip_window updates, this one included."""
+        self.run_reason = f"skips > {c.max_consecutive_skips} consecutive"
+        self.frac_reason = f"skips > {c.max_skip_fraction:.0%} of last {c.skip_window}"
+
+    def update(self, step: int, i: int, skip: bool) -> list[Event] | None:
+        events = None
+        if skip:
+            if self.run == 0:
+                self.run_onset = step
+            self.run += 1
+            self.window.add(i, step)
+            if self.run == self.max_run + 1:
+                events = [(self.run_onset, self.run_reason)]
+        else:
+            self.run = 0
+        window = self.window
+        n = self.count = window.count(i) if window else 0
+        if n > self.limit:
+            # fire on a skip only: the step that tips the window over is the one to act on
+            if skip and not self.latched:
+                event = (window.first_step(), self.frac_reason)
+                events = [event] if events is None else [*events, event]
+                self.latched = True
+        elif n <= self.limit / 2:
+            # hysteresis: a window that hovers at the limit (old skips leaving as new ones come)
+            # would fire again and again; re-arm only once the skips have clearly thinned out
+            self.latched = False
+        return events
+
+
+class LossElevated(Rule):
+    """The short loss EMA (span recovery_ema_steps) more than spike_nats above its pre-spike
+    level for more than elevated_steps consecutive updates: a slow excursion that no single step
+    flags.
+
+    The pre-spike level is the floor: the minimum of the short EMA over the last median_window
+    kept updates. An excursion starts (and is dated) where the short EMA rises loss_onset_nats
+    above the floor, and ends when it falls back within loss_onset_nats of that level. Measuring
+    against the floor rather than a long EMA matters: a long EMA follows a slow climb and would
+    never see it as elevated.
+    """
+
+    __slots__ = ("context", "count", "ema", "floor", "onset", "onset_nats", "pre", "reason",
+                 "short", "spike_nats", "steps")
+    _scalars = ("onset", "pre", "count")
+    _stats = ("ema", "floor")
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.ema = EMA(1.0 / c.recovery_ema_steps)
+        self.floor = SlidingMin(c.median_window)
+        self.onset_nats = c.loss_onset_nats
+        self.spike_nats = c.spike_nats
+        self.steps = c.elevated_steps
+        self.onset: int | None = None
+        self.pre = 0.0
+        self.count = 0
+        self.short = _nan
+        """The short loss EMA after this update (this step's loss in it when kept)."""
+        self.reason = f"loss +{c.spike_nats:g} nats for > {c.elevated_steps} steps"
+        self.context = f"loss +{c.loss_onset_nats:g} nats above its floor"
+
+    def update(self, step: int, loss: float, j: int, armed: bool, kept: bool) -> Event | None:
+        """``j``: the index of this update among the kept ones (the floor's window counts them)."""
+        if kept:
+            self.ema.update(loss)
+            short = self.short = self.ema.value
+            floor, _ = self.floor.min_before(j)
+            self.floor.push(j, short, step)
+            # an excursion starts on a kept step only: a flagged step is another rule's business
+            if armed and self.onset is None and short > floor + self.onset_nats:
+                self.onset, self.pre, self.count = step, floor, 0
+        else:
+            short = self.short = self.ema.value
+        if self.onset is None:
+            return None
+        if short <= self.pre + self.onset_nats:
+            self.onset, self.count = None, 0
+        elif short > self.pre + self.spike_nats:
+            self.count += 1
+            if self.count == self.steps + 1:
+                return (self.onset, self.reason)
+        else:
+            # between the onset and the spike level: still the same excursion (its onset is
+            # kept), but the count of spike-level updates must be consecutive
+            self.count = 0
+        return None
+
+
+class LogZDrift(Rule):
+    """log Z (the mean log-partition of the output logits) more than log_z_drift above its running
+    median over the kept updates.
+
+    A drift slower than log_z_rise per log_z_rise_steps never trips ``LogZRise`` (a climb of +2
+    per 300 updates, say), yet carries log Z many nats above where it was: the logits are growing
+    without bound, which ends in a loss spike. An excursion starts (and is dated) where log Z
+    stands log_z_onset above the median; it also sets ``advice`` (add or raise the z-loss of PaLM,
+    which pulls log Z back to 0) when log Z is above z_loss_advice_log_z. A missing (None/NaN)
+    log Z leaves the rule and its history untouched.
+    """
+
+    __slots__ = ("advice", "advice_at", "context", "drift", "fired", "med", "median", "onset",
+                 "onset_dev", "reason")
+    _scalars = ("onset", "fired")
+    _stats = ("median",)
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.median = RunningMedian(c.median_window)
+        self.onset_dev = c.log_z_onset
+        self.drift = c.log_z_drift
+        self.advice_at = c.z_loss_advice_log_z
+        self.onset: int | None = None
+        self.fired = False
+        self.med = _nan
+        """The median this step was judged against."""
+        self.advice = False
+        """This update advises a z-loss."""
+        self.reason = f"log_z > median + {c.log_z_drift:g}"
+        self.context = f"log_z > median + {c.log_z_onset:g}"
+
+    def update(self, step: int, lz: float, armed: bool, kept: bool) -> Event | None:
+        med = self.med = self.median.value
+        self.advice = False
+        if not _isfinite(lz):
+            return None
+        dev = lz - med
+        if dev > self.onset_dev:
+            if self.onset is None:
+                self.onset = step
+        else:
+            self.onset = None
+            self.fired = False
+        event = None
+        if armed:
+            if dev > self.drift and not self.fired:
+                event = (self.onset, self.reason)
+                self.fired = True
+            self.advice = lz > self.advice_at and dev > self.onset_dev
+        if kept:
+            self.median.update(lz)
+        return event
+
+
+class LogZRise(Rule):
+    """log Z more than log_z_rise above its minimum over the last log_z_rise_steps kept updates.
+
+    Dated by the log Z excursion (``LogZDrift.onset``) when one is open, else by the step of that
+    minimum. Once fired it stays quiet until the excursion has ended: a ramp that keeps climbing
+    would otherwise fire again each time the window slides past its foot.
+    """
+
+    __slots__ = ("fired", "limit", "reason", "rise", "window")
+    _scalars = ("fired",)
+    _stats = ("window",)
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.window = SlidingMin(c.log_z_rise_steps)
+        self.limit = c.log_z_rise
+        self.fired = False
+        self.rise = _nan
+        """log Z minus the window's minimum at this update; NaN without a log Z."""
+        self.reason = f"log_z +{c.log_z_rise:g} within {c.log_z_rise_steps} steps"
+
+    def update(self, step: int, lz: float, j: int, armed: bool, kept: bool,
+               onset: int | None) -> Event | None:
+        if not _isfinite(lz):
+            self.rise = _nan
+            return None
+        low, low_step = self.window.min_before(j)
+        rise = self.rise = lz - low
+        event = None
+        if armed:
+            if rise > self.limit:
+                if not self.fired:
+                    event = (onset if onset is not None else low_step, self.reason)
+                    self.fired = True
+            elif onset is None:
+                self.fired = False
+        if kept:
+            self.window.push(j, lz, step)
+        return event
+
+
+class Recovery(Rule):
+    """A Tier 1 skip must recover: within recovery_steps updates the short loss EMA must come back
+    below max(the spike's loss, pre-spike short EMA + spike_nats), else Tier 2.
+
+    Skipping throws one batch away; if the loss keeps climbing afterwards, the damage was done
+    before the skip (or the data itself has changed) and a rollback is needed. Recovery is judged
+    only after min(recovery_ema_steps, recovery_steps) updates: right after a skip the short EMA
+    still holds the pre-spike level and would call every spike recovered. The threshold takes the
+    larger of the two levels so that a low-loss outlier (a batch of repeated bytes) is not held to
+    its own loss. Further skips while one is pending raise the threshold to their loss.
+    """
+
+    __slots__ = ("pending", "reason", "spike_nats", "steps", "wait")
+    _scalars = ("pending",)
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.spike_nats = c.spike_nats
+        self.wait = min(c.recovery_ema_steps, c.recovery_steps)
+        self.steps = c.recovery_steps
+        self.pending: list[float] | None = None
+        """[onset, update index of the skip, pre-spike short EMA, threshold], or None."""
+        self.reason = f"loss not recovered within {c.recovery_steps} steps"
+
+    def update(self, i: int, skip: bool, onset: int | None, loss: float,
+               short: float) -> Event | None:
+        p = self.pending
+        if skip:
+            if p is None:
+                self.pending = [onset, i, short, max(loss, short + self.spike_nats)]
+            else:
+                p[3] = max(p[3], loss)
+            return None
+        if p is None:
+            return None
+        progress = i - p[1]
+        if progress >= self.wait and short < p[3]:
+            self.pending = None
+        elif progress >= self.steps:
+            self.pending = None
+            return (int(p[0]), self.reason)
+        return None
+
+    def state_dict(self) -> dict:
+        # a copy: the list is mutated in place while a spike is pending
+        return {"pending": None if self.pending is None else list(self.pending)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.pending is not None:
+            self.pending = list(self.pending)

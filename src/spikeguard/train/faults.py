@@ -1,0 +1,167 @@
+"""Fault injection for ``spikeguard train --inject``: data, gradients or the optimizer only.
+
+Specs (several may be given; a trailing ``!`` makes a fault sticky):
+
+- ``outlier@S``: batch S is garbage (random bytes; ``outlier@S:repeat`` repeats one byte);
+- ``nan@S[:PARAM]``: a NaN in one element of PARAM's gradient (default: the first weight matrix);
+- ``lr@S:MULT:LEN``: the learning rate times MULT for LEN training steps from S;
+- ``logit-drift@S[:EPS]``: from S on, the head's input is scaled by (1 + EPS (t - S)) through a
+  forward hook on the final norm (the reference GPT ties its embeddings, so scaling the weights
+  would move its inputs too, and a constant shift would not change cross-entropy): the logits
+  grow, and log Z with them.
+
+A fault fires the first time training passes its step and not again after a rollback (training
+that goes back ends a transient fault); a sticky one fires every time training passes its steps.
+The injector shares no state with the guard; its own state (which faults have fired) is saved in
+the checkpoints so that a resumed run does not fire them twice.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Fault", "Injector", "parse_fault"]
+
+_SPEC = re.compile(r"^(outlier|nan|lr|logit-drift)@(\d+)(?::([^!]*))?(!?)$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One parsed ``--inject`` spec."""
+
+    kind: str
+    step: int
+    args: tuple[str, ...] = ()
+    sticky: bool = False
+
+    @property
+    def length(self) -> int:
+        """Training steps the fault lasts (lr: LEN; logit-drift: to the end; others: 1)."""
+        if self.kind == "lr":
+            return int(self.args[1])
+        return 1 << 62 if self.kind == "logit-drift" else 1
+
+
+def parse_fault(spec: str) -> Fault:
+    """Parse one spec; ValueError with the accepted forms on anything else."""
+    m = _SPEC.match(spec.strip())
+    forms = "outlier@S[:repeat], nan@S[:PARAM], lr@S:MULT:LEN, logit-drift@S[:EPS] (add ! to repeat)"
+    if m is None:
+        raise ValueError(f"--inject {spec!r} is not a fault spec; use {forms}")
+    kind, step, rest, bang = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+    args = tuple(rest.split(":")) if rest else ()
+    try:
+        if kind == "lr":
+            if len(args) != 2 or float(args[0]) <= 0 or int(args[1]) < 1:
+                raise ValueError
+        elif kind == "logit-drift":
+            if len(args) > 1 or (args and not float(args[0]) > 0):
+                raise ValueError
+        elif kind == "outlier" and args not in ((), ("repeat",)):
+            raise ValueError
+        elif kind == "nan" and len(args) > 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--inject {spec!r}: bad arguments for {kind}; use {forms}") from None
+    return Fault(kind, step, args, bool(bang))
+
+
+class Injector:
+    """Applies the faults of one rank: call the hooks in the loop's order (see train.loop)."""
+
+    def __init__(self, specs: tuple[str, ...], *, rank: int, only_rank: int | None,
+                 vocab_size: int, seed: int) -> None:
+        self.faults = [parse_fault(s) for s in specs] if only_rank in (None, rank) else []
+        self.vocab_size = vocab_size
+        self._gen = torch.Generator().manual_seed(seed + 7919)
+        self._left: dict[int, int] = {}    # fault index -> steps left once fired
+        self._last: dict[int, int] = {}    # fault index -> last step it was active
+        self._active: list[Fault] = []
+        self._lr_saved: list[float] | None = None
+        self._drift: tuple[float, int] | None = None
+        self._hook = None
+
+    def _is_active(self, i: int, f: Fault, t: int) -> bool:
+        if f.sticky:
+            return f.step <= t < f.step + f.length
+        if i not in self._left:
+            if t != f.step:
+                return False
+            self._left[i] = f.length
+        elif t <= self._last[i]:  # training went back: a transient fault is over
+            self._left[i] = 0
+        if self._left[i] <= 0:
+            return False
+        self._left[i] -= 1
+        self._last[i] = t
+        return True
+
+    def begin(self, t: int, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Start step t: decide which faults are active; returns the (possibly garbage) batch."""
+        self._active = [f for i, f in enumerate(self.faults) if self._is_active(i, f, t)]
+        drift = next((f for f in self._active if f.kind == "logit-drift"), None)
+        self._drift = (float(drift.args[0]) if drift.args else 2e-3, t - drift.step) if drift else None
+        if drift is not None and self._hook is None:
+            self._hook = model.ln_f.register_forward_hook(self._scale_hidden)
+        for f in self._active:
+            if f.kind == "outlier":
+                if f.args == ("repeat",):
+                    x = torch.full_like(x, int(torch.randint(0, self.vocab_size, (1,),
+                                                             generator=self._gen)))
+                else:
+                    x = torch.randint(0, self.vocab_size, x.shape, generator=self._gen,
+                                      dtype=x.dtype).to(x.device)
+        return x
+
+    def _scale_hidden(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        if self._drift is None:
+            return output
+        eps, k = self._drift
+        return output * (1.0 + eps * k)
+
+    def after_backward(self, model: nn.Module) -> None:
+        """NaN faults: plant one NaN in the named parameter's (local) gradient."""
+        for f in self._active:
+            if f.kind != "nan":
+                continue
+            params = dict(model.named_parameters())
+            name = f.args[0] if f.args else next(n for n, p in params.items() if p.dim() == 2)
+            if name not in params:
+                raise ValueError(f"--inject nan@{f.step}:{name}: no such parameter; the model has "
+                                 f"e.g. {', '.join(list(params)[:4])}")
+            g = params[name].grad
+            local = g.to_local() if hasattr(g, "to_local") else g
+            if local is not None and local.numel():
+                local.view(-1)[0] = float("nan")
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """LR faults: multiply every group's LR for this step."""
+        lr = next((f for f in self._active if f.kind == "lr"), None)
+        self._lr_saved = None
+        if lr is not None:
+            self._lr_saved = [g["lr"] for g in optimizer.param_groups]
+            for g in optimizer.param_groups:
+                g["lr"] *= float(lr.args[0])
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Undo an LR fault when the scheduler did not (a skipped step leaves the LR as set)."""
+        if self._lr_saved is None:
+            return
+        mult = float(next(f for f in self._active if f.kind == "lr").args[0])
+        for g, base in zip(optimizer.param_groups, self._lr_saved):
+            if g["lr"] == base * mult:
+                g["lr"] = base
+        self._lr_saved = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"left": {str(k): v for k, v in self._left.items()},
+                "last": {str(k): v for k, v in self._last.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._left = {int(k): int(v) for k, v in state["left"].items()}
+        self._last = {int(k): int(v) for k, v in state["last"].items()}

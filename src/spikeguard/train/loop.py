@@ -1,0 +1,266 @@
+"""The run itself: the reference GPT through the Guard, on the token stream, torchrun-ready.
+
+One step: the next batch of the stream (the injector may replace it), forward under the precision
+policy's autocast, backward through the loss scaler, ``guard.step``. The loop is driven by
+``guard.step_index``, so a rollback replays steps. Under torchrun (``WORLD_SIZE`` > 1) it joins
+the process group (gloo on CPU, NCCL on GPUs) and wraps the model in DDP or FSDP2; every rank
+takes the same decisions (the guard's are made from all-reduced numbers) and only rank 0 writes
+the record, the config and the plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from .. import _dist
+from ..data import TokenStream
+from ..detect.precision import PrecisionPolicy
+from ..guard import Guard
+from ..model import GPT
+from ..prevent.schedules import warmup_cosine, wsd
+from ..respond.checkpoint import CheckpointManager
+from ..respond.forensics import HaltReport, TrainingHalted
+from ..sinks import JsonlSink, read_metrics
+from .config import TrainConfig
+from .data import load_train_data
+from .faults import Injector
+from .report import ProgressSink, plot_run, summary_table
+
+__all__ = ["TrainResult", "evaluate", "train"]
+
+
+@dataclass
+class TrainResult:
+    """What a run measured. ``losses``: the train loss of each step in run order (a rollback's
+    replayed steps appear again); ``halted``: the report when the guard halted the run."""
+
+    losses: list[float] = field(default_factory=list)
+    val_loss: float = math.nan
+    unigram_entropy: float = math.nan
+    seconds: float = 0.0
+    halted: HaltReport | None = None
+    resumed_from: int | None = None
+    applied: int = 0
+    rollbacks: int = 0
+    out: Path | None = None
+    plot: Path | None = None
+
+
+@torch.no_grad()
+def evaluate(model: GPT, tokens: np.ndarray, *, batches: int, batch_size: int,
+             seed: int = 1234) -> float:
+    """Mean loss over fixed held-out windows (the same windows for a given seed)."""
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    seq = model.cfg.seq_len
+    if len(tokens) <= seq + 1:
+        raise ValueError(f"held-out split of {len(tokens)} tokens is shorter than one window of "
+                         f"{seq + 1}; use more data or a shorter model (--model tiny)")
+    device = next(model.parameters()).device
+    total = 0.0
+    for _ in range(batches):
+        starts = torch.randint(0, len(tokens) - seq - 1, (batch_size,), generator=gen)
+        w = torch.from_numpy(np.stack([np.asarray(tokens[s:s + seq + 1], dtype=np.int64)
+                                       for s in starts.tolist()])).to(device)
+        total += float(model.loss(model(w[:, :-1]), w[:, 1:]).ce)
+    model.train(was_training)
+    return total / batches
+
+
+def _unigram_entropy(tokens: np.ndarray, vocab: int) -> float:
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _init_distributed() -> torch.device:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _dist.is_dist():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend)
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _prepare_out(cfg: TrainConfig, out: Path, run_hash: str, console: Console) -> bool:
+    """Returns whether to resume. Refuses a directory holding another config's run."""
+    meta = out / "config.json"
+    ckpts = out / "checkpoints"
+    if cfg.fresh and _dist.rank() == 0:
+        shutil.rmtree(ckpts, ignore_errors=True)
+        for name in ("metrics.jsonl", "config.json", "run.png"):
+            (out / name).unlink(missing_ok=True)
+    _dist.barrier()
+    if cfg.fresh or not meta.is_file():
+        return False
+    saved = json.loads(meta.read_text()).get("run_hash")
+    has_ckpt = any(ckpts.glob("step_*/MANIFEST.json")) if ckpts.is_dir() else False
+    if saved != run_hash and (has_ckpt or (out / "metrics.jsonl").exists()):
+        raise ValueError(f"--out {out} holds a run of another config or data (hash "
+                         f"{str(saved)[:12]} vs {run_hash[:12]}); pass --fresh to start over "
+                         f"there or choose another --out")
+    return has_ckpt
+
+
+def _cut_metrics(path: Path, keep: int) -> None:
+    """Keep the first ``keep`` lines of the metrics file (the records up to the checkpoint being
+    resumed): the steps after it run again, and each finished step keeps exactly one line."""
+    if not path.exists():
+        return
+    lines = path.read_bytes().splitlines(keepends=True)[:keep]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_bytes(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines))
+    os.replace(tmp, path)
+
+
+def _schedule(cfg: TrainConfig) -> Any:
+    warmup = cfg.warmup_steps
+    if warmup >= cfg.steps:
+        warmup = cfg.steps - 1
+        warnings.warn(f"--warmup-steps={cfg.warmup_steps} is not below --steps={cfg.steps}; "
+                      f"warming up over {warmup} steps instead", stacklevel=3)
+    if cfg.schedule == "wsd":
+        return wsd(warmup_steps=warmup, total_steps=cfg.steps, decay_fraction=cfg.decay_fraction,
+                   min_ratio=cfg.min_lr_ratio)
+    return warmup_cosine(warmup_steps=warmup, total_steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
+
+
+def _wrap(model: GPT, parallel: str, device: torch.device) -> torch.nn.Module:
+    """The module the forward goes through (the loss is taken on the GPT itself)."""
+    if parallel == "ddp" and _dist.world_size() > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                       else None)
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    return model
+
+
+def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
+    """Run ``cfg``: returns what it measured; a halt is reported in ``result.halted`` (the CLI
+    turns it into exit status 3)."""
+    cfg = cfg.resolved()
+    device = _init_distributed()
+    rank, world = _dist.rank(), _dist.world_size()
+    console = Console(quiet=not echo or rank != 0, highlight=False, soft_wrap=True)
+    data = load_train_data(corpus=cfg.corpus, data=cfg.data, tokenizer=cfg.tokenizer,
+                           vocab_size=cfg.vocab_size)
+    gcfg = cfg.gpt_config(data.vocab_size)
+    out = Path(cfg.out)
+    run_hash = cfg.run_hash(data.sha256)
+    resume = _prepare_out(cfg, out, run_hash, console)
+    torch.manual_seed(cfg.seed)
+    model = GPT(gcfg).to(device)
+    fwd = _wrap(model, cfg.parallel, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                  weight_decay=cfg.weight_decay,
+                                  fused=cfg.parallel != "fsdp" or device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
+    stream = TokenStream(data.train, batch_size=cfg.batch_size, seq_len=gcfg.seq_len,
+                         seed=cfg.seed, rank=rank, world_size=world)
+    policy = (PrecisionPolicy.default_for(device) if cfg.precision == "auto"
+              else PrecisionPolicy(kind=cfg.precision))
+    injector = Injector(cfg.inject, rank=rank, only_rank=cfg.inject_rank,
+                        vocab_size=gcfg.vocab_size, seed=cfg.seed)
+    result = TrainResult(unigram_entropy=_unigram_entropy(data.train, data.vocab_size), out=out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(
+            {"config": cfg.to_dict(), "model": gcfg.__dict__, "data": data.describe,
+             "data_sha256": data.sha256, "run_hash": run_hash, "world_size": world,
+             "precision": policy.kind, "params": model.num_params()}, indent=2, default=str))
+    progress = ProgressSink(console, total=cfg.steps, start=0,
+                            tokens_per_step=cfg.batch_size * gcfg.seq_len * world,
+                            bar=cfg.progress, print_every=cfg.print_every)
+    sinks = [JsonlSink(out / "metrics.jsonl"), progress] if rank == 0 else []
+    guard = Guard(model, optimizer, config=cfg.guard, scheduler=scheduler, precision=policy,
+                  checkpoints=CheckpointManager(out / "checkpoints", every=cfg.ckpt_every,
+                                                keep=cfg.keep),
+                  data=stream, sinks=sinks, probes=True, extra_state={"faults": injector},
+                  keep_on_rollback=("faults",))
+    console.print(f"{data.describe}; model {cfg.model}: {model.num_params():,} params on "
+                  f"{device.type} x {world}, {policy.kind}; run dir {out}")
+    if resume:
+        info = guard.resume()
+        if info is not None:
+            result.resumed_from = info.step
+            if rank == 0:
+                _cut_metrics(out / "metrics.jsonl", guard.records)
+            console.print(f"resumed from the checkpoint at step {info.step}")
+    start = time.perf_counter()
+    skipped: list[int] = []
+    try:
+        while guard.step_index < cfg.steps:
+            t = guard.step_index
+            x, y = next(stream)
+            x = injector.begin(t, model, x).to(device)
+            y = y.to(device)
+
+            def rerun(x: torch.Tensor = x, y: torch.Tensor = y) -> Any:
+                with guard.autocast():
+                    o = model.loss(fwd(x), y)
+                guard.backward(o)
+                return o
+
+            with guard.autocast():
+                loss = model.loss(fwd(x), y)
+            guard.backward(loss)
+            injector.after_backward(model)
+            injector.before_step(optimizer)
+            verdict = guard.step(loss, rerun=rerun)
+            injector.after_step(optimizer)
+            result.losses.append(float(loss.ce))
+            if verdict is not None and verdict.skip:
+                skipped.append(verdict.step)
+        verdict = guard.flush()
+        if verdict is not None and verdict.skip:
+            skipped.append(verdict.step)
+    except TrainingHalted as halt:
+        result.halted = halt.report
+    finally:
+        guard.close()
+        progress.close()
+    result.seconds = time.perf_counter() - start
+    result.applied, result.rollbacks = guard.applied, guard.rollbacks
+    # every rank says what it did: under torchrun the ranks must have decided alike
+    (out / "ranks").mkdir(parents=True, exist_ok=True)
+    (out / "ranks" / f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "steps": guard.step_index, "applied": guard.applied,
+         "rollbacks": guard.rollbacks, "skipped": skipped,
+         "halted": result.halted.step if result.halted else None}))
+    if result.halted is None:
+        result.val_loss = evaluate(model, data.val, batches=cfg.eval_batches,
+                                   batch_size=cfg.batch_size)
+    if rank == 0:
+        console.print(summary_table(progress, steps=cfg.steps, applied=guard.applied,
+                                    rollbacks=guard.rollbacks, val_loss=result.val_loss,
+                                    seconds=result.seconds, halted=result.halted is not None))
+        if cfg.plot and (out / "metrics.jsonl").exists():
+            result.plot = plot_run(read_metrics(out / "metrics.jsonl"), out / "run.png",
+                                   title=f"spikeguard train: {cfg.model}, seed {cfg.seed}")
+            if result.plot is not None:
+                console.print(f"plot: {result.plot}")
+        if result.halted is None:
+            console.print(f"held-out loss {result.val_loss:.4f} nats (unigram entropy "
+                          f"{result.unigram_entropy:.4f}); metrics: {out / 'metrics.jsonl'}")
+    return result

@@ -1,0 +1,123 @@
+"""A guarded training run of the reference GPT with injected faults, shared by the guard tests.
+
+The loop is the README's: fetch a batch, forward, backward, ``guard.step``; it is driven by
+``guard.step_index`` so that a rollback replays steps. Faults touch only the data, the gradients
+or the optimizer (never the guard), and each fires the first time training passes its step
+unless it is sticky.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import spikeguard as sg
+from spikeguard.guard import Guard, GuardConfig, TrainingHalted
+
+
+@dataclass
+class Fault:
+    kind: str
+    """"outlier" (random-byte batch), "nan" (NaN in one gradient), "lr" (LR x mult)."""
+    step: int
+    param: str = "blocks.0.mlp.fc.weight"
+    mult: float = 50.0
+    length: int = 1
+    sticky: bool = False
+    """Fire every time training passes the steps (else once: a rollback ends it for good)."""
+    remaining: int | None = None
+    last: int = -1
+
+    def active(self, t: int) -> bool:
+        if self.sticky:
+            return self.step <= t < self.step + self.length
+        if self.remaining is None:
+            if t != self.step:
+                return False
+            self.remaining = self.length
+        elif t <= self.last:  # training went back (a rollback): a transient fault is over
+            self.remaining = 0
+        if self.remaining > 0:
+            self.remaining -= 1
+            self.last = t
+            return True
+        return False
+
+
+@dataclass
+class Run:
+    losses: dict[int, float] = field(default_factory=dict)
+    verdicts: list[Any] = field(default_factory=list)
+    halted: TrainingHalted | None = None
+    guard: Guard | None = None
+    model: Any = None
+    lrs: dict[int, float] = field(default_factory=dict)
+
+    def final_loss(self, last: int = 20) -> float:
+        steps = sorted(self.losses)[-last:]
+        return sum(self.losses[s] for s in steps) / len(steps)
+
+
+def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), tier2: str = "alert",
+                out: Path | None = None, every: int = 25, read_lag: int = 0, fused: bool = True,
+                batch: int = 8, lr: float = 3e-3, max_rollbacks: int = 3,
+                config: sg.GPTConfig | None = None, resume: bool = False,
+                stop_at: int | None = None) -> Run:
+    torch.manual_seed(seed)
+    cfg = config or sg.GPTConfig.tiny()
+    model = sg.GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, sg.schedules.warmup_cosine(warmup_steps=20, total_steps=steps, min_ratio=0.1))
+    data = sg.TokenStream.from_corpus("pydoc", batch_size=batch, seq_len=cfg.seq_len, seed=seed)
+    ckpt = sg.CheckpointManager(out / "ckpt", every=every, keep=20) if out is not None else None
+    sinks = [sg.JsonlSink(out / "metrics.jsonl")] if out is not None else None
+    guard = Guard(model, opt, scheduler=sched, data=data, checkpoints=ckpt, sinks=sinks,
+                  config=GuardConfig(detector=sg.DetectorConfig.for_run(steps), tier2=tier2,
+                                     read_lag=read_lag, max_rollbacks=max_rollbacks))
+    run = Run(guard=guard, model=model)
+    if resume:
+        guard.resume()
+    gen = torch.Generator().manual_seed(seed + 1)
+    try:
+        while guard.step_index < (steps if stop_at is None else stop_at):
+            t = guard.step_index
+            x, y = next(data)
+            active = [f for f in faults if f.active(t)]
+            if any(f.kind == "outlier" for f in active):
+                x = torch.randint(0, cfg.vocab_size, x.shape, generator=gen)
+            out_ = model.loss(model(x), y)
+            out_.loss.backward()
+            for f in active:
+                if f.kind == "nan":
+                    dict(model.named_parameters())[f.param].grad.view(-1)[0] = float("nan")
+            saved = None
+            if any(f.kind == "lr" for f in active):
+                mult = next(f.mult for f in active if f.kind == "lr")
+                saved = [g["lr"] for g in opt.param_groups]
+                for g in opt.param_groups:
+                    g["lr"] *= mult
+            run.lrs[t] = opt.param_groups[0]["lr"]
+            run.losses[t] = float(out_.ce)
+            v = guard.step(out_)
+            if saved is not None:  # the fault lasts one step; a scheduler step already reset it
+                for g, base in zip(opt.param_groups, saved):
+                    if g["lr"] == base * mult:
+                        g["lr"] = base
+            if v is not None:
+                run.verdicts.append(v)
+        v = guard.flush()
+        if v is not None:
+            run.verdicts.append(v)
+    except TrainingHalted as e:
+        run.halted = e
+    finally:
+        if sinks is not None:
+            guard.sinks.close()
+        if ckpt is not None:
+            ckpt.close()
+    return run

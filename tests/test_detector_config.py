@@ -1,0 +1,71 @@
+"""DetectorConfig: defaults, validation, the CLI options generated from it, and for_run."""
+
+import argparse
+import math
+
+import numpy as np
+import pytest
+
+from spikeguard._config_cli import add_config_args, config_from_args, field_docs
+from spikeguard.record import StepMetrics
+from spikeguard.respond.detector import Action, DetectorConfig, SpikeDetector
+
+
+def test_config_defaults_and_documented():
+    c = DetectorConfig()
+    assert (c.arm_after, c.median_window, c.grad_k, c.skip_ratio, c.alert_ratio,
+            c.tier2_ratio, c.elevated_steps, c.log_z_rise, c.log_z_rise_steps,
+            c.max_scaler_skips) == (50, 5000, 3.0, 2.0, 1.5, 2.5, 500, 3.0, 300, 10)
+    docs = field_docs(DetectorConfig)
+    assert set(docs) == set(c.to_dict()) and all(docs.values())
+    # the CLI generator (diagnose's what-if options) renders and parses every field
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, DetectorConfig)
+    assert "--max-skip-fraction" in parser.format_help()
+    args = parser.parse_args(["--grad-k", "5", "--vocab-size", "50257"])
+    assert config_from_args(DetectorConfig, args) == DetectorConfig(grad_k=5.0, vocab_size=50257)
+
+
+def test_for_run_shrinks_windows():
+    c = DetectorConfig.for_run(400)
+    assert (c.median_window, c.loss_ema_steps, c.recovery_steps, c.elevated_steps,
+            c.recovery_ema_steps, c.log_z_rise_steps) == (100, 100, 100, 100, 50, 100)
+    assert DetectorConfig.for_run(1_000_000) == DetectorConfig.for_run(20_000) == DetectorConfig()
+    assert DetectorConfig.for_run(19_999) != DetectorConfig()
+    assert DetectorConfig.for_run(400, grad_k=5.0).grad_k == 5.0
+    with pytest.raises(ValueError, match="total_steps=2"):
+        DetectorConfig.for_run(2)
+
+
+def test_for_run_arms_after_a_tenth_of_the_run_between_5_and_50():
+    steps = [4, 49, 50, 100, 130, 499, 500, 1_000_000]
+    assert [DetectorConfig.for_run(n).arm_after for n in steps] == [5, 5, 5, 10, 13, 49, 50, 50]
+    assert DetectorConfig.for_run(100, arm_after=30).arm_after == 30  # overrides win
+
+
+def test_a_100_step_run_catches_an_outlier_at_step_20():
+    # noisy flat stream (grad norm 1.0 +- 10%), a 6x outlier at step 20
+    rng = np.random.default_rng(0)
+    metrics = [StepMetrics(step=s, loss=2.4 + 0.01 * rng.standard_normal(),
+                           grad_norm=(6.0 if s == 20 else 1.0) * math.exp(0.1 * rng.standard_normal()),
+                           log_z=7.0) for s in range(100)]
+    short = SpikeDetector(DetectorConfig.for_run(100))
+    verdicts = [short.update(m) for m in metrics]
+    assert [(v.step, v.action) for v in verdicts if v.action is not Action.CONTINUE] == \
+        [(20, Action.SKIP)]
+    # the defaults (arm_after=50) would let it through: half of this run is over before they arm
+    default = SpikeDetector()
+    assert all(default.update(m).action is Action.CONTINUE for m in metrics)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"median_window": 0}, "median_window=0"),
+    ({"grad_k": 1.0}, "grad_k=1.0"),
+    ({"skip_ratio": 3.0}, "skip_ratio"),
+    ({"vocab_size": 1}, "vocab_size=1"),
+    ({"max_skip_fraction": 1.5}, "max_skip_fraction=1.5"),
+    ({"arm_after": 2.5}, "arm_after=2.5"),
+])
+def test_bad_config_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DetectorConfig(**kwargs)

@@ -1,0 +1,385 @@
+"""The Guard end to end on the reference GPT (CPU, GPTConfig.tiny()), and its contracts.
+
+References: a clean run with the same seed, torch's own optimizer and scaler behaviour, the
+schedule function itself, and the host detector (the device gate must agree with it).
+"""
+
+import math
+
+import pytest
+import torch
+
+import spikeguard as sg
+from spikeguard.detect.precision import PrecisionPolicy
+from spikeguard.guard import Guard, GuardConfig, TrainingHalted
+from spikeguard.respond._gate import DeviceGate
+from spikeguard.testing import scenarios as sc
+
+from .guard_harness import Fault, guarded_run
+
+STEPS = 300
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def clean():
+    torch.set_num_threads(1)
+    return guarded_run(steps=STEPS)
+
+
+def _flagged(run):
+    return [(v.step, v.action.value) for v in run.verdicts if v.action is not sg.Action.CONTINUE]
+
+
+# ---------------------------------------------------------------- a skip changes nothing
+def _state(model, opt):
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+             for s in opt.state.values()]
+    return params, state
+
+
+def _same(a, b):
+    (pa, sa), (pb, sb) = a, b
+    return (all(torch.equal(x, y) for x, y in zip(pa, pb)) and len(sa) == len(sb)
+            and all(s1.keys() == s2.keys() and all(
+                torch.equal(s1[k], s2[k]) if torch.is_tensor(s1[k]) else s1[k] == s2[k]
+                for k in s1) for s1, s2 in zip(sa, sb)))
+
+
+def _optimizer(kind, params):
+    if kind == "fused":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    if kind == "foreach":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True)
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+
+def _backward(model, runtime, plant=None):
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with runtime.autocast():
+        out = model.loss(model(x), x)
+    runtime.scale(out.loss).backward()
+    if plant is not None:
+        model.blocks[0].mlp.fc.weight.grad.view(-1)[0] = plant
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach", "sgd"])
+@pytest.mark.parametrize("fp16", [False, True])
+@pytest.mark.parametrize("order", ["gate-then-overflow", "overflow-then-gate"])
+def test_a_skip_leaves_params_and_optimizer_state_bit_identical(kind, fp16, order):
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    opt = _optimizer(kind, model.parameters())
+    rt = PrecisionPolicy(kind="fp16-mixed" if fp16 else "fp32", init_scale=2.0**10).runtime(model)
+    _backward(model, rt)
+    rt.step(opt)  # a real update first, so that moments and step counts exist
+    opt.zero_grad(set_to_none=True)
+    before, scale = _state(model, opt), rt.grad_scale()
+    skips = [("gate", float("nan")), ("overflow", float("inf"))]
+    if order == "overflow-then-gate":
+        skips.reverse()
+    for what, bad in skips:
+        if what == "overflow" and not fp16:
+            bad = float("nan")  # without a scaler a NaN grad must still never reach the state
+        # the gate skip carries a NaN gradient too: 0 * NaN is NaN, so masking must not multiply
+        _backward(model, rt, plant=bad)
+        gate = torch.tensor(what == "gate" or not fp16)
+        rt.step(opt, skip=gate)
+        opt.zero_grad(set_to_none=True)
+        assert _same(before, _state(model, opt)), what
+    if fp16:  # both skips saw a non-finite gradient: the scaler halved twice, never for the gate
+        assert rt.grad_scale() == scale / 4
+    _backward(model, rt)
+    rt.step(opt)
+    assert not _same(before, _state(model, opt))  # and a healthy step still updates
+
+
+def test_a_guard_skip_without_overflow_leaves_the_fp16_scale_alone():
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    rt = PrecisionPolicy(kind="fp16-mixed", init_scale=2.0**10).runtime(model)
+    _backward(model, rt)
+    rt.step(opt)
+    opt.zero_grad()
+    before = _state(model, opt)
+    _backward(model, rt)
+    rt.step(opt, skip=torch.tensor(True))
+    assert rt.grad_scale() == 2.0**10 and _same(before, _state(model, opt))
+
+
+# ---------------------------------------------------------------- end to end
+def test_an_outlier_batch_is_skipped_and_the_run_ends_within_2pct_of_clean(clean):
+    run = guarded_run(steps=STEPS, faults=[Fault("outlier", 150)])
+    assert _flagged(clean) == []
+    assert _flagged(run) == [(150, "skip")]
+    assert abs(run.final_loss() / clean.final_loss() - 1) < 0.02
+
+
+def test_a_nan_gradient_halts_naming_the_parameter_and_the_halt_is_the_last_record(tmp_path):
+    run = guarded_run(steps=120, faults=[Fault("nan", 90, param="blocks.1.attn.qkv.weight")],
+                      out=tmp_path)
+    assert run.halted is not None
+    report = run.halted.report
+    assert report.step == 90 and report.nonfinite_params == ["blocks.1.attn.qkv.weight"]
+    assert "nan_frac > 0" in report.reasons and "blocks.1.attn.qkv.weight" in str(run.halted)
+    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    assert records[-1]["step"] == 90 and records[-1]["action"] == "halt"
+    assert records[-1]["halt"]["nonfinite_params"] == ["blocks.1.attn.qkv.weight"]
+    assert [r["step"] for r in records] == list(range(91))
+
+
+def test_with_read_lag_1_the_halt_still_names_the_parameter_after_its_grads_are_gone(tmp_path):
+    run = guarded_run(steps=60, read_lag=1, out=tmp_path,
+                      faults=[Fault("nan", 40, param="blocks.0.attn.proj.weight")])
+    report = run.halted.report
+    assert report.step == 40 and report.nonfinite_params == ["blocks.0.attn.proj.weight"]
+    last = sg.read_metrics(tmp_path / "metrics.jsonl")[-1]
+    assert last["action"] == "halt" and last["nan_frac"] is None  # unknown once the grads are gone
+
+
+def test_a_nan_from_the_data_is_traced_to_the_first_module_forward_and_backward(tmp_path):
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = Guard(model, opt, sinks=[sg.JsonlSink(tmp_path / "m.jsonl")])
+    poison = {"on": False}
+
+    def blow_up(module, args, output):  # a module whose output goes non-finite on a bad batch
+        return output * float("inf") if poison["on"] else output
+
+    model.blocks[1].mlp.fc.register_forward_hook(blow_up)
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+
+    def rerun():
+        out = model.loss(model(x), x)
+        out.loss.backward()
+        return out
+
+    for step in range(5):
+        poison["on"] = step == 4
+        out = rerun()
+        if step < 4:
+            guard.step(out, rerun=rerun)
+            continue
+        with pytest.raises(TrainingHalted) as e:
+            guard.step(out, rerun=rerun)
+    report = e.value.report
+    assert report.traced and report.first_forward == "blocks.1.mlp.fc"
+    # backward order starts at the loss end: the first input gradient to go non-finite belongs
+    # to a module after the poisoned one in forward order
+    names = [n for n, _ in model.named_modules()]
+    assert report.first_backward in names
+    assert names.index(report.first_backward) > names.index("blocks.1.mlp.fc")
+    assert len(report.nonfinite_params) > 0
+
+
+@pytest.fixture(scope="module")
+def lr_fault_runs(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("lr")
+    return {policy: guarded_run(steps=STEPS, out=root / policy, tier2=policy,
+                                faults=[Fault("lr", 150, mult=50.0, length=20)])
+            for policy in ("alert", "rollback")}
+
+
+def test_a_transient_lr_spike_under_the_default_policy_halts_at_the_storm(lr_fault_runs):
+    run = lr_fault_runs["alert"]
+    skips = [v.step for v in run.verdicts if v.skip]
+    assert run.halted is not None and skips
+    report = run.halted.report
+    assert report.step - skips[0] <= 10  # Tier 2 within 10 steps of the first skip
+    assert any(r.startswith("skips") for r in report.reasons)
+    assert report.summary is not None and report.summary["rollback_checkpoint"] == 125
+    assert report.summary["onset_step"] >= 150
+
+
+def test_a_transient_lr_spike_with_rollback_recovers_within_2pct(lr_fault_runs, clean, tmp_path):
+    run = lr_fault_runs["rollback"]
+    assert run.halted is None
+    assert ("rollback" in [a for _, a in _flagged(run)])
+    assert run.guard.rollbacks == 1 and max(run.losses) == STEPS - 1
+    assert abs(run.final_loss() / clean.final_loss() - 1) < 0.02
+    records = sg.read_metrics(run.guard.checkpoints.directory.parent / "metrics.jsonl")
+    rb = next(r for r in records if r["action"] == "rollback")
+    assert rb["rollback_to"] <= rb["summary"]["onset_step"] - 2
+    lo, hi = rb["skip_range"]
+    assert lo <= hi and hi >= lo + 5  # the poisoned range of batches is skipped
+    assert [lo, hi] in [list(r) for r in run.guard.data.skip_ranges]
+
+
+def test_a_sticky_lr_fault_exhausts_the_rollback_budget_and_halts(tmp_path):
+    run = guarded_run(steps=STEPS, out=tmp_path, tier2="rollback", max_rollbacks=2,
+                      faults=[Fault("lr", 150, mult=50.0, length=20, sticky=True)])
+    assert run.halted is not None and run.guard.rollbacks == 2
+    assert "budget of 2 exhausted" in str(run.halted)
+
+
+# ---------------------------------------------------------------- gate == host verdict
+@pytest.mark.parametrize("stream", ["data_anomaly", "grad_storm", "clean", "random"])
+def test_the_device_gate_equals_the_host_verdict_on_every_tier_0_1_step(stream):
+    from .verdict_streams import SMALL, random_stream
+
+    if stream == "data_anomaly":
+        metrics, config = sc.data_anomaly(0, start=41_000).metrics, sg.DetectorConfig()
+    elif stream == "grad_storm":
+        metrics, config = sc.grad_storm(0).metrics, sg.DetectorConfig()
+    elif stream == "clean":
+        metrics, config = sc.clean_run(0, steps=3000).metrics, sg.DetectorConfig()
+    else:
+        metrics, config = random_stream(1, n=4000), sg.DetectorConfig(**SMALL)
+    detector, gate = sg.SpikeDetector(config), DeviceGate(config)
+    checked = skips = 0
+    for m in metrics:
+        armed = bool(gate.armed())
+        assert armed == detector.armed
+        g = bool(gate(torch.tensor(m.grad_norm, dtype=torch.float64),
+                      torch.tensor(m.loss, dtype=torch.float64)))
+        v = detector.update(m)
+        if v.tier <= 1:
+            assert g == v.skip, m.step
+            checked += 1
+            skips += g
+        if not armed:
+            assert not v.skip or not math.isfinite(m.grad_norm + m.loss)
+    assert checked > 0.9 * len(metrics) and (skips >= 1 or stream == "clean")
+
+
+def test_the_gate_bit_equals_the_verdict_on_a_real_run(lr_fault_runs):
+    run = lr_fault_runs["alert"]
+    for v in run.verdicts:
+        if v.tier <= 1:
+            assert v.skip == (v.action is sg.Action.SKIP)
+
+
+# ---------------------------------------------------------------- schedule and read lag
+@pytest.mark.parametrize("read_lag", [0, 1])
+def test_the_lr_schedule_advances_only_on_applied_updates(tmp_path, read_lag):
+    steps = 80
+    run = guarded_run(steps=steps, faults=[Fault("outlier", 60)], out=tmp_path, read_lag=read_lag)
+    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(steps))
+    sched = sg.schedules.warmup_cosine(warmup_steps=20, total_steps=steps, min_ratio=0.1)
+    applied = 0
+    for r in records:
+        assert r["lr"] == pytest.approx(3e-3 * sched(applied), rel=1e-12), r["step"]
+        applied += not r["skipped"]
+    assert [r["step"] for r in records if r["skipped"]] == [60]
+    assert run.guard.scheduler.last_epoch == applied == steps - 1
+
+
+def test_read_lag_1_gives_the_same_run_as_read_lag_0():
+    a = guarded_run(steps=90, faults=[Fault("outlier", 70)], read_lag=0)
+    b = guarded_run(steps=90, faults=[Fault("outlier", 70)], read_lag=1)
+    assert [(v.step, v.action, v.reasons) for v in a.verdicts] == \
+        [(v.step, v.action, v.reasons) for v in b.verdicts]
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(p, q)
+
+
+# ---------------------------------------------------------------- accumulation, resume
+def test_four_micro_batches_equal_one_batch_of_four_times_the_size():
+    def one(micro: int):
+        torch.manual_seed(0)
+        model = sg.GPT(sg.GPTConfig.tiny()).double()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        guard = Guard(model, opt, config=GuardConfig(clip=0.5))
+        x = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(3))
+        for chunk in x.chunk(micro):
+            out = model.loss(model(chunk[:, :-1]), chunk[:, 1:])
+            (out.loss / micro).backward()
+            guard.accumulate(out)
+        v = guard.step()
+        return v.evidence, [p.detach().clone() for p in model.parameters()]
+
+    (e1, p1), (e4, p4) = one(1), one(4)
+    assert e4["loss"] == pytest.approx(e1["loss"], rel=1e-6)
+    assert e4["grad_norm"] == pytest.approx(e1["grad_norm"], rel=1e-6)
+    for a, b in zip(p1, p4):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
+
+
+def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path):
+    full = guarded_run(steps=70, out=tmp_path / "full", every=20)
+    part = guarded_run(steps=70, stop_at=55, out=tmp_path / "part", every=20)
+    assert part.guard.step_index == 55  # "killed" after step 54; checkpoints at 20 and 40
+    resumed = guarded_run(steps=70, out=tmp_path / "part", every=20, resume=True)
+    assert resumed.guard.applied == full.guard.applied
+    for p, q in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+    assert resumed.losses == {s: full.losses[s] for s in range(41, 70)}
+    full_recs = {r["step"]: r for r in sg.read_metrics(tmp_path / "full" / "metrics.jsonl")}
+    recs = sg.read_metrics(tmp_path / "part" / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(55)) + list(range(41, 70))
+    for r in recs[55:]:
+        assert r == full_recs[r["step"]]
+
+
+# ---------------------------------------------------------------- compile, config, CLI
+def test_a_compiled_model_runs_under_the_guard():
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    guard = Guard(compiled, opt)
+    x = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        out = model.loss(compiled(x[:, :-1]), x[:, 1:])
+        out.loss.backward()
+        v = guard.step(out)
+    assert v.action is sg.Action.CONTINUE and guard.applied == 3
+
+
+def test_config_refuses_what_would_silently_misbehave():
+    with pytest.raises(ValueError, match="GuardConfig.clip=-1"):
+        GuardConfig(clip=-1)
+    with pytest.raises(ValueError, match="clip=0"):
+        GuardConfig(clip=0.0)
+    assert GuardConfig(clip=None).clip is None
+    model = sg.GPT(sg.GPTConfig.tiny())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="needs checkpoints"):
+        Guard(model, opt, config=GuardConfig(tier2="rollback"))
+    guard = Guard(model, opt)
+    with pytest.raises(ValueError, match="needs the step's loss"):
+        guard.step()
+
+
+def test_guard_flags_are_generated_from_the_nested_configs():
+    import argparse
+
+    from spikeguard._config_cli import add_config_args, config_from_args, flag_message
+
+    p = argparse.ArgumentParser()
+    add_config_args(p, GuardConfig)
+    cfg = config_from_args(GuardConfig, p.parse_args(["--grad-k", "5", "--skip-ratio", "2.2",
+                                                      "--no-clip", "--tier2", "rollback"]))
+    assert (cfg.detector.grad_k, cfg.detector.skip_ratio, cfg.clip, cfg.tier2) == \
+        (5.0, 2.2, None, "rollback")
+    assert config_from_args(GuardConfig, p.parse_args([])) == GuardConfig()
+    with pytest.raises(ValueError) as e:
+        config_from_args(GuardConfig, p.parse_args(["--grad-k", "0.5"]))
+    assert flag_message(e.value, GuardConfig).startswith("--grad-k=0.5")
+
+
+def test_bench_guard_smoke_prints_a_finite_share(sub_env):
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    r = subprocess.run([sys.executable, "benchmarks/bench_guard.py", "--smoke"], cwd=ROOT,
+                       env=sub_env, capture_output=True, text=True, timeout=300, check=True)
+    share = re.search(r"guard.step beyond clip\+step\+schedule / median step: (-?[\d.]+)%", r.stdout)
+    ratio = re.search(r"step ratio guard/base ([\d.]+)\s+A/A base2/base ([\d.]+)", r.stdout)
+    assert share and ratio, r.stdout
+    assert math.isfinite(float(share.group(1))) and float(ratio.group(1)) > 0

@@ -1,0 +1,92 @@
+"""The Guard on 2 gloo ranks under FSDP2 with rank-skewed faults: every decision identical.
+
+One run of 200 steps per rank: a random-byte batch on rank 1 only (skip on both), a transient
+LR x 50 on rank 1 only (its shards alone are damaged; a skip storm, then a rollback that brings
+both ranks to the same step), and a NaN planted in rank 0's local shard of one gradient (a halt
+on both with the same report). Each step's verdict is all-gathered and compared on the spot.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import run_distributed
+
+STEPS = 200
+
+
+def _guarded_fsdp(rank: int, world: int, directory: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import spikeguard as sg
+
+    torch.manual_seed(0)
+    cfg = sg.GPTConfig.tiny()
+    model = sg.GPT(cfg)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, sg.schedules.warmup_cosine(warmup_steps=20, total_steps=STEPS, min_ratio=0.1))
+    data = sg.TokenStream.from_corpus("pydoc", batch_size=4, seq_len=cfg.seq_len, seed=0,
+                                      rank=rank, world_size=world)
+    guard = sg.Guard(model, opt, scheduler=sched, data=data,
+                     checkpoints=sg.CheckpointManager(f"{directory}/ckpt", every=25, keep=20),
+                     config=sg.GuardConfig(detector=sg.DetectorConfig.for_run(STEPS),
+                                           tier2="rollback"))
+    gen = torch.Generator().manual_seed(1)
+    lr_fault = {"left": None}
+    verdicts, restarts, halted = [], [], None
+    try:
+        while guard.step_index < STEPS:
+            t = guard.step_index
+            x, y = next(data)
+            if t == 60 and rank == 1:
+                x = torch.randint(0, 256, x.shape, generator=gen)
+            out = model.loss(model(x), y)
+            out.loss.backward()
+            if t == 170 and rank == 0:
+                g = dict(model.named_parameters())["blocks.0.mlp.fc.weight"].grad
+                g.to_local().view(-1)[0] = float("nan")
+            if t == 120 and lr_fault["left"] is None:
+                lr_fault["left"] = 20
+            saved = None
+            if rank == 1 and lr_fault["left"]:
+                lr_fault["left"] -= 1
+                saved = [grp["lr"] for grp in opt.param_groups]
+                for grp in opt.param_groups:
+                    grp["lr"] *= 50.0
+            v = guard.step(out)
+            for grp, lr in zip(opt.param_groups, saved or ()):
+                if grp["lr"] == lr * 50.0:  # skipped: the scheduler did not reset it
+                    grp["lr"] = lr
+            if guard.step_index <= t:  # rolled back: the transient fault is over
+                lr_fault["left"] = 0
+                restarts.append(guard.step_index)
+            row = (v.step, v.tier, v.action.value, v.reasons, v.skip)
+            rows = [None] * world
+            dist.all_gather_object(rows, row)
+            assert all(r == rows[0] for r in rows), rows
+            verdicts.append(row)
+    except sg.TrainingHalted as e:
+        halted = e.report.to_dict()
+    guard.close()
+    return {"verdicts": verdicts, "restarts": restarts, "halted": halted,
+            "rollbacks": guard.rollbacks}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_rank_skewed_faults_get_the_same_decision_on_every_rank(tmp_path):
+    a, b = run_distributed(_guarded_fsdp, 2, str(tmp_path), timeout=600)
+    assert a["verdicts"] == b["verdicts"] and a["restarts"] == b["restarts"]
+    skips = {row[0] for row in a["verdicts"] if row[2] == "skip"}
+    assert 60 in skips  # the outlier on rank 1 only is skipped on both
+    assert a["rollbacks"] == b["rollbacks"] == 1 and len(a["restarts"]) == 1
+    assert a["restarts"][0] <= 120  # back to a checkpoint before the bad LR's first update
+    assert a["halted"] is not None and a["halted"] == b["halted"]
+    assert a["halted"]["step"] == 170
+    assert a["halted"]["nonfinite_params"] == ["blocks.0.mlp.fc.weight"]
