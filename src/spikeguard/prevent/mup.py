@@ -54,19 +54,23 @@ default: the hidden gradients shrink with width, so at very large widths it shou
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from .._validate import check_int, check_positive
-from ..model import GPT
+
+if TYPE_CHECKING:  # prevent/ sits below model.py in the package's layers: no run-time import
+    from ..model import GPT
 
 __all__ = ["mup_param_groups", "mup_roles"]
 
 
 def _unwrap(model: nn.Module) -> GPT:
     inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-    if not isinstance(inner, GPT):
+    # the reference GPT by its shape (model.py imports prevent/, not the other way round)
+    if not all(hasattr(inner, a) for a in ("cfg", "blocks", "wte", "wpe", "lm_head")) \
+            or not hasattr(inner.cfg, "mup_base_width"):
         raise ValueError(f"mup_param_groups needs the reference GPT, got {type(model).__name__}; "
                          "build it with GPT(GPTConfig(init='mup', tie_embeddings=False))")
     if inner.cfg.init != "mup":
