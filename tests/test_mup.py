@@ -210,3 +210,22 @@ def test_mup_sweep_smoke_prints_a_table_that_parses(sub_env, tmp_path):
     table = [ln for ln in r.stdout.splitlines() if ln.split()[:1] in (["row"], ["best"], ["shift"])]
     assert table == [ln for ln in again.stdout.splitlines()
                      if ln.split()[:1] in (["row"], ["best"], ["shift"])]
+
+
+def test_spikeguard_train_init_mup_builds_mups_param_groups():
+    from spikeguard.train import TrainConfig
+    from spikeguard.train.loop import _optimizer
+
+    def groups(**gpt):
+        cfg = TrainConfig(model="tiny", lr=1e-3, gpt=GPTConfig(**gpt)).resolved()
+        model = GPT(cfg.gpt_config(256))
+        opt = _optimizer(model, cfg, torch.device("cpu"))
+        assert {id(p) for g in opt.param_groups for p in g["params"]} == \
+            {id(p) for p in model.parameters()}
+        return {g.get("name"): g["lr"] for g in opt.param_groups}
+
+    # tiny is d_model 64 against the base width 128: hidden matrices at 2x the learning rate
+    assert groups(init="mup", tie_embeddings=False) == \
+        {"input": 1e-3, "hidden": 2e-3, "output": 1e-3, "vector": 1e-3}
+    assert groups(init="mup", tie_embeddings=False, mup_base_width=64)["hidden"] == 1e-3
+    assert groups() == {None: 1e-3}
