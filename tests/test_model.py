@@ -65,3 +65,31 @@ def test_evaluate_is_deterministic():
     a = evaluate(model, corpus.val, batches=2, batch_size=2)
     b = evaluate(model, corpus.val, batches=2, batch_size=2)
     assert a == b
+
+
+def test_mup_config_validation_names_the_field_and_the_fix():
+    cfg = sg.GPTConfig.tiny(init="mup", tie_embeddings=False)
+    assert cfg.mup_base_width == 128 and cfg.output_multiplier == 2.0 and cfg.attn_scale == 1 / 32
+    assert sg.GPTConfig.tiny().output_multiplier == 1.0
+    with pytest.raises(ValueError, match="tie_embeddings=True.*set tie_embeddings=False"):
+        sg.GPTConfig.tiny(init="mup")
+    with pytest.raises(ValueError, match="GPTConfig.mup_base_width=0 must be an integer >= 1"):
+        sg.GPTConfig.tiny(init="mup", tie_embeddings=False, mup_base_width=0)
+    with pytest.raises(ValueError, match="GPTConfig.init='mu-p' must be 'standard', "
+                                         "'gpt2-residual' or 'mup'"):
+        sg.GPTConfig.tiny(init="mu-p")
+
+
+def test_mup_at_the_base_width_is_the_standard_model_but_for_the_attention_scale():
+    torch.manual_seed(0)
+    std = sg.GPT(sg.GPTConfig.tiny(tie_embeddings=False))
+    torch.manual_seed(0)
+    mup = sg.GPT(sg.GPTConfig.tiny(tie_embeddings=False, init="mup", mup_base_width=64))
+    # same draws for every weight but the re-drawn hidden matrices, which have the same std
+    for (name, a), (_, b) in zip(std.named_parameters(), mup.named_parameters()):
+        if ".attn." in name or ".mlp." in name:
+            assert a.shape == b.shape
+        else:
+            assert torch.equal(a, b), name
+    h = torch.randn(2, 5, 64)
+    assert torch.equal(mup.logits(h), std.logits(h))  # multiplier 1 at the base width

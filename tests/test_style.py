@@ -18,7 +18,7 @@ PUBLIC = {
     # prevent
     "GPT", "GPTConfig", "LossOutput", "QKNorm", "StackedLogitBoundsWarning", "attention",
     "cross_entropy", "linear_cross_entropy", "router_z_loss", "softcap", "fan_in_init_",
-    "gpt2_residual_init_", "schedules", "MemoryBudget", "memory_budget",
+    "gpt2_residual_init_", "mup_param_groups", "schedules", "MemoryBudget", "memory_budget",
     # detect
     "GradStats", "grad_stats", "clip_grad_norm_", "PrecisionPolicy", "Probes", "ProbeConfig",
     "AmaxMonitor", "StepMetrics", "metrics_record",

@@ -23,6 +23,7 @@ from .prevent.losses import (
     linear_cross_entropy,
     router_z_loss,
 )
+from .prevent.mup import mup_param_groups
 from .record import Action, StepMetrics, metrics_record
 from .respond.checkpoint import (
     CheckpointError,
@@ -89,6 +90,7 @@ __all__ = [
     "load_corpus",
     "memory_budget",
     "metrics_record",
+    "mup_param_groups",
     "read_metrics",
     "router_z_loss",
     "schedules",

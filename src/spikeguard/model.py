@@ -3,6 +3,9 @@
 Pre-norm decoder, learned or rotary positions, optional tied embeddings. ``forward`` returns the
 final hidden states [B, T, d_model]; ``loss`` turns them into the training loss, so the output
 layer and the loss can be fused by the losses module without touching the trunk.
+
+``init="mup"`` builds the model in muP (see :mod:`spikeguard.prevent.mup` for the table of
+scalings); its optimizer takes :func:`spikeguard.prevent.mup.mup_param_groups`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from .prevent.attention import (
     logit_p99,
     softcap,
 )
-from .prevent.init import gpt2_residual_init_
+from .prevent.init import gpt2_residual_init_, mup_hidden_init_
 from .prevent.losses import LossOutput, linear_cross_entropy
 
 __all__ = ["GPT", "GPTConfig", "count_params"]
@@ -57,8 +60,10 @@ class GPTConfig:
     """Soft-cap the attention scores, cap * tanh(s / cap), before the mask (Gemma 2: 50.0)."""
     final_logit_softcap: float | None = None
     """Soft-cap the output logits in GPT.logits (Gemma 2: 30.0)."""
-    init: Literal["standard", "gpt2-residual"] = "standard"
-    """N(0, 0.02) everywhere, or with residual-branch output projections at 0.02 / sqrt(2L)."""
+    init: Literal["standard", "gpt2-residual", "mup"] = "standard"
+    """N(0, 0.02) everywhere; residual-branch output projections at 0.02 / sqrt(2L); or muP."""
+    mup_base_width: int = 128
+    """muP's base width: the d_model where muP matches the standard init (the demo's width)."""
     z_loss: float = 1e-4
     """z-loss coefficient alpha in the output loss (PaLM's 1e-4; 0 turns it off)."""
 
@@ -78,8 +83,15 @@ class GPTConfig:
         if not isinstance(self.qk_norm, bool):
             raise ValueError(f"GPTConfig.qk_norm={self.qk_norm!r} must be True or False")
         check_softcap(self.final_logit_softcap, "GPTConfig.final_logit_softcap")
-        if self.init not in ("standard", "gpt2-residual"):
-            raise ValueError(f"GPTConfig.init={self.init!r} must be 'standard' or 'gpt2-residual'")
+        if self.init not in ("standard", "gpt2-residual", "mup"):
+            raise ValueError(f"GPTConfig.init={self.init!r} must be 'standard', 'gpt2-residual' "
+                             f"or 'mup'")
+        check_int(self.mup_base_width, "GPTConfig.mup_base_width", default=128,
+                  hint="the d_model of the narrow proxy the learning rate was tuned on")
+        if self.init == "mup" and self.tie_embeddings:
+            raise ValueError("GPTConfig.init='mup' with tie_embeddings=True: muP scales the input "
+                             "embedding and the output layer differently (the logits carry a "
+                             "mup_base_width / d_model multiplier); set tie_embeddings=False")
         check_logit_bounds(qk_norm=self.qk_norm, attn_softcap=self.attn_softcap, prefix="GPTConfig.")
         if not 0.0 <= self.z_loss < float("inf"):
             raise ValueError(f"GPTConfig.z_loss={self.z_loss} must be >= 0; 1e-4 is PaLM's value")
@@ -87,6 +99,16 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def attn_scale(self) -> float | None:
+        """Attention score scale: 1 / head_dim under muP; None (1 / sqrt(head_dim)) otherwise."""
+        return 1.0 / self.head_dim if self.init == "mup" else None
+
+    @property
+    def output_multiplier(self) -> float:
+        """Multiplier on the output logits: mup_base_width / d_model under muP, 1 otherwise."""
+        return self.mup_base_width / self.d_model if self.init == "mup" else 1.0
 
     @classmethod
     def tiny(cls, **overrides) -> GPTConfig:
@@ -147,9 +169,10 @@ class Attention(nn.Module):
             q = _apply_rope(q, self.rope_cos, self.rope_sin)
             k = _apply_rope(k, self.rope_cos, self.rope_sin)
         if self.logit_p99_request:
-            self.last_logit_p99 = logit_p99(q.detach(), k.detach(), causal=True)
+            self.last_logit_p99 = logit_p99(q.detach(), k.detach(), causal=True,
+                                            scale=self.cfg.attn_scale)
         # SDPA without a cap; with one, flex on CUDA or the eager fp32 path
-        y = attention(q, k, v, causal=True, softcap=self.cfg.attn_softcap)
+        y = attention(q, k, v, causal=True, softcap=self.cfg.attn_softcap, scale=self.cfg.attn_scale)
         return self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
 
 
@@ -194,7 +217,8 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """GPT-2's standard init: N(0, 0.02) for matrices and embeddings, LayerNorm at (1, 0),
         QK-norm gains at 1; with ``init="gpt2-residual"`` the two residual-branch output
-        projections of every block start at 0.02 / sqrt(2 n_layer)."""
+        projections of every block start at 0.02 / sqrt(2 n_layer); with ``init="mup"`` every
+        matrix inside the blocks starts at 0.02 * sqrt(mup_base_width / d_model)."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
@@ -210,11 +234,20 @@ class GPT(nn.Module):
         if self.cfg.init == "gpt2-residual":
             branch_outputs = [w for b in self.blocks for w in (b.attn.proj.weight, b.mlp.proj.weight)]
             gpt2_residual_init_(branch_outputs, self.cfg.n_layer, std=0.02)
+        elif self.cfg.init == "mup":
+            hidden = [m.weight for m in self.blocks.modules() if isinstance(m, nn.Linear)]
+            mup_hidden_init_(hidden, base_width=self.cfg.mup_base_width, width=self.cfg.d_model,
+                             std=0.02)
 
     @property
     def output_weight(self) -> torch.Tensor:
-        """The [vocab, d_model] matrix of the output layer."""
+        """The [vocab, d_model] matrix of the output layer (before muP's output multiplier)."""
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def _scaled_output_weight(self) -> torch.Tensor:
+        # muP's logit multiplier folded into a [V, d] weight: the [N, V] logits are never built
+        w = self.output_weight
+        return w * self.cfg.output_multiplier if self.cfg.init == "mup" else w
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -235,8 +268,9 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., d_model] -> [..., vocab] logits, soft-capped when ``final_logit_softcap`` is set."""
-        logits = F.linear(hidden, self.output_weight)
+        """[..., d_model] -> [..., vocab] logits, times ``cfg.output_multiplier`` under muP, then
+        soft-capped when ``final_logit_softcap`` is set."""
+        logits = F.linear(hidden, self._scaled_output_weight())
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else softcap(logits, cap)
 
@@ -248,9 +282,10 @@ class GPT(nn.Module):
         in nats), ``.z_loss`` and ``.log_z`` detached, and ``.sequences`` (each sequence's mean
         ce and log Z, from the per-token values of the same pass; None with
         ``per_sequence=False``), which the Guard reads to name the sequences behind a skip. The
-        final logit cap, when set, is applied inside the fused loss exactly as in :meth:`logits`."""
-        return linear_cross_entropy(hidden, self.output_weight, targets, z_loss=self.cfg.z_loss,
-                                    softcap=self.cfg.final_logit_softcap,
+        final logit cap, when set, is applied inside the fused loss exactly as in :meth:`logits`,
+        after muP's output multiplier."""
+        return linear_cross_entropy(hidden, self._scaled_output_weight(), targets,
+                                    z_loss=self.cfg.z_loss, softcap=self.cfg.final_logit_softcap,
                                     per_sequence=per_sequence)
 
     @torch.no_grad()

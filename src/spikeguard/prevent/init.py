@@ -4,7 +4,10 @@
 - GPT-2 residual scaling: each residual branch's output projection starts at std / sqrt(2L), so
   the residual stream's variance stays bounded as the depth L grows (without it, L blocks add L
   roughly independent contributions and the stream's std grows like sqrt(L));
-- DeepNorm (post-LN decoders): x <- LN(alpha x + f(x)), with branch weights scaled by beta.
+- DeepNorm (post-LN decoders): x <- LN(alpha x + f(x)), with branch weights scaled by beta;
+- muP's hidden init: matrices whose two dims grow with the width start at std * sqrt(base / width),
+  variance proportional to 1 / fan_in, equal to the standard init at the base width
+  (the rest of muP, and why, is in :mod:`spikeguard.prevent.mup`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ __all__ = [
     "fan_in_init_",
     "fan_in_std",
     "gpt2_residual_init_",
+    "mup_hidden_init_",
     "residual_scale",
 ]
 
@@ -56,6 +60,19 @@ def gpt2_residual_init_(weights: list[torch.Tensor], n_layer: int, std: float = 
     if not std > 0:
         raise ValueError(f"std={std} must be positive (GPT-2 uses 0.02)")
     scaled = std * residual_scale(n_layer)
+    for w in weights:
+        nn.init.normal_(w, std=scaled)
+
+
+@torch.no_grad()
+def mup_hidden_init_(weights: list[torch.Tensor], *, base_width: int, width: int,
+                     std: float = 0.02) -> None:
+    """Refill each hidden matrix from N(0, std^2 * base_width / width), in place (muP)."""
+    check_int(base_width, "base_width")
+    check_int(width, "width")
+    if not std > 0:
+        raise ValueError(f"std={std} must be positive (GPT-2 uses 0.02)")
+    scaled = std * math.sqrt(base_width / width)
     for w in weights:
         nn.init.normal_(w, std=scaled)
 

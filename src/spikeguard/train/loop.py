@@ -33,6 +33,7 @@ from ..data import TokenStream
 from ..detect.precision import PrecisionPolicy
 from ..guard import Guard
 from ..model import GPT
+from ..prevent.mup import mup_param_groups
 from ..prevent.schedules import warmup_cosine, wsd
 from ..respond.checkpoint import CheckpointManager
 from ..respond.forensics import HaltReport, TrainingHalted
@@ -143,6 +144,14 @@ def _cut_quarantine(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def _optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW at ``cfg.lr``; under ``--init mup`` with muP's per-layer learning rates."""
+    params = (mup_param_groups(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+              if model.cfg.init == "mup" else model.parameters())
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                             fused=cfg.parallel != "fsdp" or device.type == "cuda")
+
+
 def _schedule(cfg: TrainConfig) -> Any:
     warmup = cfg.warmup_steps
     if warmup >= cfg.steps:
@@ -205,9 +214,7 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg).to(device)
     fwd = _wrap(model, cfg.parallel, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.weight_decay,
-                                  fused=cfg.parallel != "fsdp" or device.type == "cuda")
+    optimizer = _optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(cfg))
     stream = TokenStream(data.train, batch_size=cfg.batch_size, seq_len=gcfg.seq_len,
                          seed=cfg.seed, rank=rank, world_size=world)
