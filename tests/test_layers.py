@@ -8,7 +8,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "src" / "spikeguard"
 
 LAYERS = {
-    "_validate": 0, "_dist": 0, "record": 0, "_config_cli": 0,
+    "_validate": 0, "_dist": 0, "record": 0, "_config_cli": 0, "_crash": 0,
     "prevent": 1, "data": 1, "testing": 1, "sinks": 1,
     "detect": 2, "model": 2, "schedules": 2,
     "respond": 3,

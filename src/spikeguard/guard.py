@@ -330,6 +330,8 @@ class Guard(_Responses):
         ck = self.checkpoints
         if ck is None or not ck.should_save(p.step):
             return
+        if self.sinks is not None:  # the saved record count must match what is in the files
+            self.sinks.flush()
         data = self.data if p.data_state is None else _Frozen(p.data_state)
         ck.save(p.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                 scaler=self.precision if self.precision.scaler is not None else None, data=data,

@@ -25,6 +25,7 @@ import torch
 from rich.console import Console
 
 from .. import _dist
+from .._crash import crash_point
 from ..data import TokenStream
 from ..detect.precision import PrecisionPolicy
 from ..guard import Guard
@@ -114,6 +115,9 @@ def _prepare_out(cfg: TrainConfig, out: Path, run_hash: str, console: Console) -
         raise ValueError(f"--out {out} holds a run of another config or data (hash "
                          f"{str(saved)[:12]} vs {run_hash[:12]}); pass --fresh to start over "
                          f"there or choose another --out")
+    if not has_ckpt and _dist.rank() == 0:
+        # an earlier attempt died before its first checkpoint: its steps run again from 0
+        (out / "metrics.jsonl").unlink(missing_ok=True)
     return has_ckpt
 
 
@@ -169,6 +173,7 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
     out = Path(cfg.out)
     run_hash = cfg.run_hash(data.sha256)
     resume = _prepare_out(cfg, out, run_hash, console)
+    resumed_at: int | None = None
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg).to(device)
     fwd = _wrap(model, cfg.parallel, device)
@@ -203,6 +208,7 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
         info = guard.resume()
         if info is not None:
             result.resumed_from = info.step
+            resumed_at = stream.position
             if rank == 0:
                 _cut_metrics(out / "metrics.jsonl", guard.records)
             console.print(f"resumed from the checkpoint at step {info.step}")
@@ -225,6 +231,7 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
                 loss = model.loss(fwd(x), y)
             guard.backward(loss)
             injector.after_backward(model)
+            crash_point("mid_step", t)  # tests only (SPIKEGUARD_TEST_CRASH)
             injector.before_step(optimizer)
             verdict = guard.step(loss, rerun=rerun)
             injector.after_step(optimizer)
@@ -245,7 +252,8 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     (out / "ranks" / f"rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "steps": guard.step_index, "applied": guard.applied,
-         "rollbacks": guard.rollbacks, "skipped": skipped,
+         "rollbacks": guard.rollbacks, "skipped": skipped, "resumed_from": result.resumed_from,
+         "resumed_at_batch": resumed_at,
          "halted": result.halted.step if result.halted else None}))
     if result.halted is None:
         result.val_loss = evaluate(model, data.val, batches=cfg.eval_batches,
