@@ -24,3 +24,9 @@ def test_stdlib_corpus_and_errors():
         sg.load_corpus("wikipedia")
     with pytest.raises(ValueError, match="val_fraction"):
         sg.load_corpus("pydoc", val_fraction=0.9)
+
+
+def test_corpora_compare_by_content_without_comparing_arrays():
+    a, b = sg.load_corpus("pydoc"), sg.load_corpus("pydoc")
+    assert a == b and a is not b and hash(a) == hash(b)
+    assert a != sg.load_corpus("pydoc", val_fraction=0.2) and a != sg.load_corpus("stdlib")

@@ -2,6 +2,7 @@
 
 import contextlib
 import math
+import re
 import subprocess
 import sys
 
@@ -161,7 +162,7 @@ def test_bad_input_names_the_field():
 
 
 def test_matches_cross_entropy_model_of_the_dist_tests():
-    from tests.test_gradnorm_dist import Toy, batch
+    from tests._gradnorm_common import Toy, batch
 
     torch.manual_seed(0)
     model = Toy()
@@ -176,4 +177,7 @@ def test_benchmark_smoke(sub_env):
     out = subprocess.run([sys.executable, "benchmarks/bench_gradnorm.py", "--smoke"], cwd=ROOT,
                          env=sub_env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "ratio" in out.stdout
+    found = re.findall(r"^ratio grad_stats\+clip / torch clip_grad_norm_\(foreach=True\): (\S+)x$",
+                       out.stdout, flags=re.M)
+    assert len(found) == 1, out.stdout
+    assert math.isfinite(float(found[0])) and float(found[0]) > 0, out.stdout

@@ -5,7 +5,6 @@ the expensive part); each test asserts on what the ranks returned. References ar
 every rank from an unsharded copy of the same model and the whole batch, in float64.
 """
 
-import copy
 import math
 import warnings
 
@@ -17,104 +16,27 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 import spikeguard as sg
+from spikeguard.detect.gradnorm import nonfinite_params
+from tests._gradnorm_common import (
+    Toy,
+    _full,
+    _gather,
+    _locals,
+    _measure,
+    _ones_norm,
+    _reference,
+    _sharded,
+    _tp_plan,
+    batch,
+)
+from tests._norm_scenarios import NORM_TYPES, pnorms, probes
 from tests.dist import run_distributed
 from tests.test_gradnorm import no_host_reads
 
 pytestmark = pytest.mark.dist
-
-
-class Toy(nn.Module):
-    """LayerNorm, an MLP (colwise/rowwise under TP), a head with an odd first dim (5) and a
-    one-element gain (an empty shard on the second FSDP rank)."""
-
-    NUMEL = 16 + (8 * 16 + 16) + (16 * 8 + 8) + (5 * 8 + 5) + 1
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(8)
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-        self.head = nn.Linear(8, 5)
-        self.gain = nn.Parameter(torch.ones(1))
-
-    def trunk(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        return h + self.down(torch.relu(self.up(h)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.trunk(x)) * self.gain
-
-
-def batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 8, generator=g), torch.randint(0, 5, (n,), generator=g)
-
-
-def _reference(model: nn.Module, max_norm: float | None = None) -> dict:
-    """Float64 norm (and clipped full grads) of an unsharded copy on the whole batch."""
-    ref = copy.deepcopy(model)
-    x, y = batch()
-    loss = F.cross_entropy(ref(x), y)
-    loss.backward()
-    grads = {n: p.grad.double() for n, p in ref.named_parameters()}
-    norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
-    out = {"norm": norm, "loss": loss.item(), "grads": grads}
-    if max_norm is not None:
-        out["clipped"] = {n: g * min(1.0, max_norm / (norm + 1e-6)) for n, g in grads.items()}
-    return out
-
-
-def _full(g: torch.Tensor) -> torch.Tensor:
-    return (g.full_tensor() if isinstance(g, DTensor) else g).double()
-
-
-def _locals(model: nn.Module) -> list[torch.Tensor]:
-    return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            for p in model.parameters() if p.grad is not None]
-
-
-def _gather(value: torch.Tensor) -> list[float]:
-    """all_gather a 0-dim tensor; exact floats in rank order."""
-    out = [torch.empty_like(value) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, value.contiguous())
-    return [float(v) for v in out]
-
-
-def _step(model: nn.Module, rows: slice) -> torch.Tensor:
-    x, y = batch()
-    loss = F.cross_entropy(model(x[rows]), y[rows])
-    loss.backward()
-    return loss.detach()
-
-
-def _ones_norm(model: nn.Module, **kw) -> float:
-    for g in _locals(model):
-        g.fill_(1.0)
-    return float(sg.grad_stats(model.parameters(), **kw).norm)
-
-
-def _measure(model: nn.Module, ref: dict, loss: torch.Tensor | None = None, **kw) -> dict:
-    stats = sg.grad_stats(model.parameters(), extras=None if loss is None else loss.reshape(1),
-                          **kw)
-    return {"norm": _gather(stats.norm), "ref": ref["norm"], "numel": stats.numel,
-            "extras": None if loss is None else float(stats.extras[0]), "ref_loss": ref["loss"]}
-
-
-def _sharded(shard, rows: slice, **kw) -> tuple[nn.Module, dict, dict]:
-    """Seeded Toy, its reference, ``shard(model)`` (may return a wrapper to run), one step on
-    ``rows``, measured; also the reference's full grads clipped at 0.3."""
-    torch.manual_seed(0)
-    model = Toy()
-    ref = _reference(model, max_norm=0.3)
-    out = _measure(model, ref, _step(shard(model) or model, rows), **kw)
-    out["placements"] = sorted({str(p.placements) for p in model.parameters()
-                                if hasattr(p, "placements")})
-    out["meshes"] = len({(p.device_mesh.mesh.tolist().__repr__(), p.device_mesh.mesh_dim_names)
-                         for p in model.parameters() if hasattr(p, "device_mesh")})
-    return model, out, ref["clipped"]
 
 
 def _ddp(rank: int, world: int) -> dict:
@@ -165,7 +87,7 @@ def _fsdp(rank: int, world: int) -> dict:
     stats = sg.grad_stats(model.parameters())
     stats.clip_(0.3)
     out["nan"] = {"norm": _gather(stats.norm), "nonfinite": stats.nonfinite,
-                  "nan_frac": stats.nan_frac,
+                  "nan_frac": stats.nan_frac, "names": nonfinite_params(model.named_parameters()),
                   "untouched": all(torch.equal(a.view(torch.int32), b.view(torch.int32))
                                    for a, b in zip(before, _locals(model)))}
     # finite 1e20 gradients: flagged, untouched, exact_norm() right
@@ -182,10 +104,6 @@ def _fsdp(rank: int, world: int) -> dict:
                   "untouched": all(torch.equal(a, b) for a, b in zip(before, _locals(model)))}
     out["ones"] = _ones_norm(model)
     return out
-
-
-def _tp_plan() -> dict:
-    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
 
 
 def _tp(rank: int, world: int) -> dict:
@@ -270,7 +188,9 @@ def _manual_tp(rank: int, world: int) -> dict:
 def _two_ranks(rank: int, world: int) -> dict:
     return {name: fn(rank, world) for name, fn in
             (("ddp", _ddp), ("fsdp", _fsdp), ("tp", _tp), ("meshes", _several_meshes),
-             ("pp", _pipeline), ("partial", _partial), ("manual_tp", _manual_tp))}
+             ("pp", _pipeline), ("partial", _partial), ("manual_tp", _manual_tp),
+             ("norms", pnorms), ("probes", lambda r, w: probes(r, w, None)),
+             ("probes_lag", lambda r, w: probes(r, w, 1)))}
 
 
 def _four_ranks(rank: int, world: int) -> dict:
@@ -339,6 +259,7 @@ def test_one_nan_in_one_shard(two):
         assert all(math.isnan(v) for v in nan["norm"])
         assert nan["nonfinite"] == 1 and nan["nan_frac"] == 1 / Toy.NUMEL
         assert nan["untouched"]
+    assert [r["fsdp"]["nan"]["names"] for r in two] == [[], ["head.weight"]]  # the local shards
 
 
 def test_finite_huge_grads_flagged_untouched_exact(two):
@@ -387,3 +308,36 @@ def test_hsdp_on_a_2x2_mesh(four):
 def test_fsdp_plus_tp_on_a_2x2_mesh(four):
     _check_exact([r["fsdp_tp"] for r in four], 4)
     assert four[0]["fsdp_tp"]["meshes"] == 2  # 2-D (dp, tp) params and 1-D dp params
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+def test_every_norm_type_under_sharding_matches_torch_on_the_unsharded_grads(two, kind):
+    for grads in ("plain", "shifted"):
+        for p in NORM_TYPES:
+            mine = [r["norms"][kind][grads][p] for r in two]
+            assert mine[0]["norm"] == mine[1]["norm"] and len(set(mine[0]["norm"])) == 1, p
+            assert mine[0]["norm"][0] == pytest.approx(mine[0]["ref"], rel=1e-5), (grads, p)
+            assert all(m["err"] < 1e-5 for m in mine), (grads, p)  # clipped like torch's
+    shifted = two[0]["norms"][kind]["shifted"]
+    assert shifted[-math.inf]["norm"][0] > 0.009 and shifted[-1.0]["norm"][0] > 1e-5  # not 0
+    assert two[0]["norms"][kind]["plain"][0.0]["norm"][0] == 9.0  # all 9 tensors hold a non-zero
+    for p in NORM_TYPES:  # one NaN on rank 1: NaN where torch says NaN (p=0 counts it)
+        nan = [r["norms"][kind]["nan"][p] for r in two]
+        if math.isnan(nan[0]["ref"]):
+            assert all(math.isnan(v) for m in nan for v in m["norm"]), p
+        else:
+            assert nan[0]["norm"] == nan[1]["norm"] == [nan[0]["ref"]] * 2, p
+
+
+def test_layer_grad_norms_under_fsdp2_are_global_even_with_a_lagging_rank(two):
+    for run in ("probes", "probes_lag"):
+        r0, r1 = two[0][run], two[1][run]
+        assert [bool(rec) for rec in r0["records"]] == [True, False, True]  # every 2 steps
+        assert r0["records"] == r1["records"]  # the same floats on both ranks
+        for step in (0, 2):
+            rec, ref, local = r0["records"][step], r0["ref"][step], r0["local"][step]
+            assert set(rec) == set(ref) and len(ref) == 5  # wte, wpe, blocks.0, blocks.1, ln_f
+            for key in ref:
+                assert rec[key] == pytest.approx(ref[key], rel=1e-5), key
+            assert max(abs(local[k] / ref[k] - 1) for k in ref) > 0.05  # per-shard is wrong
+    assert two[0]["probes"]["records"] == two[0]["probes_lag"]["records"]

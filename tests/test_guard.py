@@ -137,6 +137,15 @@ def test_a_nan_gradient_halts_naming_the_parameter_and_the_halt_is_the_last_reco
     assert [r["step"] for r in records] == list(range(91))
 
 
+def test_with_read_lag_1_the_halt_still_names_the_parameter_after_its_grads_are_gone(tmp_path):
+    run = guarded_run(steps=60, read_lag=1, out=tmp_path,
+                      faults=[Fault("nan", 40, param="blocks.0.attn.proj.weight")])
+    report = run.halted.report
+    assert report.step == 40 and report.nonfinite_params == ["blocks.0.attn.proj.weight"]
+    last = sg.read_metrics(tmp_path / "metrics.jsonl")[-1]
+    assert last["action"] == "halt" and last["nan_frac"] is None  # unknown once the grads are gone
+
+
 def test_a_nan_from_the_data_is_traced_to_the_first_module_forward_and_backward(tmp_path):
     torch.manual_seed(0)
     model = sg.GPT(sg.GPTConfig.tiny())

@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,11 +134,25 @@ def test_guard_skip_merges_with_the_scaler_without_touching_the_scale():
     assert not all(torch.equal(a, b) for a, b in zip(before, _snapshot(model)))
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU feature flags the Linux kernel reports (empty elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
+
+
 def test_policy_dtypes_and_validation():
     assert PrecisionPolicy(kind="fp32").runtime("cpu").autocast().__class__.__name__ == "nullcontext"
     assert PrecisionPolicy(kind="fp16-mixed").compute_dtype("cpu") == torch.float16
-    bf16_cpu = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    assert (PrecisionPolicy().compute_dtype("cpu") == torch.bfloat16) == bf16_cpu
+    for kind in ("bf16-mixed", "fp16-mixed", "fp32"):  # the dtype a matmul really runs in
+        rt = PrecisionPolicy(kind=kind).runtime("cpu")
+        with rt.autocast():
+            out = torch.ones(4, 8) @ torch.ones(8, 2)
+        assert out.dtype == rt.compute_dtype == PrecisionPolicy(kind=kind).compute_dtype("cpu")
+    if {"avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags():  # x86 with oneDNN's bf16 kernels
+        assert PrecisionPolicy().compute_dtype("cpu") == torch.bfloat16
     mp = PrecisionPolicy().fsdp_mp_policy()
     assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert PrecisionPolicy(kind="fp32").fsdp_mp_policy() is None

@@ -1,3 +1,6 @@
+import math
+import re
+
 import pytest
 import torch
 
@@ -63,7 +66,10 @@ def test_probe_benchmark_smoke(sub_env):
 
     out = subprocess.run([sys.executable, "benchmarks/bench_probes.py", "--smoke"], env=sub_env,
                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert "every-step" in out and "ratio" in out
+    ratios = dict(re.findall(r"^  (\S+) +\S+ ms  ratio (\S+)  \(", out, flags=re.M))
+    assert set(ratios) == {"baseline", "baseline-again", "default", "every-step"}, out
+    assert float(ratios["baseline"]) == 1.0, out
+    assert all(math.isfinite(float(r)) and float(r) > 0 for r in ratios.values()), out
 
 
 def test_attention_logit_p99_per_head_and_layer_equals_torch_quantile():

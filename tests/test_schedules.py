@@ -25,9 +25,9 @@ def _lrs(schedule, steps):
 
 
 def test_constant_with_warmup_keeps_its_behaviour():
-    f = S.constant_with_warmup(4)
+    f = S.constant_with_warmup(warmup_steps=4)
     assert [f(s) for s in range(7)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0]
-    assert S.constant_with_warmup(0)(0) == 1.0
+    assert S.constant_with_warmup(warmup_steps=0)(0) == 1.0
 
 
 def test_warmup_cosine_per_step_table():
@@ -88,7 +88,7 @@ def test_impossible_settings_raise_clear_errors(make, match):
 
 
 @pytest.mark.parametrize("schedule", [
-    S.constant_with_warmup(5),
+    S.constant_with_warmup(warmup_steps=5),
     S.warmup_cosine(warmup_steps=5, total_steps=40, min_ratio=0.1),
     S.wsd(warmup_steps=5, total_steps=40, decay="1-sqrt"),
 ])

@@ -20,7 +20,13 @@ from ._validate import check_positive
 from .record import Action, StepMetrics
 from .respond._summary import tier2_summary
 from .respond.detector import Verdict
-from .respond.forensics import HaltReport, TrainingHalted, nonfinite_params, trace_nonfinite
+from .respond.forensics import (
+    HaltReport,
+    TrainingHalted,
+    gather_names,
+    nonfinite_params,
+    trace_nonfinite,
+)
 
 __all__: list[str] = []
 
@@ -62,6 +68,9 @@ class _Pending:
     probes: dict[str, Any]
     stats: Any
     """The step's GradStats while its gradients are alive (read_lag 0), else None."""
+    finite: tuple[Any, list[int]] | None = None
+    """read_lag 1: per local gradient, whether its norm was finite (a device bool vector, read
+    only on the halt path) and its parameter's index: names the culprits after the grads are gone."""
 
     @property
     def grads_alive(self) -> bool:
@@ -126,10 +135,14 @@ class _Responses:
         if target is None:
             raise CheckpointError(f"no healthy checkpoint at or before step {onset - 2} "
                                   f"(the update before the onset at {onset} may be the cause)")
+        # state that lives outside the run's timeline (a fault injector: the world does not rewind)
+        kept = {k: self._extra[k].state_dict() for k in self.keep_on_rollback}
         info = self.checkpoints.restore(
             model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             scaler=self.precision if self.precision.scaler is not None else None,
             data=self.data, extra_state=self._extra_state(), at_or_before=target)
+        for k, state in kept.items():
+            self._extra[k].load_state_dict(state)
         self._pending = None
         self._micro.clear()
         return info
@@ -162,10 +175,14 @@ class _Responses:
         report = HaltReport(step=p.step, reasons=verdict.reasons, summary=summary, detail=detail)
         if p.grads_alive:
             report.nonfinite_params = nonfinite_params(self.named_params)
+        elif p.finite is not None and p.finite[0] is not None:
+            flags, owners = p.finite
+            local = [self.named_params[i][0] for i, ok in zip(owners, flags.tolist()) if not ok]
+            report.nonfinite_params = gather_names(local, self.named_params)
         if p.rerun is not None and verdict.tier >= 3:
             report.first_forward, report.first_backward = trace_nonfinite(self.model, p.rerun)
             report.traced = True
-            if not p.grads_alive:  # read_lag 1: the re-run rebuilt this step's gradients
+            if not report.nonfinite_params:  # the re-run rebuilt this step's gradients
                 report.nonfinite_params = nonfinite_params(self.named_params)
             self.optimizer.zero_grad(set_to_none=True)
         changes = self._try_reconfigure(report, verdict, extras)

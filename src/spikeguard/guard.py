@@ -100,8 +100,9 @@ class Guard(_Responses):
     ``on_alert(summary)`` is called on a Tier 2 alert; ``reconfigure(report)`` may answer a halt
     with changes (``{"precision": "bf16-mixed", "lr_scale": 0.5, "z_loss": 1e-3}``) to resume
     with from the last healthy checkpoint. ``extra_state`` names more objects with
-    ``state_dict``/``load_state_dict`` to checkpoint with the run. ``pp_group``/``tp_group`` go
-    to ``grad_stats``.
+    ``state_dict``/``load_state_dict`` to checkpoint with the run; those named in
+    ``keep_on_rollback`` are restored on ``resume`` only, never by a rollback (state outside the
+    run's timeline, such as a fault injector). ``pp_group``/``tp_group`` go to ``grad_stats``.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -112,6 +113,7 @@ class Guard(_Responses):
                  on_alert: Callable[[dict[str, Any]], None] | None = None,
                  reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None = None,
                  extra_state: Mapping[str, Any] | None = None,
+                 keep_on_rollback: Iterable[str] = (),
                  pp_group: Any = None, tp_group: Any = None) -> None:
         self.config = config if config is not None else GuardConfig()
         if self.config.tier2 == "rollback" and checkpoints is None:
@@ -124,6 +126,11 @@ class Guard(_Responses):
         if extra_state and "guard" in extra_state:
             raise ValueError("extra_state key 'guard' is the guard's own; rename it")
         self._extra = dict(extra_state or {})
+        self.keep_on_rollback = tuple(keep_on_rollback)
+        unknown = set(self.keep_on_rollback) - set(self._extra)
+        if unknown:
+            raise ValueError(f"keep_on_rollback names {sorted(unknown)}, which are not in "
+                             f"extra_state ({sorted(self._extra)})")
         if isinstance(precision, PrecisionRuntime):
             self.precision = precision
         else:
@@ -271,7 +278,8 @@ class Guard(_Responses):
         if self.probes is not None:
             self.probes.start_step(self.step_index)
         return _Pending(t, _Readback(vec), lr, batches, data_state, rerun, probes,
-                        stats if keep_grads else None)
+                        stats if keep_grads else None,
+                        None if keep_grads else stats.finite_pieces())
 
     # -- the host side ------------------------------------------------------------------------
     def _resolve(self, p: _Pending) -> Verdict:

@@ -24,15 +24,29 @@ CORPORA = ("pydoc", "stdlib")
 VOCAB_SIZE = 256
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Corpus:
-    """Byte tokens of one corpus, split into train and held-out parts (uint8 arrays)."""
+    """Byte tokens of one corpus, split into train and held-out parts (uint8 arrays).
+
+    Two corpora are equal when they hold the same bytes split the same way (name, sha256 of the
+    bytes, split sizes, vocabulary); the arrays themselves are never compared element-wise."""
 
     name: str
     train: np.ndarray
     val: np.ndarray
     sha256: str
     vocab_size: int = VOCAB_SIZE
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Corpus):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        return (self.name, self.sha256, len(self.train), len(self.val), self.vocab_size)
 
     def unigram_entropy(self) -> float:
         """Entropy in nats of the train split's byte distribution: the loss of the best model

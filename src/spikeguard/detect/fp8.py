@@ -46,7 +46,8 @@ def fp8_eligible(name: str, module: nn.Module) -> bool:
 
 @dataclass
 class HeadroomEvent:
-    """One step of one tensor whose headroom fell below the warning threshold."""
+    """One step of one tensor whose headroom fell below the warning threshold (``headroom`` 0
+    for a NaN or inf amax; ``history_max`` NaN while the history is empty)."""
 
     step: int
     name: str
@@ -58,8 +59,8 @@ class HeadroomEvent:
 class AmaxMonitor:
     """Track amax per tensor name, and the headroom delayed scaling would have at each step.
 
-    ``update(step, name, amax)`` returns headroom_t (inf while the history is empty) and then
-    appends amax_t to the history. :meth:`hook` attaches forward pre-hooks that feed the input
+    ``update(step, name, amax)`` returns headroom_t (inf while the history is empty; 0 for a NaN
+    or inf amax) and then appends a finite amax_t to the history. :meth:`hook` attaches forward pre-hooks that feed the input
     amax of every fp8-eligible linear of a model (one device reduction per linear; the host read
     happens in :meth:`flush`, once per step).
     """
@@ -86,24 +87,32 @@ class AmaxMonitor:
         return self.fp8_max / (2.0**self.margin * max(hist))
 
     def update(self, step: int, name: str, amax: float) -> float:
-        """Record amax_t for ``name``; returns headroom_t against the history before it."""
+        """Record amax_t for ``name``; returns headroom_t against the history before it.
+
+        A non-finite amax (NaN or inf: the tensor itself holds NaN or inf) has zero headroom: it
+        is an event and a warning whatever the history, and it stays out of the history."""
         amax = float(amax)
         hist = self._tracks.setdefault(name, deque(maxlen=self.history_len))
-        if hist and amax > 0:
-            s_t = self.scale(name)
-            headroom = self.fp8_max / (amax * s_t)
-            ratio = amax / max(hist)
+        history_max = max(hist) if hist else math.nan
+        if not math.isfinite(amax):
+            headroom, ratio = 0.0, amax / history_max if hist else math.nan
+        elif hist and amax > 0:
+            headroom = self.fp8_max / (amax * self.scale(name))
+            ratio = amax / history_max
         else:
             headroom, ratio = math.inf, math.nan
         self.last[name] = {"headroom": headroom, "amax_over_history": ratio, "amax": amax}
         if headroom < self.warn_below:
-            event = HeadroomEvent(step=step, name=name, amax=amax, history_max=max(hist),
+            event = HeadroomEvent(step=step, name=name, amax=amax, history_max=history_max,
                                   headroom=headroom)
             self.events.append(event)
+            if math.isfinite(amax):
+                why = (f"amax {amax:.4g} is {ratio:.2f}x the rolling max {history_max:.4g}; "
+                       f"the delayed scale underestimates it")
+            else:
+                why = f"amax is {amax}: the tensor holds non-finite values, nothing can scale it"
             warnings.warn(f"fp8 headroom {headroom:.3f} < {self.warn_below} at step {step} for "
-                          f"{name}: amax {amax:.4g} is {ratio:.2f}x the rolling max "
-                          f"{event.history_max:.4g}; the delayed scale underestimates it",
-                          Fp8HeadroomWarning, stacklevel=2)
+                          f"{name}: {why}", Fp8HeadroomWarning, stacklevel=2)
         if math.isfinite(amax):
             hist.append(amax)
         return headroom

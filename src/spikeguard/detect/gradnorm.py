@@ -1,17 +1,20 @@
 """The global gradient norm, exact under DDP, FSDP2/HSDP, tensor and pipeline parallelism.
 
-``grad_stats`` measures, ``clip_grad_norm_`` measures and clips (a drop-in for torch's). Both are
-collectives when torch.distributed is initialized: every rank of the default group must call them
-with its own parameters, in the same order relative to other collectives.
+``grad_stats`` measures, ``clip_grad_norm_`` measures and clips (a drop-in for
+``torch.nn.utils.clip_grad_norm_``). Both are collectives when torch.distributed is initialized:
+every rank of the default group must call them with its own parameters, in the same order
+relative to other collectives. ``nonfinite_params`` names the parameters whose local gradient
+holds a NaN or Inf (for a halt report).
 
 The healthy path costs one ``torch._foreach_norm`` per (copy count, device, dtype) group, a
 float64 sum of the squared per-tensor norms, and ONE all-reduce (default group) of a small
 float64 vector ``[sum of squares, element count share, *extras]``. It never reads a device value
-on the host and never branches on one. See ``_grad_layout`` for how each local piece is weighted
-so that every distinct element counts once (DTensor placements, plain tensors, pp_group, tp_group).
+on the host and never branches on one. ``_grad_layout`` says how each local piece is weighted
+so that every distinct element counts once (DTensor placements, plain tensors, pp_group,
+tp_group); this module only asks the layout for its share and reduces it.
 All ranks compute the norm from the same all-reduced bits, so they hold the same norm (tested
 with gloo: gathered and compared exactly). A DTensor gradient with a Partial placement costs one
-more collective (it is reduced before squaring; see ``_grad_layout``).
+more collective (it is reduced before squaring).
 
 The non-finite path costs more, only when asked: the first read of ``nonfinite``, ``nan_frac`` or
 ``exact_norm()`` reads the norm on the host (a sync) and, only if it is not finite, counts
@@ -23,51 +26,27 @@ every rank must make that read.
 from __future__ import annotations
 
 import math
+import types
 import warnings
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from ._grad_layout import GradLayout, collect
+from ._grad_layout import GradLayout, collect, tensor_norms
 
-__all__ = ["GradStats", "clip_grad_norm_", "grad_stats"]
+__all__ = ["GradStats", "clip_grad_norm_", "grad_stats", "nonfinite_params"]
 
 _F64 = torch.float64
 _warned_plain_replicated = False
 
 
-def _by_device_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
-    """Indices of ``tensors`` grouped by (device, dtype), the unit a foreach kernel takes."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    return list(groups.values())
-
-
-def _norms(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Per-tensor L2 norms in the order of ``tensors``, as one vector on ``device`` (float32 for
-    16-bit and float32 gradients, float64 for float64 ones)."""
-    groups = _by_device_dtype(tensors)
-    out = []
-    for idx in groups:
-        low = tensors[idx[0]].dtype in (torch.float16, torch.bfloat16)
-        norms = torch._foreach_norm([tensors[i] for i in idx], 2,
-                                    dtype=torch.float32 if low else None)
-        out.append(torch.stack(norms).to(device))
-    if len(out) == 1:
-        return out[0]
-    order = [i for idx in groups for i in idx]
-    dtype = _F64 if any(o.dtype == _F64 for o in out) else torch.float32
-    flat = torch.cat([o.to(dtype) for o in out])
-    return flat[torch.tensor(order, device=device).argsort()]
-
-
 class GradStats:
     """Global statistics of one step's gradients; every field is identical on every rank.
 
-    ``norm``: 0-dim float32 tensor on the gradients' device, the L2 norm of the unsharded
-    gradient (pre-clip); inf or NaN when any element is, or when the float32 per-tensor norms
+    ``norm``: 0-dim tensor on the gradients' device, the L2 norm of the unsharded gradient
+    (pre-clip): float64 when any gradient is float64, float32 otherwise (16-bit gradients are
+    measured in float32); inf or NaN when any element is, or when the float32 per-tensor norms
     overflow (see ``exact_norm``). ``finite``: 0-dim bool tensor, ``isfinite(norm)``; False
     flags the step. ``extras``: the ``extras`` vector averaged over data-parallel ranks (None
     when none was given). ``numel``: elements of the unsharded model (reading it syncs).
@@ -76,13 +55,12 @@ class GradStats:
     until it is dropped.
     """
 
-    def __init__(self, layout: GradLayout, norms: dict[int, torch.Tensor], vec: torch.Tensor,
+    def __init__(self, layout: GradLayout, vec: torch.Tensor,
                  extras_dtype: torch.dtype | None) -> None:
         self._layout = layout
-        self._norms = norms
         self._vec = vec
         self._norm64 = vec[0].sqrt()
-        self.norm: torch.Tensor = self._norm64.to(torch.float32)
+        self.norm: torch.Tensor = self._norm64.to(layout.dtype)
         self.finite: torch.Tensor = torch.isfinite(self.norm)
         self.extras: torch.Tensor | None = None
         if extras_dtype is not None:
@@ -121,49 +99,41 @@ class GradStats:
         if bool(self.finite):  # the documented sync; the same answer on every rank
             self._slow = (0.0, self._norm64)
             return self._slow
-        layout = self._layout
-        device = self._vec.device
-        bad = torch.zeros((), dtype=_F64, device=device)
-        sumsq = torch.zeros((), dtype=_F64, device=device)
-        for copies, tensors in layout.pieces.items():
-            norms = self._norms[copies].to(_F64)  # in the order of tensors
-            overflowed = torch.isinf(norms).tolist()
-            for t, norm, over in zip(tensors, norms, overflowed):
-                bad += (~torch.isfinite(t)).sum().to(device, _F64) / copies
-                if over:
-                    amax = t.detach().abs().amax().to(device, _F64)
-                    ok = torch.isfinite(amax) & (amax > 0)
-                    scale = torch.where(ok, amax, torch.ones_like(amax))
-                    scaled = (t.detach().to(device, _F64) / scale).square().sum() * scale**2
-                    norm_sq = torch.where(ok, scaled, norm.square())
-                else:
-                    norm_sq = norm.square()
-                sumsq += norm_sq / copies
-        vec = torch.stack([bad, sumsq])
-        if layout.world > 1:
+        vec = torch.stack(self._layout.nonfinite_sumsq(self._vec.device))
+        if self._layout.world > 1:
             dist.all_reduce(vec)
         self._slow = (float(vec[0]), vec[1].sqrt())
         return self._slow
 
-    @torch.no_grad()
-    def clip_(self, max_norm: float) -> torch.Tensor:
+    def finite_pieces(self) -> tuple[torch.Tensor | None, list[int]]:
+        """Which local gradients are finite, without reading the device: (a 1-D bool tensor,
+        one entry per local gradient piece; the index of each piece's parameter in the iterable
+        given to grad_stats). Small (one bool a tensor) and free of references to the gradients,
+        so it can outlive them: the guard reads it a step later to name the culprits."""
+        return self._layout.finite_pieces()
+
+    def clip_(self, max_norm: float, *, foreach: bool | None = None) -> torch.Tensor:
         """Multiply every local gradient in place by ``min(1, max_norm / (norm + 1e-6))`` (torch's
         formula), one scalar for the whole model; a non-finite norm multiplies by exactly 1, so
-        the gradients stay as they are. Returns the 0-dim float32 coefficient. No host sync."""
+        the gradients stay as they are. Returns the 0-dim coefficient (``norm``'s dtype). No
+        host sync. ``foreach``: as in torch (None uses the foreach kernels where they exist)."""
         _check_max_norm(max_norm)
-        coef = (max_norm / (self.norm + 1e-6)).clamp(max=1.0)
-        coef = torch.where(self.finite, coef, torch.ones_like(coef))
-        tensors = self._layout.to_scale
-        for idx in _by_device_dtype(tensors):
-            group = [tensors[i] for i in idx]
-            torch._foreach_mul_(group, coef.to(group[0].device))
-        return coef
+        return _clip(self._layout, self.norm, max_norm, foreach)
+
+
+def _clip(layout: GradLayout, norm: torch.Tensor, max_norm: float,
+          foreach: bool | None) -> torch.Tensor:
+    with torch.no_grad():
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+        layout.scale_(coef, foreach)
+    return coef
 
 
 def _check_max_norm(max_norm: float) -> None:
     if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"max_norm={max_norm!r} must be a finite number > 0 (1.0 is "
-                         f"the usual choice for LLM pre-training)")
+        raise ValueError(f"max_norm={max_norm!r} must be a finite number > 0 (1.0 is the usual "
+                         f"choice for LLM pre-training); to turn clipping off, do not call it")
 
 
 def _warn_plain_replicated(layout: GradLayout, tp_group: dist.ProcessGroup | None) -> None:
@@ -174,10 +144,30 @@ def _warn_plain_replicated(layout: GradLayout, tp_group: dist.ProcessGroup | Non
         warnings.warn(f"grad_stats: world size {layout.world} with no DTensor gradient and no "
                       f"tp_group, so plain gradients are treated as replicated (DDP: counted "
                       f"once). Manual tensor parallelism cannot be detected: pass tp_group= if "
-                      f"your plain gradients are sharded.", UserWarning, stacklevel=3)
+                      f"your plain gradients are sharded.", UserWarning, stacklevel=4)
 
 
-@torch.no_grad()
+def _measure(parameters: Iterable[torch.Tensor] | torch.Tensor, pp_group: dist.ProcessGroup | None,
+             tp_group: dist.ProcessGroup | None, extras: torch.Tensor | None,
+             foreach: bool | None = None) -> GradStats:
+    layout = collect(parameters, pp_group=pp_group, tp_group=tp_group)
+    _warn_plain_replicated(layout, tp_group)
+    if extras is not None and (not isinstance(extras, torch.Tensor) or extras.dim() != 1):
+        shape = tuple(extras.shape) if isinstance(extras, torch.Tensor) else type(extras).__name__
+        raise ValueError(f"extras={shape} must be a 1-D tensor of per-rank scalars, e.g. "
+                         f"torch.stack([loss, log_z]).detach()")
+    with torch.no_grad():
+        device = layout.device() if layout.pieces or extras is None else extras.device
+        head = [layout.sumsq(device, foreach).reshape(1),
+                torch.full((1,), layout.numel_share, dtype=_F64, device=device)]
+        if extras is not None:
+            head.append(extras.detach().to(device, _F64))
+        vec = torch.cat(head)
+        if layout.world > 1:
+            dist.all_reduce(vec)
+    return GradStats(layout, vec, None if extras is None else extras.dtype)
+
+
 def grad_stats(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: dist.ProcessGroup | None = None,
                tp_group: dist.ProcessGroup | None = None, extras: torch.Tensor | None = None) -> GradStats:
     """Global gradient statistics of ``parameters`` (their ``.grad``; None grads are skipped).
@@ -193,38 +183,115 @@ def grad_stats(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: d
 
     One all-reduce over the default group when it has more than one rank; no host sync.
     """
-    layout = collect(parameters, pp_group=pp_group, tp_group=tp_group)
-    _warn_plain_replicated(layout, tp_group)
-    if extras is not None and (not isinstance(extras, torch.Tensor) or extras.dim() != 1):
-        shape = tuple(extras.shape) if isinstance(extras, torch.Tensor) else type(extras).__name__
-        raise ValueError(f"extras={shape} must be a 1-D tensor of per-rank scalars, e.g. "
-                         f"torch.stack([loss, log_z]).detach()")
-    device = layout.device() if layout.pieces or extras is None else extras.device
-    norms: dict[int, torch.Tensor] = {}
-    parts = []
-    for copies, tensors in layout.pieces.items():
-        norms[copies] = _norms(tensors, device)
-        parts.append(norms[copies].to(_F64).square().sum() / copies)
-    sumsq = torch.stack(parts).sum() if parts else torch.zeros((), dtype=_F64, device=device)
-    head = [sumsq.reshape(1), torch.full((1,), layout.numel_share, dtype=_F64, device=device)]
-    if extras is not None:
-        head.append(extras.detach().to(device, _F64))
-    vec = torch.cat(head)
-    if layout.world > 1:
-        dist.all_reduce(vec)
-    return GradStats(layout, norms, vec, None if extras is None else extras.dtype)
+    return _measure(parameters, pp_group, tp_group, extras)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, *,
-                    pp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Clip the global gradient norm in place; returns the pre-clip norm (0-dim float32).
+def _norm_type(norm_type: float | str) -> float:
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        p = math.nan
+    if math.isnan(p):
+        raise ValueError(f"norm_type={norm_type!r} must be a number or 'inf' (2.0 is the L2 "
+                         f"norm, the usual choice)")
+    return p
 
-    A drop-in for ``torch.nn.utils.clip_grad_norm_`` (L2, foreach) that is also right under
-    sharding: see ``grad_stats`` for the arguments and ``GradStats.clip_`` for the scaling. A
-    non-finite norm leaves the gradients untouched; check ``torch.isfinite`` of the result (on
-    the device) to skip the step.
+
+def _other_norm(layout: GradLayout, p: float, foreach: bool | None) -> torch.Tensor:
+    """The global p-norm for p != 2: a sum of |x|^p weighted by copies, a max- or min-reduce
+    for +-inf, torch's count of non-zero tensors for 0. One all-reduce (p = 0: one more per
+    group of shards); 0 when no rank holds a gradient, as torch returns for an empty list."""
+    device = layout.device()
+    n = torch.full((), float(len(layout.to_scale)), dtype=_F64, device=device)
+    with torch.no_grad():
+        if math.isinf(p):
+            m = layout.extreme(p, device, foreach)
+            nan = torch.isnan(m).to(_F64)
+            m = torch.where(nan > 0, torch.full_like(m, 0.0 if p > 0 else math.inf), m)
+            sign = 1.0 if p > 0 else -1.0  # MIN of -flag is -1 when any rank saw a NaN
+            vec = torch.stack([m, sign * nan, sign * n])
+            op = dist.ReduceOp.MAX if p > 0 else dist.ReduceOp.MIN
+        else:
+            share = layout.nonzero_share(device) if p == 0 else layout.pnorm_share(p, device, foreach)
+            vec, op = torch.stack([share, torch.zeros_like(n), n]), dist.ReduceOp.SUM
+        if layout.world > 1:
+            dist.all_reduce(vec, op=op)
+        if math.isinf(p):
+            total = vec[0]
+        else:  # p = 0: a count, whole even when world / pp is not a power of two
+            total = vec[0].round() if p == 0 else vec[0].pow(1.0 / p)
+        total = torch.where(vec[1] != 0, torch.full_like(total, math.nan), total)
+        total = torch.where(vec[2] != 0, total, torch.zeros_like(total))
+    return total.to(layout.dtype)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None, *, pp_group: dist.ProcessGroup | None = None,
+                    tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip the global gradient norm in place; returns the pre-clip norm (0-dim).
+
+    A drop-in for ``torch.nn.utils.clip_grad_norm_`` with its signature and results, that is also
+    right under sharding (DTensor placements, ``pp_group``, ``tp_group``: see ``grad_stats``):
+
+    - ``norm_type=2`` (default) takes the fast path of ``grad_stats``: one foreach norm per
+      group, one all-reduce, no host sync. Any other norm torch supports takes a slower exact
+      path: a finite p (negative too) sums ``|x|^p`` over the shards in float64, ``inf`` and
+      ``-inf`` are a max- and min-reduce, and ``0`` gives torch's result, the number of gradient
+      tensors holding a non-zero element (one more collective per group of shards). Neither
+      path reads a device value on the host.
+    - The norm is float64 when any gradient is float64 (measured and clipped in float64),
+      float32 otherwise; 16-bit gradients are measured in float32 (torch returns their norm in
+      the gradients' dtype).
+    - ``error_if_nonfinite=True`` reads the norm on the host and raises RuntimeError before
+      clipping when it is NaN or inf (on every rank alike). ``foreach`` as in torch.
+    - An empty generator of parameters warns as torch does; the norm is then 0.
+
+    Deliberate differences from torch: ``max_norm`` must be a finite number > 0 (torch would
+    flip the gradients' sign for a negative one and zero them for 0; to turn clipping off, do
+    not call it), and a non-finite norm leaves the gradients unchanged (torch multiplies them by
+    0 or NaN): check ``torch.isfinite`` of the result, on the device, to skip the step.
     """
     _check_max_norm(max_norm)
-    stats = grad_stats(parameters, pp_group=pp_group, tp_group=tp_group)
-    stats.clip_(max_norm)
-    return stats.norm
+    p = _norm_type(norm_type)
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    elif isinstance(parameters, types.GeneratorType):
+        parameters = list(parameters)
+        if not parameters:  # torch's warning, word for word, so that filters for it match ours
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
+                          UserWarning, stacklevel=2)
+    if p == 2.0:
+        stats = _measure(parameters, pp_group, tp_group, None, foreach)
+        layout, norm = stats._layout, stats.norm
+    else:
+        layout = collect(parameters, pp_group=pp_group, tp_group=tp_group)
+        norm = _other_norm(layout, p, foreach)
+    if error_if_nonfinite and not bool(torch.isfinite(norm)):
+        raise RuntimeError(f"the total norm of order {p} of the gradients is non-finite "
+                           f"({float(norm)}), so they cannot be clipped; with "
+                           f"error_if_nonfinite=False the gradients are left unchanged")
+    _clip(layout, norm, max_norm, foreach)
+    return norm
+
+
+def nonfinite_params(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the parameters whose gradient, as held on this rank, has a NaN or Inf element
+    (a DTensor's local shard), in the order given; e.g. ``nonfinite_params(model.named_parameters())``.
+
+    Local by design, and no collective: under sharding a rank lists only what its own shards
+    show, so gather the lists across ranks (``dist.all_gather_object``) for a job-wide report.
+    One host read (of per-tensor max |x|, one foreach kernel per device and dtype)."""
+    names: list[str] = []
+    grads: list[torch.Tensor] = []
+    for name, p in named_parameters:
+        g = p.grad
+        if g is not None:
+            g = g.to_local() if hasattr(g, "to_local") else g
+            if g.numel():
+                names.append(name)
+                grads.append(g)
+    if not grads:
+        return []
+    amax = tensor_norms(grads, grads[0].device, math.inf)
+    return [n for n, bad in zip(names, (~torch.isfinite(amax)).tolist()) if bad]

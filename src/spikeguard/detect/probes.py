@@ -6,7 +6,9 @@ single host read per probe step, after the step's work has been queued. The valu
 step record under their names: ``activation_max``, ``activation_max_module``,
 ``attn_logit_p99`` (the largest over layers and heads) with ``attn_logit_p99_layer`` and the
 full [layer][head] table ``attn_logit_p99_heads``, and
-``layer_grad_norm/<layer>`` for each top-level block.
+``layer_grad_norm/<layer>`` for each top-level block (the norm of the unsharded gradient under
+FSDP2, TP or DDP: one all-reduce of a vector at the probe interval, so every rank must collect
+at the same steps).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .._validate import check_int
+from ._grad_layout import collect
 
 __all__ = ["ProbeConfig", "Probes", "layer_grad_norms"]
 
@@ -55,23 +59,31 @@ def _layer_of(name: str) -> str:
     return parts[0] if len(parts) > 1 else name
 
 
-def layer_grad_norms(model: nn.Module) -> dict[str, float]:
-    """L2 norm of the gradients of each layer (top-level module, or ``blocks.i``), combined in
-    fp64 from per-tensor norms. Local tensors only: under sharding, each rank's shard."""
+def layer_grad_norms(model: nn.Module, *, pp_group: dist.ProcessGroup | None = None,
+                     tp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """L2 norm of the gradients of each layer (top-level module, or ``blocks.i``), as host floats.
+
+    Global, like ``grad_stats``: under FSDP2, HSDP, TP or DDP each layer's norm is that of its
+    unsharded gradient, computed from the local pieces weighted by their copy counts (DTensor
+    placements; ``pp_group``/``tp_group`` as in ``grad_stats``) and ONE all-reduce of the vector
+    of per-layer sums of squares over the default group, then one host read. A collective when
+    the world has more than one rank: every rank must call it at the same steps, and every rank
+    must hold the same layer names (so not across pipeline stages, whose layers differ).
+    Per-tensor norms run in float32 (float64 for float64 gradients) and combine in float64."""
     groups: dict[str, list[torch.Tensor]] = defaultdict(list)
     for name, p in model.named_parameters():
         if p.grad is not None:
-            g = p.grad
-            groups[_layer_of(name)].append(g.to_local() if hasattr(g, "to_local") else g)
+            groups[_layer_of(name)].append(p)
     if not groups:
         return {}
-    names = list(groups)
-    sums = []
-    for n in names:
-        norms = torch._foreach_norm(groups[n], 2.0)
-        sums.append(torch.stack([x.double() for x in norms]).square().sum())
-    values = torch.stack(sums).sqrt().tolist()
-    return dict(zip(names, values))
+    layouts = [collect(params, pp_group=pp_group, tp_group=tp_group) for params in groups.values()]
+    with torch.no_grad():
+        device = layouts[0].device()
+        sums = torch.stack([layout.sumsq(device) for layout in layouts])
+        if layouts[0].world > 1:
+            dist.all_reduce(sums)
+        values = sums.sqrt().tolist()
+    return dict(zip(groups, values))
 
 
 class Probes:
@@ -119,7 +131,9 @@ class Probes:
             m.last_logit_p99 = None
 
     def collect(self) -> dict[str, Any]:
-        """The due probes' values for the current step, as host numbers (one host read)."""
+        """The due probes' values for the current step, as host numbers (one host read; at a
+        per-layer grad-norm step one all-reduce and one more read, so under torch.distributed
+        every rank must call it at the same steps)."""
         record: dict[str, Any] = {}
         step = self._step
         pending: list[torch.Tensor] = []

@@ -140,6 +140,8 @@ class _EagerAttention(torch.autograd.Function):
         probs, sigs, outs = [], [], []
         for lo in range(0, n, chunk):
             s = torch.bmm(qs[lo:lo + chunk], kt[lo:lo + chunk])
+            # cap first, mask second: a capped -inf would be the finite -cap, and every masked
+            # key would get a little weight (Gemma 2 caps the raw scores for the same reason)
             if cap:
                 sig = s.sigmoid_()
                 sigs.append(sig)
@@ -187,6 +189,8 @@ def _eager(q, k, v, causal: bool, cap: float | None, scale: float) -> torch.Tens
     # [B, H_kv * G, T, D] -> [B * H_kv, G * T, D]: a view, since head h reads kv head h // G
     q3 = q.float().reshape(b * h_kv, (h // h_kv) * t, q.shape[3])
     k3, v3 = (x.float().reshape(b * h_kv, x.shape[2], x.shape[3]) for x in (k, v))
+    # the hand-written backward works on the fp32 tensors it saved: autocast must not re-cast the
+    # bmms inside (a bf16 score matrix would lose the cap's small derivatives near +-cap)
     with torch.autocast(q.device.type, enabled=False):
         out = _EagerAttention.apply(q3, k3, v3, causal, cap, scale, h // h_kv)
     return out.view(b, h, t, v.shape[-1]).to(q.dtype)

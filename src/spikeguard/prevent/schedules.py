@@ -46,7 +46,7 @@ def _warmup(step: int, warmup_steps: int) -> float:
     return (step + 1) / warmup_steps
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class constant_with_warmup:
     """Multiplier (s + 1) / W for s < W, then 1.0."""
 
@@ -126,7 +126,8 @@ class wsd:
 
     @property
     def decay_start(self) -> int:
-        """First step whose multiplier is below 1.0 (when min_ratio < 1)."""
+        """The step where the decay starts: its multiplier is still exactly 1.0 (p = 0); the
+        first step below 1.0 is ``decay_start + 1`` (when min_ratio < 1)."""
         return self.total_steps - self.decay_steps
 
     def __call__(self, step: int) -> float:

@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import _dist
 
-__all__ = ["HaltReport", "TrainingHalted", "nonfinite_params", "trace_nonfinite"]
+__all__ = ["HaltReport", "TrainingHalted", "gather_names", "nonfinite_params", "trace_nonfinite"]
 
 
 @dataclass
@@ -82,14 +82,20 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
+def gather_names(local: list[str], named_parameters: list[tuple[str, nn.Parameter]]) -> list[str]:
+    """The union over ranks of each rank's ``local`` names, in the model's parameter order (one
+    ``all_gather_object``; every rank must call it)."""
+    order = {name: i for i, (name, _) in enumerate(named_parameters)}
+    found = set().union(*_gather(local))
+    return sorted(found, key=order.__getitem__)
+
+
 def nonfinite_params(named_parameters: list[tuple[str, nn.Parameter]]) -> list[str]:
     """Names of parameters whose (local) gradient holds a NaN or Inf, over every rank, in the
     given order. A host read per parameter: for the halt path, not the step."""
-    order = {name: i for i, (name, _) in enumerate(named_parameters)}
-    mine = [name for name, p in named_parameters
-            if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())]
-    found = set().union(*_gather(mine))
-    return sorted(found, key=order.__getitem__)
+    from ..detect.gradnorm import nonfinite_params as local_nonfinite
+
+    return gather_names(local_nonfinite(named_parameters), named_parameters)
 
 
 def _finite(x: Any) -> bool:

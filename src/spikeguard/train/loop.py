@@ -201,7 +201,8 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
     guard = Guard(model, optimizer, config=cfg.guard, scheduler=scheduler, precision=policy,
                   checkpoints=CheckpointManager(out / "checkpoints", every=cfg.ckpt_every,
                                                 keep=cfg.keep),
-                  data=stream, sinks=sinks, probes=True, extra_state={"faults": injector})
+                  data=stream, sinks=sinks, probes=True, extra_state={"faults": injector},
+                  keep_on_rollback=("faults",))
     console.print(f"{data.describe}; model {cfg.model}: {model.num_params():,} params on "
                   f"{device.type} x {world}, {policy.kind}; run dir {out}")
     if resume:
