@@ -12,7 +12,7 @@ LAYERS = {
     "prevent": 1, "data": 1, "testing": 1, "sinks": 1,
     "detect": 2, "model": 2, "schedules": 2,
     "respond": 3,
-    "_guard_respond": 4, "_guarded_optimizer": 4,
+    "_guard_respond": 4, "_guarded_optimizer": 4, "_guard_checks": 4,
     "guard": 5,
     "train": 6, "diagnose": 6, "integrations": 6,
     "sandbox": 7,

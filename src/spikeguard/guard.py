@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ._guard_checks import check_grads, check_pair
 from ._guard_respond import _Frozen, _Pending, _Readback, _Responses
 from ._guarded_optimizer import GuardedOptimizer
 from ._validate import check_int, check_positive
@@ -84,6 +85,10 @@ class GuardConfig:
         if self.tier2 not in ("alert", "rollback"):
             raise ValueError(f"GuardConfig.tier2={self.tier2!r} must be 'alert' or 'rollback'")
         check_int(self.max_rollbacks, "GuardConfig.max_rollbacks", minimum=0, default=3)
+        for name, kind in (("detector", DetectorConfig), ("probes", ProbeConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"GuardConfig.{name} must be a {kind.__name__}, got "
+                                f"{type(getattr(self, name)).__name__}")
         if self.read_lag not in (None, 0, 1):
             raise ValueError(f"GuardConfig.read_lag={self.read_lag!r} must be 0, 1 or None (auto)")
 
@@ -116,6 +121,7 @@ class Guard(_Responses):
                  keep_on_rollback: Iterable[str] = (),
                  pp_group: Any = None, tp_group: Any = None) -> None:
         self.config = config if config is not None else GuardConfig()
+        check_pair(model, optimizer)
         if self.config.tier2 == "rollback" and checkpoints is None:
             raise ValueError("GuardConfig(tier2='rollback') needs checkpoints=CheckpointManager(...)"
                              " to roll back to; pass one or use tier2='alert'")
@@ -182,6 +188,9 @@ class Guard(_Responses):
             raise ValueError("guard.step/accumulate needs the step's loss as a 0-d tensor or a "
                              f"LossOutput with reduction='mean'; got {type(loss).__name__}"
                              f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        if loss.device != self.params[0].device:
+            raise ValueError(f"the loss is on {loss.device} but the model's parameters are on "
+                             f"{self.params[0].device}; compute it on the model's device")
         loss = loss.detach().float().reshape(())
         z = (torch.full_like(loss, float("nan")) if log_z is None
              else log_z.detach().float().reshape(()).to(loss.device))
@@ -193,6 +202,7 @@ class Guard(_Responses):
         host read this call: step t's with read_lag 0; step t-1's with read_lag 1 (None on the
         first step). ``rerun()`` re-runs the current batch's forward and backward (for the Tier 3
         forensics). Raises TrainingHalted on a halt, after the record is written."""
+        check_grads(self.params)
         if out is not None:
             self.accumulate(out, log_z=log_z)
         if not self._micro:

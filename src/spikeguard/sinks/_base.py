@@ -14,7 +14,7 @@ import torch
 
 from .. import _dist
 
-__all__ = ["Sink", "SinkDisabledWarning", "SinkLike", "Sinks", "host_record"]
+__all__ = ["Sink", "SinkDisabledWarning", "SinkLike", "Sinks", "check_path", "host_record"]
 
 
 class SinkDisabledWarning(RuntimeWarning):
@@ -122,9 +122,17 @@ def _writes_here(rank: int | None, what: str) -> bool:
     return this_rank(what) == rank
 
 
-def per_rank(target: str, rank: int | None, what: str, field: str) -> str:
+def check_path(target: Any, what: str, field: str) -> str:
+    """``target`` as a str when it is a path (str or os.PathLike); TypeError naming it if not."""
+    if not isinstance(target, (str, os.PathLike)):
+        raise TypeError(f"{what} {field}={target!r} must be a path (str or os.PathLike)")
+    return os.fspath(target)
+
+
+def per_rank(target: Any, rank: int | None, what: str, field: str) -> str:
     """``target`` with ``{rank}`` replaced by this process's rank. With ``rank=None`` (every rank
     writes) the placeholder is required, so that ranks never share a file or a run."""
+    target = check_path(target, what, field)
     if rank is None and "{rank}" not in target:
         raise ValueError(f"{what}(rank=None) writes on every rank, so {field}={target!r} must "
                          "hold a {rank} placeholder (e.g. 'metrics-rank{rank}.jsonl') to give "

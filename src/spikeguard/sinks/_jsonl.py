@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..record import RECORD_KEYS, SCHEMA
-from ._base import Sink, per_rank
+from ._base import Sink, check_path, per_rank
 
 __all__ = ["JsonlSink", "encode_record", "read_metrics"]
 
@@ -142,10 +142,11 @@ class JsonlSink(Sink):
     def __init__(self, path: str | os.PathLike[str] = "metrics.jsonl", *,
                  mode: Literal["a", "w"] = "a", fsync: bool = False,
                  defer: bool | None = None, rank: int | None = 0) -> None:
+        check_path(path, type(self).__name__, "path")
         if mode not in ("a", "w"):
             raise ValueError(f"mode={mode!r} must be 'a' (append) or 'w' (overwrite)")
         super().__init__(defer=defer, rank=rank)
-        self.path = Path(per_rank(os.fspath(path), rank, self.name, "path"))
+        self.path = Path(per_rank(path, rank, self.name, "path"))
         self.mode = mode
         self.fsync = fsync
         self._fd: int | None = None
