@@ -9,7 +9,9 @@ Each check is a function returning (passed, detail); add yours to CHECKS.
   the gate's calls plus a JsonlSink.log of CUDA tensors run under set_sync_debug_mode("error");
 - torchao_fp8_step: fp8 training through torchao on the eligible linears, with the amax monitor;
 - guard_no_sync: guarded fused-AdamW steps (healthy and skipped) under set_sync_debug_mode("error"),
-  and the guard's overhead beyond clip + step on the GPU.
+  and the guard's overhead beyond clip + step on the GPU;
+- nccl_collectives: spikeguard._dist on a one-rank NCCL group without the one-rank shortcut (the
+  CUDA path of a CPU vote), and checkpoints saved and restored under NCCL alone.
 
     PYTHONPATH=src:. python benchmarks/gpu_check.py [--smoke]
 """
@@ -35,6 +37,7 @@ __all__ = [
     "flex_softcap_speed",
     "guard_no_sync",
     "main",
+    "nccl_collectives",
     "stats_and_sinks",
     "torchao_fp8_step",
 ]
@@ -274,6 +277,61 @@ def guard_no_sync(smoke: bool = False) -> tuple[bool, str]:
 
 
 CHECKS["guard_no_sync"] = guard_no_sync
+
+def nccl_collectives(smoke: bool = False) -> tuple[bool, str]:
+    """spikeguard._dist on a one-rank NCCL group with the one-rank shortcut off, so the CUDA
+    path runs: a CPU vote goes to the GPU and back, barrier on the collective device, and a
+    CheckpointManager save/restore (sync, then async on its own gloo group) under NCCL alone.
+    Several NCCL ranks stay untested (one GPU)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from spikeguard import _dist
+
+    if dist.is_initialized():
+        return False, "a process group is already initialised in this process"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
+    try:
+        config = dist.get_backend_config()
+        picked = _dist.collective_device()
+        vote = torch.tensor([3], dtype=torch.int64)  # on the CPU, as CheckpointManager's votes
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _dist.all_reduce(vote, shortcut=False)
+        ran = [e.name for e in prof.events() if "allreduce" in e.name or "all_reduce" in e.name]
+        on_gpu = torch.ones(2, device=dev)
+        _dist.all_reduce(on_gpu, op=dist.ReduceOp.MAX, shortcut=False)
+        _dist.barrier()
+        ok = (picked == dev and vote.device.type == "cpu" and vote.item() == 3 and bool(ran)
+              and on_gpu.tolist() == [1.0, 1.0] and "cuda" in config)
+        detail = (f"backend config {config!r}; collective device {picked}; CPU vote reduced on "
+                  f"the GPU ({sorted(set(ran)) or 'no all_reduce seen'}), value kept; barrier passed")
+        model = sg.GPT(sg.GPTConfig.tiny()).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 256, (2, 33), device=dev)
+        model.loss(model(x[:, :-1]), x[:, 1:]).loss.backward()
+        opt.step()
+        want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with tempfile.TemporaryDirectory() as tmp:
+            for async_save in (False, True):
+                mgr = sg.CheckpointManager(Path(tmp) / str(async_save), every=1,
+                                           async_save=async_save)
+                mgr.save(1, model=model, optimizer=opt)
+                mgr.close()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.zero_()
+                info = mgr.restore(model=model, optimizer=opt)
+                same = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+                ok = ok and info.step == 1 and same
+                kind = "async" if async_save else "sync"
+                detail += f"; {kind} save + restore {'ok' if same else 'DIFFER'}"
+        return ok, detail
+    finally:
+        dist.destroy_process_group()
+
+
+CHECKS["nccl_collectives"] = nccl_collectives
 
 
 def main(argv: list[str] | None = None) -> int:

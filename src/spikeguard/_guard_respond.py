@@ -65,7 +65,8 @@ class _Pending:
     batches: tuple[int, int] | None
     data_state: dict[str, Any] | None
     rerun: Callable[[], Any] | None
-    probes: dict[str, Any]
+    probes: Any
+    """The step's ProbeValues (their numbers ride at the end of the read-back vector), or None."""
     stats: Any
     """The step's GradStats while its gradients are alive (read_lag 0), else None."""
     finite: tuple[Any, list[int]] | None = None
@@ -104,12 +105,13 @@ class _Responses:
                              data_range=self._data_range(onset, p.step), rollback_to=target)
 
     def _rollback_target(self, onset: int) -> int | None:
-        """The newest healthy checkpoint that predates the update before the onset: the
-        checkpoint at s holds the state after update s, and update onset-1 may be the cause."""
+        """The newest healthy checkpoint that predates the update before the onset (the one
+        rule, ``respond.checkpoint.rollback_target``, applied to the healthy checkpoints)."""
         if self.checkpoints is None:
             return None
-        ok = [c.step for c in self.checkpoints.list() if c.healthy and c.step <= onset - 2]
-        return max(ok) if ok else None
+        from .respond.checkpoint import rollback_target
+
+        return rollback_target(onset, [c.step for c in self.checkpoints.list() if c.healthy])
 
     def _tier2(self, p: _Pending, verdict: Verdict, extras: dict[str, Any]) -> Action:
         summary = self._summary(p, verdict)

@@ -93,6 +93,10 @@ class GuardConfig:
             raise ValueError(f"GuardConfig.read_lag={self.read_lag!r} must be 0, 1 or None (auto)")
 
 
+def _split(values: list[float], n: int) -> tuple[list[float], list[float]]:
+    return values[:n], values[n:]
+
+
 class Guard(_Responses):
     """One call per optimizer step: measure, clip, gate, step or skip, decide, act, log, save.
 
@@ -278,7 +282,11 @@ class Guard(_Responses):
         parts = [loss_g, log_z_g, stats.norm, applied_gate, armed, coef,
                  scale if scale is not None else torch.full((), float("nan"), device=dev)]
         vec = torch.stack([p.detach().to(dev, torch.float64).reshape(()) for p in parts])
-        probes = self.probes.collect() if self.probes is not None else {}
+        probes = self.probes.gather() if self.probes is not None else None
+        if probes is not None and probes.vector is not None:
+            # the probes' readings ride in the same read-back vector (no host read of their own)
+            vec = torch.cat([vec, probes.vector.detach().to(dev, torch.float64)])
+            probes.vector = None
         keep_grads = self.read_lag == 0
         if not keep_grads:
             self.optimizer.zero_grad(set_to_none=True)
@@ -293,7 +301,7 @@ class Guard(_Responses):
 
     # -- the host side ------------------------------------------------------------------------
     def _resolve(self, p: _Pending) -> Verdict:
-        loss, log_z, norm, gate, armed, coef, scale = p.readback.values()
+        (loss, log_z, norm, gate, armed, coef, scale), rest = _split(p.readback.values(), 7)
         skipped, armed = gate != 0.0, armed != 0.0
         nan_frac: float | None = 0.0
         if not (norm == norm and abs(norm) != float("inf")):
@@ -314,7 +322,9 @@ class Guard(_Responses):
             self.applied += 1
             if self.scheduler is not None:
                 self.scheduler.step()
-        extras: dict[str, Any] = {"armed": armed, "skipped": skipped, "clip_coef": coef, **p.probes}
+        extras: dict[str, Any] = {"armed": armed, "skipped": skipped, "clip_coef": coef}
+        if p.probes is not None:
+            extras.update(p.probes.decode(rest))
         action = verdict.action
         if not self.config.respond:
             extras["verdict"] = action.value  # what the guard would have done

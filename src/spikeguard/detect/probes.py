@@ -24,7 +24,7 @@ from torch import nn
 from .._validate import check_int
 from ._grad_layout import collect
 
-__all__ = ["ProbeConfig", "Probes", "layer_grad_norms"]
+__all__ = ["ProbeConfig", "ProbeValues", "Probes", "layer_grad_norms"]
 
 _SKIP_TYPES = (nn.Dropout, nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -86,6 +86,34 @@ def layer_grad_norms(model: nn.Module, *, pp_group: dist.ProcessGroup | None = N
     return dict(zip(groups, values))
 
 
+@dataclass
+class ProbeValues:
+    """One step's probe readings on their way to the host: ``vector`` (device, or None when no
+    probe was due) and the names that ``decode`` attaches to its numbers."""
+
+    vector: torch.Tensor | None
+    act_names: list[str]
+    heads_shape: tuple[int, int] | None
+    grad_norms: dict[str, float]
+
+    def decode(self, values: list[float]) -> dict[str, Any]:
+        """The record entries from ``vector``'s values read on the host."""
+        record: dict[str, Any] = {}
+        values = list(values)
+        if self.act_names:
+            record["activation_max"] = values.pop(0)
+            record["activation_max_module"] = self.act_names[int(values.pop(0))]
+        if self.heads_shape is not None:
+            record["attn_logit_p99"] = values.pop(0)
+            record["attn_logit_p99_layer"] = int(values.pop(0))
+            n_layers, n_heads = self.heads_shape
+            record["attn_logit_p99_heads"] = [values[i * n_heads:(i + 1) * n_heads]
+                                              for i in range(n_layers)]
+        for layer, norm in self.grad_norms.items():
+            record[f"layer_grad_norm/{layer}"] = norm
+        return record
+
+
 class Probes:
     """Attach to a model; call :meth:`start_step` before the forward and :meth:`collect` after the
     backward (and before ``zero_grad``)."""
@@ -135,34 +163,37 @@ class Probes:
             m.logit_p99_request = self._attn_on(step)
             m.last_logit_p99 = None
 
+    def gather(self) -> ProbeValues:
+        """The due probes' values for the current step, still on the device (no host read): a
+        flat vector plus what :meth:`ProbeValues.decode` needs to name them. A per-layer
+        grad-norm step is the exception: one all-reduce and one host read (every rank must call
+        it at the same steps under torch.distributed)."""
+        pending: list[torch.Tensor] = []
+        act_names: list[str] = []
+        if self._act:
+            acts = torch.stack(self._act)
+            pending += [acts.max().reshape(1), acts.argmax().float().reshape(1)]
+            act_names = list(self._act_names)
+        p99 = [m.last_logit_p99 for m in self._attn_modules if m.last_logit_p99 is not None]
+        heads_shape: tuple[int, int] | None = None
+        if p99:
+            heads = torch.stack([t.float() for t in p99])  # [layers, heads]
+            heads_shape = (heads.shape[0], heads.shape[1])
+            pending += [heads.max().reshape(1), heads.max(dim=1).values.argmax().float().reshape(1),
+                        heads.flatten()]
+        grad_norms: dict[str, float] = {}
+        if self.config.layer_grad_norms and self._step % self.config.grad_norms_every == 0:
+            grad_norms = layer_grad_norms(self.model)
+        device = pending[0].device if pending else torch.device("cpu")
+        vector = torch.cat([t.to(device) for t in pending]) if pending else None
+        return ProbeValues(vector, act_names, heads_shape, grad_norms)
+
     def collect(self) -> dict[str, Any]:
         """The due probes' values for the current step, as host numbers (one host read; at a
         per-layer grad-norm step one all-reduce and one more read, so under torch.distributed
         every rank must call it at the same steps)."""
-        record: dict[str, Any] = {}
-        step = self._step
-        pending: list[torch.Tensor] = []
-        if self._act:
-            acts = torch.stack(self._act)
-            pending += [acts.max(), acts.argmax().float()]
-        p99 = [m.last_logit_p99 for m in self._attn_modules if m.last_logit_p99 is not None]
-        if p99:
-            heads = torch.stack([t.float() for t in p99])  # [layers, heads]
-            pending += [heads.max(), heads.max(dim=1).values.argmax().float(), *heads.flatten()]
-        values = torch.stack(pending).tolist() if pending else []
-        if self._act:
-            record["activation_max"] = values.pop(0)
-            record["activation_max_module"] = self._act_names[int(values.pop(0))]
-        if p99:
-            record["attn_logit_p99"] = values.pop(0)
-            record["attn_logit_p99_layer"] = int(values.pop(0))
-            n_layers, n_heads = heads.shape
-            record["attn_logit_p99_heads"] = [values[i * n_heads:(i + 1) * n_heads]
-                                              for i in range(n_layers)]
-        if self.config.layer_grad_norms and step % self.config.grad_norms_every == 0:
-            for layer, norm in layer_grad_norms(self.model).items():
-                record[f"layer_grad_norm/{layer}"] = norm
-        return record
+        values = self.gather()
+        return values.decode(values.vector.tolist() if values.vector is not None else [])
 
     def remove(self) -> None:
         """Detach every hook."""

@@ -10,19 +10,23 @@ with a few tagged forms, so reading it back never unpickles anything:
 from __future__ import annotations
 
 import base64
-import hashlib
+import contextlib
 import json
 import math
 import os
 import random
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["decode", "encode", "fsync_dir", "hash_file", "join", "rng_state", "set_rng_state",
-           "split", "write_json"]
+from ._ckpt_files import FileEntry, digest_bytes
+
+__all__ = ["decode", "encode", "fsync_dir", "join", "model_optim", "quiet", "rng_state",
+           "set_rng_state", "split", "stager", "write_json"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -148,23 +152,15 @@ def _lists(node: Any) -> Any:
     return out
 
 
-def hash_file(path: Path, chunk: int = 1 << 22) -> str:
-    """sha256 of a file, read in 4 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON and fsync it."""
-    with open(path, "w") as f:
-        json.dump(obj, f, allow_nan=False, separators=(",", ":"))
+def write_json(path: Path, obj: Any, algo: str = "crc32") -> FileEntry:
+    """Write JSON, fsync it, and return its manifest entry (the bytes digested in memory with
+    ``algo``)."""
+    data = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return digest_bytes(data, algo)
 
 
 def fsync_dir(path: Path) -> None:
@@ -191,3 +187,35 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(tuple(state["numpy"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence DCP's note that it runs in one process (that is the intent when no process
+    group is initialised)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
+def model_optim(model: torch.nn.Module, optimizer: Any) -> tuple[dict, dict | None]:
+    """DCP's state dicts of the model and (if given) the optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return get_model_state_dict(model), None
+    return get_state_dict(model, optimizer)
+
+
+def stager() -> Any:
+    """A reusable DCP stager: DefaultStager (CPU buffers kept across saves, pinned and copied
+    without blocking on a GPU) on torch >= 2.9, which added it; BlockingAsyncStager before."""
+    gpu = torch.cuda.is_available()
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 9):
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        return BlockingAsyncStager(cache_staged_state_dict=gpu)  # its cache pins memory
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=gpu))

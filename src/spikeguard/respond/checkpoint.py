@@ -8,51 +8,54 @@ states (torch CPU and CUDA, ``random``, numpy), one sidecar per rank. A checkpoi
 holds the state after update s.
 
 Layout of ``directory/step_00000100/``: DCP's ``.metadata`` and ``__<rank>_0.distcp``,
-``rank<r>.json`` (sidecars), ``info.json`` (step, health, alerts, skip ranges, world size) and
-``MANIFEST.json`` (size and sha256 of every other file). Everything is written under
-``.tmp-step_...``, fsynced, and renamed: a directory without its manifest is never listed.
-Restore checks the manifest, reads DCP metadata through an allowlist unpickler and loads bytes
-entries with ``weights_only=True`` (see ``_safe_dcp``); a checkpoint failing any check is
-refused with a :class:`CheckpointWarning` and the previous healthy one is used.
+``__<rank>_0.distcp.digests.json`` (the digest of each entry of that shard), ``rank<r>.json``
+(sidecars), ``info.json`` (step, health, alerts, skip ranges, world size) and ``MANIFEST.json``
+(size and digest, or segment table, of every other file). Each rank hashes the files it writes
+as it writes them (in the background writer under ``async_save``); rank 0 gathers the digests
+into the manifest. The digest is CRC-32 by default (``digest="sha256"`` for a cryptographic
+one): it detects corruption (every burst of up to 32 bits, so any flipped byte, for certain);
+it is no defence against someone who can write the directory, since they could rewrite the
+manifest too. That defence is the loader's: the allowlist, ``weights_only`` and the path
+checks below. Everything is written under ``.tmp-step_...``, fsynced, and renamed: a
+directory without its manifest is never listed. Restore reads every file it needs once, from
+inside the checkpoint directory only (no symlinks), and hashes what it reads as it reads it;
+DCP metadata goes through an allowlist unpickler and bytes entries load with
+``weights_only=True`` (see ``_safe_dcp``). A checkpoint failing any check is refused with a :class:`CheckpointWarning`
+and the previous healthy one is used.
+
+torch.distributed.checkpoint is imported on first use, not by ``import spikeguard``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from .. import _dist
 from .._validate import check_int
 from . import _ckpt_io as io
-from ._safe_dcp import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
+from ._ckpt_files import DIGESTS, CheckpointDir, FileEntry, IOStats
+from ._ckpt_load import INFO as _INFO
+from ._ckpt_load import MANIFEST as _MANIFEST
+from ._ckpt_load import Refused, load, verify_checkpoint
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointWarning",
-           "verify_checkpoint"]
+           "rollback_target", "verify_checkpoint"]
 
-_MANIFEST = "MANIFEST.json"
-_INFO = "info.json"
-_FORMAT = "spikeguard-checkpoint/1"
+_FORMAT = "spikeguard-checkpoint/2"
 
 
 class CheckpointError(RuntimeError):
-    """No checkpoint could be restored (each refusal is listed)."""
+    """No checkpoint could be restored (each refusal is listed), or one could not be committed."""
 
 
 class CheckpointWarning(UserWarning):
@@ -77,19 +80,43 @@ class CheckpointInfo:
     """Free-form JSON metadata given to save()."""
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence DCP's note that it runs in one process (that is the intent when no process
-    group is initialised)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
-        yield
+def rollback_target(onset: int, checkpoints: int | Iterable[int]) -> int | None:
+    """The step of the checkpoint to roll back to for an anomaly first seen at step ``onset``:
+    the newest checkpoint at or before ``onset - 2``, or None when there is none.
+
+    A checkpoint at step s holds the state after update s, and the update at ``onset - 1`` may
+    itself be the cause (a bad learning rate's first update looks normal in its own gradients),
+    so the checkpoint at ``onset - 1`` is not safe. ``checkpoints`` is the interval of saves
+    (every k steps from k) or the steps that exist. Every 1,000 steps: onset 57,182 -> 57,000;
+    onset 57,001 -> 56,000."""
+    limit = onset - 2
+    if isinstance(checkpoints, int):
+        check_int(checkpoints, "rollback_target checkpoints", hint="pass the save interval")
+        step = limit // checkpoints * checkpoints
+        return step if step >= checkpoints else None
+    return max((s for s in checkpoints if s <= limit), default=None)
 
 
-def _model_optim(model: torch.nn.Module, optimizer: Any) -> tuple[dict, dict | None]:
-    if optimizer is None:
-        return get_model_state_dict(model), None
-    return get_state_dict(model, optimizer)
+@dataclass
+class _Job:
+    """One save from the moment its state is captured: what the writer thread needs."""
+
+    step: int
+    directory: Path
+    side: Any
+    """This rank's sidecar, already encoded for JSON."""
+    info: dict
+    records: dict[str, FileEntry] = field(default_factory=dict)
+    """File name -> manifest entry, for the files this rank wrote."""
+    stats: IOStats = field(default_factory=IOStats)
+
+    @property
+    def final(self) -> Path:
+        return self.directory / f"step_{self.step:08d}"
+
+    @property
+    def tmp(self) -> Path:
+        return self.directory / f".tmp-step_{self.step:08d}"
 
 
 class CheckpointManager:
@@ -97,31 +124,47 @@ class CheckpointManager:
     one), restore the newest healthy checkpoint at or before a step.
 
     Collective under torch.distributed: every rank calls save/restore with the same step.
-    ``async_save=True`` uses ``dcp.async_save``: save() returns once the state is copied off
-    the device; the files are written, hashed and committed in the background and the commit
-    is awaited by the next save/restore or by :meth:`wait`.
+    With ``async_save=True`` save() returns once the state is staged (copied off the device
+    into reused CPU buffers by DCP's stager); a background thread then runs ``dcp.save`` (each
+    rank hashing its files as they are written) and the commit (a gather of the per-rank
+    digests, the manifest, a rename), with its collectives on a gloo group of the manager's own
+    so they never interleave with the training thread's and NCCL-only jobs work. The next
+    save/restore or :meth:`wait` only waits for it (and re-raises its error). ``io_stats``
+    counts this rank's opens and hashed bytes per file in the last save or restore (the
+    listing's reads of ``info.json`` are not counted).
     """
 
     def __init__(self, directory: str | Path, *, every: int = 1000, keep: int = 10,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, digest: Literal["crc32", "sha256"] = "crc32") -> None:
         check_int(every, "CheckpointManager every", hint="1000 steps is usual")
         check_int(keep, "CheckpointManager keep", hint="10 is usual")
+        if digest not in DIGESTS:
+            raise ValueError(f"CheckpointManager digest={digest!r} is not one of "
+                             f"{sorted(DIGESTS)}; crc32 (the default) catches corruption at a "
+                             "fraction of sha256's cost, sha256 suits manifests you sign")
         self.directory = Path(directory)
-        self.every, self.keep, self.async_save = every, keep, async_save
-        self._pending: Any = None
+        self.every, self.keep, self.async_save, self.digest = every, keep, async_save, digest
+        self.io_stats = IOStats()
+        self._pending: Future[None] | None = None
         self._stager: Any = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._group: Any = None
 
     # -- listing ------------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints (those with a manifest), oldest first."""
+        """Committed checkpoints (those with a manifest), oldest first. Symlinked directories
+        are not checkpoints this manager wrote and are passed over."""
         out = []
         if not self.directory.is_dir():
             return out
         for d in sorted(self.directory.glob("step_*")):
-            if not (d / _MANIFEST).is_file():
+            if d.is_symlink() or not d.is_dir():
                 continue
             try:
-                info = json.loads((d / _INFO).read_text())
+                with CheckpointDir(d) as cd:
+                    if _MANIFEST not in cd.names():
+                        continue
+                    info = json.loads(cd.read(_INFO, None, IOStats()))
                 out.append(CheckpointInfo(
                     step=int(info["step"]), path=d, healthy=bool(info["healthy"]),
                     alerts=tuple(info.get("alerts", ())),
@@ -150,73 +193,106 @@ class CheckpointManager:
         checkpoint's window; restore() then passes over it. Collective across ranks.
         """
         self.wait()
-        healthy = bool(healthy) and not alerts
-        final = self.directory / f"step_{step:08d}"
-        tmp = self.directory / f".tmp-step_{step:08d}"
-        if _dist.rank() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        _dist.barrier()
-        msd, osd = _model_optim(model, optimizer)
+        msd, osd = io.model_optim(model, optimizer)
         tensors, rest = io.split({"model": msd, "optim": osd})
         side: dict[str, Any] = {"rest": rest}
         for name, obj in self._statefuls(scheduler, scaler, data, extra_state).items():
             side[name] = obj.state_dict()
         if save_rng:
             side["rng"] = io.rng_state()
-        io.write_json(tmp / f"rank{_dist.rank()}.json", io.encode(side))
         skips = data.state_dict().get("skip_ranges", []) if data is not None else []
-        info = {"format": _FORMAT, "step": step, "healthy": healthy, "alerts": list(alerts),
-                "skip_ranges": [list(r) for r in skips], "world_size": _dist.world_size(),
-                "meta": meta or {}}
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        if self.async_save:
-            if self._stager is None:  # one stager: its CPU buffers are reused save after save
-                gpu = torch.cuda.is_available()
-                self._stager = DefaultStager(StagingOptions(
-                    use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
-                    use_non_blocking_copy=gpu))
-            with _quiet():
-                fut = dcp.async_save(tensors, storage_writer=writer, async_stager=self._stager,
-                                     no_dist=not _dist.is_dist())
-            self._pending = (fut, tmp, final, info)
-            return final
-        with _quiet():
-            dcp.save(tensors, storage_writer=writer, no_dist=not _dist.is_dist())
-        self._commit(tmp, final, info)
-        return final
+        job = _Job(step=step, directory=self.directory, side=io.encode(side), info={
+            "format": _FORMAT, "step": step, "healthy": bool(healthy) and not alerts,
+            "alerts": list(alerts), "skip_ranges": [list(r) for r in skips],
+            "world_size": _dist.world_size(), "meta": meta or {}})
+        self.io_stats = job.stats
+        if not self.async_save:
+            with io.quiet():
+                self._write(job, tensors, None)
+            return job.final
+        if self._stager is None:  # one stager: its CPU buffers are reused save after save
+            self._group = _dist.new_cpu_group()
+            self._stager = io.stager()
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="spikeguard-checkpoint")
+        staged = self._stager.stage(tensors)  # the training thread's only copy of the state
+        self._pending = self._executor.submit(self._write, job, staged, self._group)
+        return job.final
+
+    def _write(self, job: _Job, tensors: dict, group: Any) -> None:
+        """Everything after the state is captured, in the background thread (collectives on
+        the manager's own gloo group) under async_save: the sidecar, DCP's save through the
+        hashing writer, the commit."""
+        import torch.distributed.checkpoint as dcp
+
+        from ._safe_dcp import HashingWriter
+
+        if _dist.rank() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(job.tmp, ignore_errors=True)
+            job.tmp.mkdir()
+        _dist.barrier(group)
+        sidecar = f"rank{_dist.rank()}.json"
+        job.records[sidecar] = io.write_json(job.tmp / sidecar, job.side, self.digest)
+        job.stats.add(sidecar, hashed=job.records[sidecar].size)
+        writer = HashingWriter(job.tmp, job.records, job.stats, self.digest)
+        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _dist.is_dist())
+        self._commit(job, group)
 
     def wait(self) -> None:
         """Block until a pending async save is committed (re-raising its error, if any)."""
         if self._pending is None:
             return
-        fut, tmp, final, info = self._pending
-        self._pending = None
+        fut, self._pending = self._pending, None
         fut.result()
-        self._commit(tmp, final, info)
 
     def close(self) -> None:
-        """Commit a pending async save and free the staging buffers."""
+        """Commit a pending async save; free the staging buffers, the writer thread and the
+        async group."""
         self.wait()
         if self._stager is not None:
             self._stager.close()
-            self._stager = None
+            self._executor.shutdown()
+            if self._group is not None:
+                import torch.distributed as dist
 
-    def _commit(self, tmp: Path, final: Path, info: dict) -> None:
-        _dist.barrier()  # every rank's files are written
-        if _dist.rank() == 0:
-            io.write_json(tmp / _INFO, info)
-            files = {p.name: {"size": p.stat().st_size, "sha256": io.hash_file(p)}
-                     for p in sorted(tmp.iterdir()) if p.is_file()}
-            io.write_json(tmp / _MANIFEST, {"format": _FORMAT, "files": files})
-            io.fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            io.fsync_dir(self.directory)
-            self._rotate()
-        _dist.barrier()
+                dist.destroy_process_group(self._group)
+        self._stager = self._executor = self._group = None
+
+    def _commit(self, job: _Job, group: Any) -> None:
+        gathered = _dist.gather_object({n: e.to_json() for n, e in job.records.items()}, group)
+        error = None
+        if gathered is not None:  # rank 0
+            try:
+                files = self._manifest(job, gathered)
+                io.write_json(job.tmp / _MANIFEST, {
+                    "format": _FORMAT, "files": {n: e.to_json() for n, e in files.items()}})
+                io.fsync_dir(job.tmp)
+                if job.final.exists():
+                    shutil.rmtree(job.final)
+                job.tmp.rename(job.final)
+                io.fsync_dir(self.directory)
+                self._rotate()
+            except (OSError, ValueError) as e:
+                error = f"{type(e).__name__}: {e}"
+        if not _dist.all_true(error is None, group):  # also the barrier: committed before anyone goes on
+            raise CheckpointError(f"checkpoint {job.final} could not be committed: "
+                                  f"{error or 'rank 0 failed (see its error)'}")
+
+    def _manifest(self, job: _Job, gathered: list[dict]) -> dict[str, FileEntry]:
+        files: dict[str, FileEntry] = {}
+        for r, recs in enumerate(gathered):
+            for name, e in recs.items():
+                entry = FileEntry.from_json(e)
+                if files.setdefault(name, entry) != entry:
+                    raise ValueError(f"rank {r} wrote {name} with other contents than another rank")
+        files[_INFO] = io.write_json(job.tmp / _INFO, job.info, self.digest)
+        job.stats.add(_INFO, hashed=files[_INFO].size)
+        present = set(os.listdir(job.tmp))
+        if present != set(files):
+            raise ValueError(f"files written but not hashed: {sorted(present - set(files))}; "
+                             f"hashed but absent: {sorted(set(files) - present)} (is the "
+                             "directory on a file system every rank shares?)")
+        return files
 
     def _rotate(self) -> None:
         ckpts = self.list()
@@ -252,17 +328,22 @@ class CheckpointManager:
 
         A checkpoint that fails its integrity or safety checks is refused with a
         CheckpointWarning and the previous healthy one is tried; CheckpointError if none is
-        left. Collective across ranks; all ranks agree on every refusal. Returns its info.
+        left. A refusal found while tensors stream in (a corrupted shard) may leave part of
+        the refused values in ``model`` and ``optimizer`` until the older checkpoint
+        overwrites them; after CheckpointError their state is undefined. Collective across
+        ranks; all ranks agree on every refusal. Returns its info.
         """
         self.wait()
         refusals: list[str] = []
         for c in reversed(self.list()):
             if (at_or_before is not None and c.step > at_or_before) or not c.healthy:
                 continue
+            self.io_stats = IOStats()
             try:
-                self._load(c, model, optimizer, self._statefuls(scheduler, scaler, data, extra_state),
-                           restore_rng)
-            except _Refused as e:
+                load(c.path, c.step, c.healthy, model, optimizer,
+                     self._statefuls(scheduler, scaler, data, extra_state), restore_rng,
+                     self.io_stats)
+            except Refused as e:
                 msg = f"checkpoint {c.path} refused: {e}; falling back to the previous healthy one"
                 warnings.warn(msg, CheckpointWarning, stacklevel=2)
                 refusals.append(msg)
@@ -275,94 +356,18 @@ class CheckpointManager:
     def rollback(self, *, onset: int, detection: int, data: Any, **objects: Any) -> CheckpointInfo:
         """Roll back past an anomaly seen from step ``onset`` to step ``detection``.
 
-        Restores the newest healthy checkpoint before ``onset`` (``at_or_before=onset - 1``),
-        then makes ``data`` skip the batches of steps onset..detection, so the batches between
-        the checkpoint and the onset are replayed. Steps count from 0 as in spikeguard.train:
-        step s consumes the s-th batch the stream yields (``data.index_of(s)``). The range is
-        kept in the data state and in every later checkpoint's info. Other keyword arguments
-        go to :meth:`restore`.
+        Restores the newest healthy checkpoint that predates the update before the onset
+        (``at_or_before=onset - 2``, the rule of :func:`rollback_target`: update ``onset - 1``
+        may be the cause), then makes ``data`` skip the batches of steps onset..detection; the
+        batches after the checkpoint up to ``onset - 1`` are replayed. Steps count from 0 as in
+        spikeguard.train: step s consumes the s-th batch the stream yields
+        (``data.index_of(s)``). The range is kept in the data state and in every later
+        checkpoint's info. Other keyword arguments go to :meth:`restore`.
         """
         if not 0 <= onset <= detection:
             raise ValueError(f"onset={onset}, detection={detection}: need 0 <= onset <= detection")
         index = getattr(data, "index_of", lambda s: s)
         lo, hi = index(onset), index(detection)  # under the skips the stream made so far
-        info = self.restore(at_or_before=onset - 1, data=data, **objects)
+        info = self.restore(at_or_before=onset - 2, data=data, **objects)
         data.skip(lo, hi)
         return info
-
-    def _load(self, c: CheckpointInfo, model: torch.nn.Module, optimizer: Any,
-              statefuls: dict[str, Any], restore_rng: bool) -> None:
-        local: str | None = None
-        side: dict[str, Any] = {}
-        try:
-            sizes = verify_checkpoint(c.path)
-            side = io.decode(json.loads((c.path / f"rank{_dist.rank()}.json").read_text()))
-            missing = [k for k in [*statefuls, "rest"] if k not in side]
-            if missing:
-                local = f"it holds no state for {missing}"
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-            local = str(e)
-        if not _dist.all_true(local is None):
-            raise _Refused(local or "another rank refused it")
-        reader = SafeReader(c.path, sizes)
-        try:
-            reader.read_metadata()  # the allowlist and storage checks, before DCP reads it
-        except UnsafeCheckpointError as e:
-            local = str(e)
-        if not _dist.all_true(local is None):
-            raise _Refused(local or "another rank refused it")
-        msd, osd = _model_optim(model, optimizer)
-        tensors, _ = io.split({"model": msd, "optim": osd})
-        try:
-            with _quiet():
-                dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(),
-                         no_dist=not _dist.is_dist())
-        except (Exception, CheckpointException) as e:  # DCP gathers per-rank failures to all
-            raise _Refused(f"loading its tensors failed: {_short(e)}") from e
-        state = io.join(tensors, side["rest"])
-        if optimizer is None:
-            set_model_state_dict(model, state["model"])
-        else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
-        for name, obj in statefuls.items():
-            obj.load_state_dict(side[name])
-        if restore_rng and "rng" in side:
-            io.set_rng_state(side["rng"])
-
-
-class _Refused(Exception):
-    pass
-
-
-def _short(e: BaseException) -> str:
-    text = str(e)
-    for marker in ("UnsafeCheckpointError: ", "UnpicklingError: "):
-        if marker in text:
-            return marker + text.split(marker, 1)[1].strip().splitlines()[0]
-    return f"{type(e).__name__}: {text.strip().splitlines()[-1] if text.strip() else ''}"
-
-
-def verify_checkpoint(path: str | Path) -> dict[str, int]:
-    """Check a checkpoint directory against its manifest: every listed file present with its
-    size and sha256, no unlisted file. Returns name -> size; ValueError says what is wrong."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / _MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"its manifest is unreadable ({e})") from e
-    present = {p.name for p in path.iterdir()} - {_MANIFEST}
-    if present - set(files):
-        raise ValueError(f"files not in its manifest: {sorted(present - set(files))}")
-    for name, want in files.items():
-        p = path / name
-        if "/" in name or not p.is_file():
-            raise ValueError(f"{name} is missing")
-        size = p.stat().st_size
-        if size != want["size"]:
-            raise ValueError(f"{name} has {size} bytes, the manifest says {want['size']} "
-                             "(truncated or overwritten)")
-        if io.hash_file(p) != want["sha256"]:
-            raise ValueError(f"{name} does not match its sha256 in the manifest (corrupted)")
-    return {name: want["size"] for name, want in files.items()}

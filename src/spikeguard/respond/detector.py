@@ -22,7 +22,8 @@ Each rule is a small object in ``_rules.py`` / ``_rules_tier2.py``; this class f
 fixed order, keeps flagged steps out of their histories and turns their events into a Verdict.
 ``Verdict.reasons`` lists what fired and which other metrics are in an excursion, ordered by
 onset: the first names the metric that moved first. ``onset_step`` is the earliest of those
-onsets; the rollback target is the last checkpoint at or before it.
+onsets; the rollback target is the newest checkpoint at or before ``onset_step - 2``
+(``respond.checkpoint.rollback_target``: the update before the onset may be the cause).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Verdict(NamedTuple):
     reasons: tuple[str, ...]
     """Short strings, each starting with the metric it is about, ordered by onset."""
     onset_step: int | None
-    """Where the anomaly began; roll back to the last checkpoint at or before it."""
+    """Where the anomaly began; roll back to the newest checkpoint at or before onset_step - 2."""
     evidence: dict[str, float]
     """The numbers behind the decision (NaN where not yet known)."""
     skip: bool
