@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["check_grads", "check_pair"]
+from .detect.probes import ProbeConfig
+from .respond._detector_config import DetectorConfig
+
+__all__ = ["check_grads", "check_loss", "check_nested", "check_pair"]
 
 
 def check_pair(model: Any, optimizer: Any) -> None:
@@ -34,3 +38,22 @@ def check_grads(params: list[Any]) -> None:
     if not any(p.grad is not None for p in params):
         raise ValueError("guard.step(): no parameter of the model has a gradient; call "
                          "loss.backward() (guard.backward(out) under fp16) before guard.step")
+
+
+def check_loss(loss: Any, device: torch.device) -> None:
+    """One number on the model's device: a 0-d tensor (or one element)."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError("guard.step/accumulate needs the step's loss as a 0-d tensor or a "
+                         f"LossOutput with reduction='mean'; got {type(loss).__name__}"
+                         f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    if loss.device != device:
+        raise ValueError(f"the loss is on {loss.device} but the model's parameters are on "
+                         f"{device}; compute it on the model's device")
+
+
+def check_nested(config: Any) -> None:
+    """A GuardConfig's nested configs are of their types (a dict would fail much later)."""
+    for name, kind in (("detector", DetectorConfig), ("probes", ProbeConfig)):
+        if not isinstance(getattr(config, name), kind):
+            raise TypeError(f"GuardConfig.{name} must be a {kind.__name__}, got "
+                            f"{type(getattr(config, name)).__name__}")

@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._guard_checks import check_grads, check_pair
+from ._guard_checks import check_grads, check_loss, check_nested, check_pair
 from ._guard_respond import _Frozen, _Pending, _Readback, _Responses
 from ._guarded_optimizer import GuardedOptimizer
 from ._validate import check_int, check_positive
@@ -85,10 +85,7 @@ class GuardConfig:
         if self.tier2 not in ("alert", "rollback"):
             raise ValueError(f"GuardConfig.tier2={self.tier2!r} must be 'alert' or 'rollback'")
         check_int(self.max_rollbacks, "GuardConfig.max_rollbacks", minimum=0, default=3)
-        for name, kind in (("detector", DetectorConfig), ("probes", ProbeConfig)):
-            if not isinstance(getattr(self, name), kind):
-                raise TypeError(f"GuardConfig.{name} must be a {kind.__name__}, got "
-                                f"{type(getattr(self, name)).__name__}")
+        check_nested(self)
         if self.read_lag not in (None, 0, 1):
             raise ValueError(f"GuardConfig.read_lag={self.read_lag!r} must be 0, 1 or None (auto)")
 
@@ -188,13 +185,7 @@ class Guard(_Responses):
             loss, log_z = out.ce, out.log_z if log_z is None else log_z
         else:
             loss = out
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("guard.step/accumulate needs the step's loss as a 0-d tensor or a "
-                             f"LossOutput with reduction='mean'; got {type(loss).__name__}"
-                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-        if loss.device != self.params[0].device:
-            raise ValueError(f"the loss is on {loss.device} but the model's parameters are on "
-                             f"{self.params[0].device}; compute it on the model's device")
+        check_loss(loss, self.params[0].device)
         loss = loss.detach().float().reshape(())
         z = (torch.full_like(loss, float("nan")) if log_z is None
              else log_z.detach().float().reshape(()).to(loss.device))
