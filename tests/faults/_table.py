@@ -26,9 +26,11 @@ ROWS: tuple[str, ...] = (
     "kill in a sync save: after_shard",
     "kill in a sync save: before_commit",
     "kill in a sync save: after_manifest",
+    "kill in a sync save: after_commit",
     "kill in an async save: after_shard",
     "kill in an async save: before_commit",
     "kill in an async save: after_manifest",
+    "kill in an async save: after_commit",
     "disk full in a save (EFBIG), on_error=raise",
     "disk full in a save (EFBIG), on_error=warn",
     "rank killed mid-step, torchrun elastic restart",
@@ -53,11 +55,11 @@ ROWS: tuple[str, ...] = (
 """Every row, in the order the table prints them."""
 
 EXTERNAL: dict[str, str] = {
-    "tests/test_checkpoint.py::test_payload_in_metadata_is_refused_and_never_runs":
+    "tests/test_checkpoint_integrity.py::test_payload_in_metadata_is_refused_and_never_runs":
         "planted payload: DCP metadata",
-    "tests/test_checkpoint.py::test_payload_in_a_bytes_entry_is_refused_and_never_runs":
+    "tests/test_checkpoint_integrity.py::test_payload_in_a_bytes_entry_is_refused_and_never_runs":
         "planted payload: DCP bytes entry",
-    "tests/test_checkpoint.py::test_storage_entry_pointing_outside_the_checkpoint_is_refused":
+    "tests/test_checkpoint_integrity.py::test_storage_entry_pointing_outside_the_checkpoint_is_refused":
         "checkpoint entry pointing outside it",
 }
 """Existing tests elsewhere in the suite that are rows of this table (node id -> row)."""
