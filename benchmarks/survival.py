@@ -43,7 +43,7 @@ FAULTS = {
 
 
 def _one(job: tuple) -> dict:
-    arm, fault, seed, steps, model, root = job
+    arm, fault, seed, steps, model, root, faults = job
     import torch
 
     from spikeguard.train import TrainConfig, train
@@ -54,7 +54,7 @@ def _one(job: tuple) -> dict:
         steps=steps, model=model, seed=seed, out=str(Path(root) / f"{arm}-{fault}-{seed}"),
         progress=False, plot=False, eval_batches=2, batch_size=8, ckpt_every=25, keep=20,
         defenses="all" if arm == "on" else "none",
-        inject=(FAULTS[fault].format(s=at),) if fault != "clean" else ())
+        inject=(faults[fault].format(s=at),) if fault != "clean" else ())
     if arm == "on":
         import dataclasses
 
@@ -77,12 +77,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default="tiny", choices=("tiny", "demo", "bench"))
     p.add_argument("--faults", nargs="*", default=list(FAULTS))
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--spec", action="append", default=[], metavar="FAULT=TEMPLATE",
+                   help="another size for a fault, e.g. lr=lr@{s}:100:20 ({s} is the fault step)")
     p.add_argument("--smoke", action="store_true", help="one seed, short runs: checks it runs")
     args = p.parse_args(argv)
+    for item in args.spec:
+        name, sep, template = item.partition("=")
+        if not sep or name not in FAULTS or "{s}" not in template:
+            p.error(f"--spec {item!r}: expected FAULT=TEMPLATE with FAULT one of "
+                    f"{', '.join(FAULTS)} and {{s}} in TEMPLATE")
+        FAULTS[name] = template
     if args.smoke:
         args.seeds, args.steps = 1, min(args.steps, 60)
     root = tempfile.mkdtemp(prefix="survival_")
-    jobs = [(arm, fault, seed, args.steps, args.model, root)
+    jobs = [(arm, fault, seed, args.steps, args.model, root, dict(FAULTS))
             for seed in range(args.seeds) for arm in ("on", "off")
             for fault in ["clean", *args.faults]]
     t0 = time.perf_counter()

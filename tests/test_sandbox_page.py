@@ -2,9 +2,10 @@
 
 One server and one browser for the module; every test reloads the page. Readouts are read from
 the page's text, curves from the chart's data and its canvas pixels. Screenshots of each widget
-go to screenshots/ (git-ignored)."""
+go to screenshots/ (git-ignored). Real mode trains the tiny GPT for real (about 120 steps)."""
 
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,8 @@ def test_page_is_self_contained_and_states_its_model(site):
     assert "An SGD picture, not a claim about AdamW" in text
     assert "clipping changes the gradient it sees, not the size of the step" in text
     assert "AllReduce" in text
-    assert not page.is_visible("#real-mode")
+    assert page.is_visible("#real-mode")
+    assert "GPTConfig.tiny()" in text
     page.click("summary")
     assert page.inner_text("[data-model='S0']") == "14"  # from the server's MODEL
 
@@ -151,3 +153,43 @@ def test_local_norm_bug_toggle_shows_differing_rank_scales(site):
     assert len(bug) == 4 and max(bug) / min(bug) > 1.5, bug
     assert "different factors" in page.inner_text("#rank-summary")
     page.locator("#widget-clipping").screenshot(path=str(SHOTS / "sandbox_clipping_bug.png"))
+
+
+def test_real_mode_streams_a_real_run_and_shows_the_outlier_skipped(site):
+    """Widget 1's toggles (all off) on the real tiny GPT, an outlier batch at step 60 of 120:
+    every record arrives over server-sent events, the loss starts at ln(256) (uniform over
+    bytes) and falls, and the outlier's update is withheld, drawn as a red marker."""
+    base, page, seen = site
+    page = fresh(site)
+    page.fill("#real-steps", "5000")  # refused by the server, which says why
+    page.click("#real-mode")
+    page.wait_for_function("() => !document.getElementById('real-error').hidden")
+    assert "steps=5000 must be <= 2000" in page.inner_text("#real-error")
+    page.fill("#real-steps", "120")
+    page.fill("#real-outlier-step", "60")
+    page.click("#real-mode")
+    page.wait_for_function("() => window.sandbox.real.outcome !== null", timeout=600_000)
+
+    real = page.evaluate("""() => { const r = window.sandbox.real, d = r.chart.data;
+        return { outcome: r.outcome, what: r.what, step: d[0], loss: d[1], skip: d[2],
+                 norm: d[4], armed: r.armed }; }""")
+    assert real["outcome"]["status"] == "finished", real["outcome"]
+    assert int(page.inner_text("#real-points")) == 120 >= 100
+    assert real["step"] == list(range(120))
+    assert real["what"]["clip"] is None and real["what"]["warmup_steps"] == 0
+    assert real["what"]["z_loss"] == 0 and real["what"]["inject"] == ["outlier@60"]
+    assert "GPTConfig.tiny()" in page.inner_text("#real-what")
+    assert abs(real["loss"][0] - 5.545) < 0.3  # ln 256: an untrained model's loss on bytes
+    assert statistics.mean(real["loss"][-10:]) < real["loss"][0] - 1.5
+    # the outlier's gradient is several times the running median, and that step is skipped
+    assert real["norm"][60] > 3 * statistics.median(real["norm"][real["armed"]:60])
+    assert [i for i, v in enumerate(real["skip"]) if v is not None] == [60]
+    assert real["skip"][60] == real["loss"][60]
+    assert page.inner_text("#real-skips") == "60"
+    assert page.inner_text("#real-status").startswith("finished: 119 updates applied")
+    marker = page.evaluate("""() => { const u = window.sandbox.real.chart;
+        const x = u.valToPos(60, 'x', true), y = u.valToPos(u.data[2][60], 'y', true);
+        return Array.from(u.ctx.getImageData(Math.round(x), Math.round(y), 1, 1).data); }""")
+    assert close_to(marker[:3], RED, tol=40), marker
+    assert all(u.startswith(base + "/") for u in seen["requests"])
+    page.locator("#widget-spikes").screenshot(path=str(SHOTS / "sandbox_real.png"))

@@ -1,7 +1,8 @@
 """The sandbox server, run for real: `python -m spikeguard sandbox --port P` in a subprocess.
 
 Binding (127.0.0.1 only), raw-path traversal attempts sent byte for byte, bad parameters, the
-Host check, the real-mode placeholder, and the latency benchmark's smoke run."""
+Host check, real mode's parameters and its one-run-at-a-time rule, and the latency benchmark's
+smoke run."""
 
 import contextlib
 import http.client
@@ -69,15 +70,21 @@ def server():
         yield s
 
 
-def raw_get(port: int, path: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
-    """GET with the path sent exactly as written (http.client neither decodes nor normalises)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+def raw_request(port: int, method: str, path: str,
+                headers: dict | None = None) -> tuple[int, dict, bytes]:
+    """A request with the path sent exactly as written (http.client neither decodes nor
+    normalises it)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
-        conn.request("GET", path, headers=headers or {})
+        conn.request(method, path, headers=headers or {})
         r = conn.getresponse()
-        return r.status, dict(r.getheaders()), r.read()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
     finally:
         conn.close()
+
+
+def raw_get(port: int, path: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    return raw_request(port, "GET", path, headers)
 
 
 def _listeners(port: int) -> list[str]:
@@ -202,10 +209,76 @@ def test_foreign_host_header_is_refused(server):
     assert raw_get(port, "/", headers={"Host": f"localhost:{port}"})[0] == 200
 
 
-def test_real_mode_is_not_built_yet(server):
+REAL_BAD = [
+    ("steps=5000", "steps"),
+    ("steps=10", "steps"),
+    ("steps=1e3", "steps"),
+    ("outlier_step=-1", "outlier_step"),
+    ("steps=120&outlier_step=120", "outlier_step"),
+    ("seed=-2", "seed"),
+    ("seed=99999999999", "seed"),
+    ("clip=maybe", "clip"),
+    ("rollback=2", "rollback"),
+    ("z_loss=0.5", "z_loss"),
+    ("tier2=rollback", "tier2"),
+    ("steps=100&steps=200", "steps"),
+]
+
+
+@pytest.mark.parametrize("query,name", REAL_BAD)
+def test_real_mode_bad_parameters_get_a_400_naming_them(server, query, name):
     _, port, _ = server
-    status, _, body = raw_get(port, "/api/real")
-    assert status == 501 and "not built yet" in json.loads(body)["error"]
+    status, _, body = raw_request(port, "POST", "/api/real?" + query)
+    assert status == 400, (query, status, body)
+    assert name in json.loads(body)["error"]
+    assert json.loads(raw_get(port, "/api/real")[2])["running"] is False  # nothing started
+
+
+def sse_events(port: int, path: str, headers: dict | None = None) -> list[tuple[str, dict]]:
+    """(event name, parsed data) of every event of a server-sent event stream, to its end."""
+    status, head, body = raw_get(port, path, headers)
+    assert status == 200 and head["content-type"].startswith("text/event-stream"), (status, body)
+    events = []
+    for block in body.decode().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line
+                      and not line.startswith(":"))
+        if "data" in fields:
+            events.append((fields.get("event", "message"), json.loads(fields["data"])))
+    return events
+
+
+def test_real_mode_runs_one_at_a_time(server):
+    """A second start while a run is going gets 409 with a message; other sites cannot start or
+    stop runs; stopping ends the run's event stream with status "stopped"."""
+    _, port, _ = server
+    status, _, body = raw_request(port, "POST", "/api/real?steps=2000&outlier_step=10&seed=3")
+    assert status == 202, body
+    run = json.loads(body)
+    assert run["running"] and run["config"]["steps"] == 2000 and run["config"]["seed"] == 3
+    try:
+        status, _, body = raw_request(port, "POST", "/api/real?steps=50&outlier_step=10")
+        assert status == 409
+        msg = json.loads(body)["error"]
+        assert f"already running (run {run['run']}:" in msg and "of 2000 steps" in msg
+        for headers in ({"Origin": "http://attacker.example"}, {"Sec-Fetch-Site": "cross-site"}):
+            for path in ("/api/real?steps=50&outlier_step=10", "/api/real/stop"):
+                status, _, body = raw_request(port, "POST", path, headers)
+                assert status == 403 and "refused" in json.loads(body)["error"], (path, body)
+        status, _, body = raw_get(port, f"/api/real/events?run={run['run'] + 1}")
+        assert status == 404 and f"current run is {run['run']}" in json.loads(body)["error"]
+        for bad in ("x", "%C2%B2", "1&run=2", "9" * 30):
+            assert raw_get(port, f"/api/real/events?run={bad}")[0] == 400, bad
+        current = json.loads(raw_get(port, "/api/real")[2])
+        assert current["run"] == run["run"] and current["running"]
+    finally:
+        status, _, body = raw_request(port, "POST", "/api/real/stop",
+                                      {"Origin": f"http://127.0.0.1:{port}"})
+    assert status == 200 and json.loads(body)["running"] is False
+    events = sse_events(port, run["events"])
+    assert events[-1][0] == "end" and events[-1][1]["status"] == "stopped"
+    assert {e for e, _ in events[:-1]} <= {"config", "message"}
+    status, _, body = raw_request(port, "POST", "/api/real/stop")
+    assert status == 409 and "no real run is running" in json.loads(body)["error"]
 
 
 def test_simulate_endpoint_serves_the_python_simulation(server):

@@ -19,7 +19,7 @@ TINY = ["--model", "tiny", "--batch-size", "8", "--eval-batches", "1", "--no-pro
 the guard rightly skips, which would blur what each test checks."""
 
 
-def _run(args, env, *, check=True, timeout=300):
+def _run(args, env, *, check=True, timeout=1200):
     r = subprocess.run([sys.executable, "-m", "spikeguard", "train", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
@@ -61,7 +61,7 @@ def test_kill_and_rerun_continues_the_metrics_with_nothing_lost_or_repeated(tmp_
     cut = tmp_path / "cut"
     p = subprocess.Popen([sys.executable, "-m", "spikeguard", "train", *args, "--out", str(cut)],
                          cwd=ROOT, env=sub_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 1200
     metrics = cut / "metrics.jsonl"
     while time.monotonic() < deadline and p.poll() is None:
         if metrics.exists() and metrics.read_bytes().count(b"\n") >= 47:
@@ -177,7 +177,7 @@ def test_two_ranks_under_torchrun_skip_an_outlier_on_rank_1_together(tmp_path, s
                         "--nproc-per-node", "2", "-m", "spikeguard", "train", *TINY,
                         "--steps", "40", "--inject", "outlier@30", "--inject-rank", "1",
                         "--parallel", "ddp", "--out", str(tmp_path)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
     records = sg.read_metrics(tmp_path / "metrics.jsonl")
     assert [x["step"] for x in records] == list(range(40))  # one record for the job
@@ -193,13 +193,13 @@ def test_benchmark_smokes_print_parsable_numbers(sub_env):
     import re
 
     r = subprocess.run([sys.executable, "benchmarks/bench_defenses.py", "--smoke"], cwd=ROOT,
-                       env=sub_env, capture_output=True, text=True, timeout=300, check=True)
+                       env=sub_env, capture_output=True, text=True, timeout=900, check=True)
     tps = re.search(r"tokens/s ratio ([\d.]+)", r.stdout)
     qk = re.search(r"step ratio qk/defended ([\d.]+)", r.stdout)
     assert tps and qk and math.isfinite(float(tps.group(1))) and float(qk.group(1)) > 0, r.stdout
     r = subprocess.run([sys.executable, "benchmarks/survival.py", "--smoke", "--steps", "40",
                         "--faults", "outlier", "nan", "--workers", "1"], cwd=ROOT, env=sub_env,
-                       capture_output=True, text=True, timeout=600, check=True)
+                       capture_output=True, text=True, timeout=1500, check=True)
     rows = re.findall(r"^\s+(on|off)\s+0\s+([\d.na]+)\s+([\d.]+)\s+([\d.na]+)\s+(\S.*)$", r.stdout,
                       re.M)
     assert len(rows) == 4, r.stdout
@@ -208,12 +208,12 @@ def test_benchmark_smokes_print_parsable_numbers(sub_env):
 
 
 def test_an_lr_spike_with_rollback_rolls_back_once_and_the_fault_does_not_return(tmp_path, sub_env):
-    _run([*TINY, "--steps", "120", "--inject", "lr@80:50:10", "--tier2", "rollback",
+    _run([*TINY, "--steps", "120", "--inject", "lr@80:200:10", "--tier2", "rollback",
           "--ckpt-every", "20", "--out", str(tmp_path)], sub_env)
     records = sg.read_metrics(tmp_path / "metrics.jsonl")
     rollbacks = [x for x in records if x["action"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["rollback_to"] <= 78
     assert records[-1]["step"] == 119 and not any(x["action"] == "halt" for x in records)
-    # the replayed steps after the rollback run at the schedule's LR, not 50x it
+    # the replayed steps after the rollback run at the schedule's LR, not 200x it
     after = records[records.index(rollbacks[0]) + 1:]
     assert all(x["lr"] <= 1e-3 for x in after)

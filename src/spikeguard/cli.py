@@ -1,5 +1,5 @@
-"""The ``spikeguard`` command: ``budget``, ``train`` and ``sandbox`` (more subcommands join as they
-land)."""
+"""The ``spikeguard`` command: ``budget``, ``train``, ``sandbox`` and ``diagnose`` (more subcommands
+join as they land)."""
 
 from __future__ import annotations
 
@@ -111,6 +111,12 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
     return serve(args.port)
 
 
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from .diagnose._cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._config_cli import add_config_args
     from .train import TrainConfig
@@ -147,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8765,
                    help="port on 127.0.0.1 (default 8765; 0 picks a free one)")
     p.set_defaults(func=_cmd_sandbox)
+
+    from .diagnose._cli import add_arguments
+
+    p = sub.add_parser("diagnose", help="triage a run's metrics log: spikes, tiers, what-if, report",
+                       description="Find the spikes in a run's metrics log, classify each by "
+                       "replaying the spike detector, and say what to do (skip, roll back to "
+                       "which checkpoint, add z-loss, change precision). Detector values left at "
+                       "their defaults are sized to the log (DetectorConfig.for_run; windows "
+                       "divided by the stride of a sparse log); window flags count log records.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_diagnose)
     return parser
 
 

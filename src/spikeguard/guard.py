@@ -330,7 +330,8 @@ class Guard(_Responses):
         finally:
             if p.grads_alive:
                 self.optimizer.zero_grad(set_to_none=True)
-        if verdict.tier >= 1 or action is Action.ALERT:
+        # a skipped update never reached the weights: only an applied anomaly taints the interval
+        if (verdict.tier >= 1 and action is not Action.SKIP) or action is Action.ALERT:
             self._window_alerts.append(f"{p.step}: {'; '.join(verdict.reasons)}")
         self._log(m, verdict, action, extras)
         if action not in (Action.ROLLBACK, Action.HALT):

@@ -1,15 +1,18 @@
-"""The sandbox page (``spikeguard sandbox``): two widgets driven by Python.
+"""The sandbox page (``spikeguard sandbox``): two widgets driven by Python, and one real run.
 
 - ``simulate(SimConfig(...))``: the loss-spike sandbox, plain SGD on one noisy parameter whose
   curvature grows with distance from the optimum (``simulation`` states the whole model);
 - ``clipping_picture(ClipConfig(...))``: global-norm clipping as a collective, with the
-  local-norm bug.
+  local-norm bug;
+- ``RealConfig``: real mode, ``spikeguard train`` on ``GPTConfig.tiny()`` with the page's
+  toggles, run by the server in a child process and streamed to the page (``real``).
 
 The web server lives in ``spikeguard.sandbox.server`` and needs the ``web`` extra (FastAPI,
 uvicorn); importing this package does not import it.
 """
 
 from .clipping import ClipConfig, clipping_picture
+from .real import RealConfig
 from .simulation import SimConfig, SimResult, simulate
 
-__all__ = ["ClipConfig", "SimConfig", "SimResult", "clipping_picture", "simulate"]
+__all__ = ["ClipConfig", "RealConfig", "SimConfig", "SimResult", "clipping_picture", "simulate"]

@@ -7,29 +7,37 @@ Routes:
   decoding (a double-encoded path) is refused with 400 before the file system is touched.
 - ``GET /api/simulate?<SimConfig fields>``: a simulated run (``simulation.simulate``).
 - ``GET /api/clipping?<ClipConfig fields>``: the clipping widget's bars.
-- ``/api/real``: 501 for now (real mode, the Guard on a tiny model, is not built yet).
+- ``POST /api/real?<RealConfig fields>``: start a real run (``real.RealRuns``): the Guard
+  training ``GPTConfig.tiny()`` in a child process. 202 with the run's id and its events URL; 409
+  with a message while another run is running. ``GET /api/real``: the current run, if any.
+  ``POST /api/real/stop``: stop it. ``GET /api/real/events?run=<id>``: the run's metrics records
+  as server-sent events, then an ``end`` event.
 
 Every error is JSON ``{"error": message}`` with a 4xx or 5xx status. Host headers other than
 127.0.0.1 and localhost are refused (a page elsewhere cannot reach the server by DNS
 rebinding), and a Content-Security-Policy keeps the page from loading anything from another
-origin.
+origin. A POST whose Origin or Sec-Fetch-Site header says it comes from another site is refused
+(403), so no other page can start or stop a run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mimetypes
 import socket
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ._params import config_from_query
 from .clipping import ClipConfig, clipping_picture
+from .real import RealBusy, RealConfig, RealRuns
 from .simulation import SimConfig, simulate
 
 __all__ = ["HOST", "STATIC", "create_app", "serve"]
@@ -45,9 +53,6 @@ _CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'
         "form-action 'none'")
 
 _HOSTS = ("127.0.0.1", "localhost")
-
-REAL_MODE_MESSAGE = ("real mode (the Guard training GPTConfig.tiny(), streamed live) is not built "
-                     "yet; the two simulated widgets work without it")
 
 
 class _Refused(Exception):
@@ -107,6 +112,18 @@ class _Guard:
         await self.app(scope, receive, send_with_headers)
 
 
+def _cross_site(request: Request) -> str | None:
+    """Why a state-changing request looks like it comes from another site, or None."""
+    origin = request.headers.get("origin")
+    if origin is not None:
+        host = origin.split("://", 1)[-1].rsplit(":", 1)[0]
+        if host not in _HOSTS:
+            return f"Origin {origin[:100]!r} refused"
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        return f"Sec-Fetch-Site {request.headers['sec-fetch-site'][:40]!r} refused"
+    return None
+
+
 def _file_response(path: Path) -> Response:
     kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
     if kind.startswith("text/") or kind in ("application/javascript", "text/javascript"):
@@ -116,7 +133,18 @@ def _file_response(path: Path) -> Response:
 
 def create_app() -> FastAPI:
     """The sandbox's ASGI app (no network access of its own; serve() binds it)."""
-    app = FastAPI(title="spikeguard sandbox", docs_url=None, redoc_url=None, openapi_url=None)
+    runs = RealRuns()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            runs.close()
+
+    app = FastAPI(title="spikeguard sandbox", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.real = runs
     app.add_middleware(_Guard)
 
     @app.exception_handler(_Refused)
@@ -157,9 +185,48 @@ def create_app() -> FastAPI:
             return _error(400, str(exc))
         return JSONResponse(clipping_picture(cfg))
 
-    @app.api_route("/api/real", methods=["GET", "POST"])
-    async def api_real() -> JSONResponse:
-        return _error(501, REAL_MODE_MESSAGE)
+    @app.get("/api/real")
+    async def api_real_status() -> JSONResponse:
+        cur = runs.current
+        return JSONResponse({"run": None, "running": False} if cur is None else cur.describe())
+
+    @app.post("/api/real")
+    async def api_real_start(request: Request) -> JSONResponse:
+        if (why := _cross_site(request)) is not None:
+            return _error(403, f"{why}: real runs start from the sandbox page only")
+        try:
+            cfg = config_from_query(RealConfig, request.query_params.multi_items())
+            run = runs.start(cfg)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        except RealBusy as exc:
+            return _error(409, str(exc))
+        return JSONResponse(run.describe(), status_code=202)
+
+    @app.post("/api/real/stop")
+    async def api_real_stop(request: Request) -> JSONResponse:
+        if (why := _cross_site(request)) is not None:
+            return _error(403, f"{why}: real runs are stopped from the sandbox page only")
+        run = runs.stop()
+        if run is None:
+            return _error(409, "no real run is running")
+        return JSONResponse(run.describe())
+
+    @app.get("/api/real/events")
+    async def api_real_events(request: Request) -> Response:
+        q = request.query_params
+        cur = runs.current
+        if set(q) != {"run"} or len(q.getlist("run")) != 1 \
+                or not (q["run"].isascii() and q["run"].isdigit()) or len(q["run"]) > 9:
+            return _error(400, "give exactly one parameter, run=<id> (the id POST /api/real "
+                               "answered)")
+        if cur is None or cur.id != int(q["run"]):
+            now = "none has started" if cur is None else f"the current run is {cur.id}"
+            return _error(404, f"no real run {q['run'][:20]}: {now}")
+        last = request.headers.get("last-event-id", "0")
+        after = int(last) if last.isascii() and last.isdigit() and len(last) < 10 else 0
+        return StreamingResponse(runs.events(cur, after), media_type="text/event-stream",
+                                 headers={"X-Accel-Buffering": "no"})
 
     return app
 
@@ -187,6 +254,6 @@ def serve(port: int = 8765) -> int:
     url = f"http://{HOST}:{sock.getsockname()[1]}/"
     print(f"spikeguard sandbox: {url} (Ctrl+C stops)", flush=True)
     config = uvicorn.Config(create_app(), log_level="warning", access_log=False,
-                            server_header=False)
+                            server_header=False, timeout_graceful_shutdown=2)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

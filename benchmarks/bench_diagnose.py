@@ -1,0 +1,154 @@
+"""spikeguard diagnose on a 1M-step metrics.jsonl: parse + search, replay, what-if, report.
+
+Targets (issue "spikeguard diagnose"): the log parsed and searched in <= 10 s with peak memory
+<= 1 GiB (measured in a fresh process: its peak RSS, beside its RSS after the imports, torch
+included); the detector replay <= 1.5x the bare detector's time for the same updates, measured in
+the same run the way benchmarks/bench_detector.py does (a prebuilt list of StepMetrics), the two
+arms alternated; the what-if replay (--compare) and the HTML report timed and printed.
+
+The log is a healthy run with both worked scenarios spliced in, cycled to the length, steps
+renumbered 0..N-1, written by the JSONL sink's encoder.
+
+    PYTHONPATH=src:. python benchmarks/bench_diagnose.py [--steps N] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _stream(n: int) -> list:
+    from spikeguard.record import StepMetrics
+    from spikeguard.testing.scenarios import clean_run, data_anomaly, logit_drift
+
+    base = clean_run(0, steps=min(n, 50_000)).metrics + data_anomaly(0).metrics \
+        + logit_drift(0).metrics
+    reps = base * (n // len(base) + 1)
+    return [StepMetrics(step=i, loss=m.loss, grad_norm=m.grad_norm, log_z=m.log_z)
+            for i, m in enumerate(reps[:n])]
+
+
+def _write(path: Path, stream: list) -> None:
+    from spikeguard.record import metrics_record
+    from spikeguard.sinks import encode_record
+
+    with open(path, "w") as f:
+        for m in stream:
+            f.write(encode_record(metrics_record(m)) + "\n")
+
+
+def _rss_mib() -> float:
+    """This process's peak RSS in MiB: VmHWM (reset by exec, unlike ru_maxrss, which a child
+    inherits from the parent it was forked from), else ru_maxrss."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _search(path: str) -> int:
+    """Child process: read + search only; prints seconds, records, RSS before and after."""
+    import spikeguard  # noqa: F401  (the imports count in the baseline, not in the search)
+    from spikeguard.diagnose.classify import replay_config
+    from spikeguard.diagnose.readers import read_log
+    from spikeguard.diagnose.spikes import FindConfig, find_spikes
+
+    base = _rss_mib()
+    t0, c0 = time.perf_counter(), time.process_time()
+    log = read_log(path)
+    t1 = time.perf_counter()
+    found = find_spikes(log, replay_config(log), FindConfig())
+    t2, c2 = time.perf_counter(), time.process_time()
+    print(f"SEARCH {len(log)} {t1 - t0:.4f} {t2 - t1:.4f} {c2 - c0:.4f} {base:.1f} "
+          f"{_rss_mib():.1f} {len(found)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=1_000_000)
+    p.add_argument("--rounds", type=int, default=2, help="alternated replay / detector rounds")
+    p.add_argument("--smoke", action="store_true",
+                   help="5k steps, one round, the search in this process: checks it runs")
+    p.add_argument("--search-only", metavar="LOG", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.search_only:
+        return _search(args.search_only)
+    if args.smoke:
+        args.steps, args.rounds = 5_000, 1
+    from spikeguard.diagnose import diagnose, read_log, replay, replay_config, write_report
+    from spikeguard.respond.detector import SpikeDetector
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "metrics.jsonl"
+        stream = _stream(args.steps)
+        _write(log_path, stream)
+        size = log_path.stat().st_size / 2**20
+        if args.smoke:  # in this process: a smoke run checks the numbers print, not the RSS
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                _search(str(log_path))
+            out = buf.getvalue()
+        else:
+            out = subprocess.run([sys.executable, __file__, "--search-only", str(log_path)],
+                                 capture_output=True, text=True, check=True).stdout
+        _, n, t_read, t_find, cpu, rss0, rss1, n_found = next(
+            line for line in out.splitlines() if line.startswith("SEARCH")).split()
+        total = float(t_read) + float(t_find)
+        print(f"parse+search: {int(n):,} records ({size:.0f} MiB) in {total:.2f} s (read "
+              f"{float(t_read):.2f} s, search {float(t_find):.2f} s; CPU {float(cpu):.2f} s; "
+              f"target <= 10 s); {n_found} stretches found")
+        print(f"peak RSS: {float(rss1):.0f} MiB (target <= 1024 MiB; {float(rss0):.0f} MiB after "
+              "importing spikeguard and torch)")
+
+        log = read_log(log_path)
+        config = replay_config(log)
+        t_rep, t_det, w_rep, w_det = [], [], [], []
+        for _ in range(args.rounds):  # alternated, so both arms see the same machine load
+            w0, c0 = time.perf_counter(), time.process_time()
+            replay(log, config, trace=True)
+            t_rep.append(time.process_time() - c0)
+            w_rep.append(time.perf_counter() - w0)
+            det = SpikeDetector(config)
+            w0, c0 = time.perf_counter(), time.process_time()
+            for m in stream:
+                det.update(m)
+            t_det.append(time.process_time() - c0)
+            w_det.append(time.perf_counter() - w0)
+        ratio = statistics.median(r / d for r, d in zip(t_rep, t_det))
+        wall = statistics.median(r / d for r, d in zip(w_rep, w_det))
+        print(f"replay: {min(t_rep):.2f} s CPU ({min(w_rep):.2f} s wall) for {len(log):,} "
+              f"updates, list building included; bare detector (bench_detector's loop over "
+              f"prebuilt StepMetrics) {min(t_det):.2f} s CPU ({min(w_det):.2f} s wall); ratio "
+              f"{ratio:.2f}x CPU, {wall:.2f}x wall (target <= 1.5x)")
+        del stream
+
+        changes = {"grad_k": 5.0, "skip_ratio": 2.0}
+        diag = diagnose(log_path, compare=changes, ckpt_every=1000)
+        report = write_report(diag, Path(tmp) / "report.html")
+        tiers = {t: sum(1 for s in diag.spikes if s.tier == t) for t in range(4)}
+        print(f"whatif (--compare grad_k=5,skip_ratio=2.0): {diag.timings['whatif']:.2f} s")
+        print(f"report (HTML, {report.stat().st_size / 2**20:.1f} MiB): "
+              f"{diag.timings['report']:.2f} s")
+        print("diagnose end to end: " + ", ".join(f"{k} {v:.2f} s"
+                                                 for k, v in diag.timings.items()))
+        print(f"spikes: {len(diag.spikes)} (by tier: {tiers})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""The report's plots as PNG bytes (matplotlib, the ``plot`` extra, imported here only).
+
+Figures are drawn on matplotlib's Agg canvas directly (``matplotlib.figure.Figure``), never
+through pyplot, so writing a report neither needs a display nor changes the caller's backend.
+Long logs are thinned to each bucket's minimum and maximum, so a single-step spike stays visible.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TIER_COLORS", "figures"]
+
+TIER_COLORS = {0: "#9e9e9e", 1: "#f4b400", 2: "#e8710a", 3: "#d93025"}
+"""Shading of a spike by tier: grey (no action), amber (skip), orange (rollback), red (halt)."""
+
+_POINTS = 2000  # buckets per line: about the pixel width of a wide figure
+
+
+def _envelope(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    n = len(y)
+    if n <= 2 * _POINTS:
+        return x, y
+    b = -(-n // _POINTS)
+    pad = (-n) % b
+    yy = np.r_[y, np.full(pad, np.nan)].reshape(-1, b)
+    finite = np.where(np.isfinite(yy), yy, np.nan)
+    full = np.isfinite(finite).any(axis=1)
+    lo = np.where(full, np.nanargmin(np.where(full[:, None], finite, 0.0), axis=1), 0)
+    hi = np.where(full, np.nanargmax(np.where(full[:, None], finite, 0.0), axis=1), 0)
+    base = np.arange(len(yy)) * b
+    idx = np.unique(np.minimum(np.r_[base + lo, base + hi], n - 1))
+    return x[idx], y[idx]
+
+
+def _png(fig: Any) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def _shade(ax: Any, spikes: list[Any], lo: float | None = None, hi: float | None = None) -> None:
+    for s in spikes:
+        if (hi is not None and s.start > hi) or (lo is not None and s.end < lo):
+            continue
+        ax.axvspan(s.start, max(s.end, s.start + 1), color=TIER_COLORS[s.tier], alpha=0.25, lw=0)
+        if s.rollback_step is not None:
+            ax.axvline(s.rollback_step, color=TIER_COLORS[s.tier], ls="--", lw=1)
+
+
+def _nonfinite(ax: Any, steps: np.ndarray, y: np.ndarray) -> None:
+    bad = ~np.isfinite(y)
+    if bad.any():
+        ax.plot(steps[bad], np.full(int(bad.sum()), 0.97), "x", color=TIER_COLORS[3], ms=8,
+                transform=ax.get_xaxis_transform(), label="NaN / inf")
+
+
+def _figure(title: str, rows: int = 1, height: float = 3.0) -> tuple[Any, Any]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, height * rows), layout="constrained")
+    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+    fig.suptitle(title, fontsize=11)
+    return fig, axes
+
+
+def _series(ax: Any, steps: np.ndarray, y: np.ndarray, label: str, **kw: Any) -> None:
+    x, yy = _envelope(steps, y)
+    ax.plot(x, yy, lw=0.8, label=label, **kw)
+
+
+def _panel(ax: Any, name: str, diag: Any, sl: slice) -> None:
+    log, trace, cfg = diag.log, diag.replay.trace, diag.replay.config
+    steps = log.steps[sl]
+    y = log.columns[name][sl]
+    _series(ax, steps, y, name, color="#1a73e8")
+    if name == "grad_norm" and "grad_median" in trace:
+        med = trace["grad_median"][sl]
+        x, m = _envelope(steps, med)
+        ax.fill_between(x, m, cfg.grad_k * m, color="#34a853", alpha=0.15,
+                        label=f"running median .. {cfg.grad_k:g}x (skip above)")
+        ax.plot(x, m, color="#34a853", lw=1, label="running median")
+        if np.nanmin(np.where(np.isfinite(y) & (y > 0), y, np.nan), initial=np.inf) > 0:
+            ax.set_yscale("log")
+    if name == "log_z" and "log_z_median" in trace:
+        x, m = _envelope(steps, trace["log_z_median"][sl])
+        ax.plot(x, m, color="#34a853", lw=1, label="running median")
+        ax.plot(x, m + cfg.log_z_drift, color="#e8710a", lw=0.8, ls=":",
+                label=f"median + {cfg.log_z_drift:g} (drift rule)")
+    _nonfinite(ax, steps, y)
+    ax.set_ylabel(name)
+    ax.grid(alpha=0.3)
+    if ax.get_yscale() == "log":  # plain numbers at 1, 2, 5 x 10^k
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _ratio_panel(ax: Any, diag: Any, sl: slice) -> None:
+    cfg = diag.replay.config
+    steps = diag.log.steps[sl]
+    _series(ax, steps, diag.replay.trace["loss_ema_ratio"][sl], "loss / EMA", color="#1a73e8")
+    for level, color, what in ((cfg.alert_ratio, TIER_COLORS[1], "alert"),
+                               (cfg.skip_ratio, TIER_COLORS[2], "skip"),
+                               (cfg.tier2_ratio, TIER_COLORS[3], "Tier 2")):
+        ax.axhline(level, color=color, lw=0.8, ls=":", label=f"{what} {level:g}")
+    ax.set_ylabel("loss / EMA")
+    ax.grid(alpha=0.3)
+
+
+def figures(diag: Any, *, zooms: int = 6) -> dict[str, tuple[str, bytes]]:
+    """{name: (caption, PNG bytes)}: loss, grad norm with its running-median band, log Z,
+    loss / EMA, and a zoom on each of the first ``zooms`` spikes of the highest tiers."""
+    log, spikes = diag.log, diag.spikes
+    everything = slice(0, len(log))
+    out: dict[str, tuple[str, bytes]] = {}
+    names = [m for m in ("loss", "grad_norm", "log_z") if m in log.columns]
+    captions = {
+        "loss": "Training loss; spikes shaded by tier, dashed lines at rollback checkpoints.",
+        "grad_norm": "Pre-clip grad norm with the detector's running median and its skip band.",
+        "log_z": "log Z with its running median and the drift threshold.",
+    }
+    for name in names:
+        fig, (ax,) = _figure(name.replace("_", " "))
+        _panel(ax, name, diag, everything)
+        _shade(ax, spikes)
+        ax.legend(loc="upper left", fontsize=8)
+        ax.set_xlabel("step")
+        out[name] = (captions[name], _png(fig))
+    if "loss_ema_ratio" in diag.replay.trace:
+        fig, (ax,) = _figure("loss / EMA")
+        _ratio_panel(ax, diag, everything)
+        _shade(ax, spikes)
+        ax.legend(loc="upper left", fontsize=8)
+        ax.set_xlabel("step")
+        out["loss_ema_ratio"] = ("The loss over the detector's EMA, with the alert, skip and "
+                                 "Tier 2 levels.", _png(fig))
+    ranked = sorted(range(len(spikes)), key=lambda k: (-spikes[k].tier, k))[:zooms]
+    band = diag.find.band_steps
+    for k in sorted(ranked):
+        s = spikes[k]
+        lo, hi = s.start - band, s.end + band // 2
+        sl = slice(int(np.searchsorted(log.steps, lo)), int(np.searchsorted(log.steps, hi, "right")))
+        fig, axes = _figure(f"spike {k + 1}: steps {s.start:,}-{s.end:,}, Tier {s.tier} "
+                            f"({s.action})", rows=len(names), height=2.2)
+        for ax, name in zip(axes, names):
+            _panel(ax, name, diag, sl)
+            _shade(ax, [s], lo, hi)
+            moved = s.evidence.get("exits", {}).get(name)
+            if moved is not None:
+                ax.axvline(moved, color="#202124", ls=":", lw=1, label=f"moved at {moved:,}")
+            ax.legend(loc="upper left", fontsize=7)
+        axes[-1].set_xlabel("step")
+        out[f"spike{k + 1}"] = (f"Spike {k + 1} up close: {s.cause}.", _png(fig))
+    return out

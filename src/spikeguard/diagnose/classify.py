@@ -1,0 +1,217 @@
+"""Classify spikes by replaying the real SpikeDetector over the log, and say what to do.
+
+The detector (``spikeguard.respond.detector.SpikeDetector``) is the one implementation of the
+tiers: diagnose feeds it the log's records in step order and keeps every verdict that is not
+CONTINUE. A found spike and the verdicts around it (each spanning its ``onset_step`` to its step)
+merge into one event; its tier is the highest verdict tier in it, and its action the recommended
+one: skip; roll back to the checkpoint the Guard would pick (``rollback_step``); add z-loss 1e-4
+when log Z led; change precision after a non-finite step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from array import array
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Any
+
+import numpy as np
+
+from ..record import ACTIONS, Action, StepMetrics
+from ..respond.checkpoint import rollback_target
+from ..respond.detector import DetectorConfig, SpikeDetector, Verdict
+from .readers import MetricsLog
+
+__all__ = ["Event", "Replay", "events", "recorded_whatif", "replay", "replay_config",
+           "rollback_step", "whatif"]
+
+
+def rollback_step(onset: int, every: int | None) -> int | None:
+    """The step to roll back to for an anomaly that began at step ``onset``.
+
+    With checkpoints every ``every`` steps: the Guard's rule,
+    ``respond.checkpoint.rollback_target`` (the newest checkpoint at or before onset - 2, since
+    update onset - 1 may itself be the cause; None when none exists). With ``every`` None (the
+    interval unknown): onset - 2 itself, the newest step whose checkpoint would be safe.
+    """
+    if every is None:
+        return onset - 2 if onset >= 2 else None
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"--ckpt-every={every!r} must be an integer >= 1 (the checkpoint "
+                         "interval in steps, e.g. 1000)")
+    return rollback_target(onset, every)
+
+
+def _window_fields() -> tuple[str, ...]:
+    """The DetectorConfig windows: the fields ``for_run`` scales with the run's length (learned
+    from for_run itself; the arming delay, which has a floor, is not one of them)."""
+    a, b = DetectorConfig.for_run(4), DetectorConfig.for_run(8)
+    return tuple(f.name for f in dataclasses.fields(DetectorConfig)
+                 if (getattr(a, f.name), getattr(b, f.name)) == (1, 2))
+
+
+def replay_config(log: MetricsLog, **overrides: Any) -> DetectorConfig:
+    """The detector configuration for replaying ``log``: ``DetectorConfig.for_run`` over its
+    record count, each window divided by the log's stride for a sparse log (windows count
+    updates, and a sparse log has one update per record; the arming delay counts samples and
+    stays), then ``overrides`` (explicit flags)."""
+    n = max(4, len(log))
+    cfg = DetectorConfig.for_run(n).to_dict()
+    if log.stride > 1:
+        full = DetectorConfig()
+        for name in _window_fields():
+            cfg[name] = max(1, min(round(getattr(full, name) / log.stride), n // 4))
+    cfg.update(overrides)
+    return DetectorConfig(**cfg)
+
+
+@dataclass
+class Replay:
+    """What the detector decided over a whole log."""
+
+    config: DetectorConfig
+    """The thresholds replayed."""
+    flagged: list[Verdict]
+    """Every verdict whose action is not CONTINUE, in step order."""
+    seconds: float
+    """Wall time of the replay."""
+    trace: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per record, when traced: the detector's grad_median, loss_ema_ratio and log_z_median."""
+
+
+_TRACE = ("grad_median", "loss_ema_ratio", "log_z_median")
+_ORDER = ("step", "loss", "grad_norm", "log_z", "nan_frac", "loss_ema_ratio", "lr", "grad_scale")
+
+
+def _by_name(*values: Any) -> StepMetrics:
+    return StepMetrics(**dict(zip(_ORDER, values)))
+
+
+def _step_metrics() -> Any:
+    """StepMetrics built from positional arguments in ``_ORDER`` (the faster call), or by
+    keyword should the dataclass's field order ever change."""
+    if tuple(f.name for f in dataclasses.fields(StepMetrics))[: len(_ORDER)] == _ORDER:
+        return StepMetrics
+    return _by_name
+
+
+def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> Replay:
+    """Feed every record of ``log`` to a fresh ``SpikeDetector(config)``.
+
+    A missing loss or grad norm column is fed as a constant 1.0 (its rules stay silent), a
+    missing log Z as NaN and a missing nan_frac as 0.
+    """
+    n = len(log)
+    cols = log.columns
+    ones = [1.0] * n
+    loss = cols["loss"].tolist() if "loss" in cols else ones
+    grad = cols["grad_norm"].tolist() if "grad_norm" in cols else ones
+    log_z = cols["log_z"].tolist() if "log_z" in cols else [math.nan] * n
+    nf = np.nan_to_num(cols["nan_frac"], nan=0.0).tolist() if "nan_frac" in cols else [0.0] * n
+    scale = ([None if math.isnan(v) else v for v in cols["grad_scale"].tolist()]
+             if "grad_scale" in cols else None)
+    update = SpikeDetector(config).update
+    make = _step_metrics()
+    cont = Action.CONTINUE
+    columns: list[Any] = [log.steps.tolist(), loss, grad, log_z, nf]
+    if "grad_scale" in cols:
+        columns += [repeat(None), repeat(None), scale]
+    verdicts = map(update, map(make, *columns))  # C-level loops: no per-step unpacking
+    # C doubles, not lists of float objects: keeping a million of the detector's floats alive
+    # scatters the allocator's pools and slows the detector itself
+    out: dict[str, array] = {k: array("d") for k in _TRACE} if trace else {}
+    t0 = time.perf_counter()
+    if trace:
+        flagged: list[Verdict] = []
+        gm, rt, zm = (out[k].append for k in _TRACE)
+        nan = math.nan
+        for v in verdicts:
+            ev = v.evidence
+            gm(ev.get("grad_median", nan))
+            rt(ev.get("loss_ema_ratio", nan))
+            zm(ev.get("log_z_median", nan))
+            if v.action is not cont:
+                flagged.append(v)
+    else:
+        flagged = [v for v in verdicts if v.action is not cont]
+    seconds = time.perf_counter() - t0
+    arrays = {k: np.frombuffer(v, dtype=np.float64).copy() for k, v in out.items()}
+    return Replay(config, flagged, seconds, arrays)
+
+
+@dataclass
+class Event:
+    """One stretch of trouble: found spikes and the detector's verdicts that overlap it."""
+
+    start: int
+    """First step (the earliest onset)."""
+    end: int
+    """Last step."""
+    found: list[Any] = field(default_factory=list)
+    """The ``spikes.Found`` stretches in it."""
+    verdicts: list[Verdict] = field(default_factory=list)
+    """The detector's non-CONTINUE verdicts of Tier >= 1 in it."""
+    advice: list[Verdict] = field(default_factory=list)
+    """Tier 0 verdicts in it (z-loss advice, fp16 overflows)."""
+
+
+def events(log: MetricsLog, found: list[Any], rep: Replay) -> list[Event]:
+    """Merge found stretches and Tier >= 1 verdicts (each spanning its onset to its step) into
+    events where they overlap or touch (adjacent records); Tier 0 verdicts join the event whose
+    span holds them."""
+    items: list[tuple[int, int, Any]] = [(int(log.steps[f.i0]), int(log.steps[f.i1]), f)
+                                         for f in found]
+    items += [(min(v.step, v.onset_step if v.onset_step is not None else v.step), v.step, v)
+              for v in rep.flagged if v.tier >= 1]
+    items.sort(key=lambda t: (t[0], t[1]))
+    out: list[Event] = []
+    for a, b, item in items:
+        if not out or int(np.searchsorted(log.steps, a)) > \
+                int(np.searchsorted(log.steps, out[-1].end, side="right")):
+            out.append(Event(a, b))
+        ev = out[-1]
+        ev.end = max(ev.end, b)
+        (ev.verdicts if isinstance(item, Verdict) else ev.found).append(item)
+    zero = [v for v in rep.flagged if v.tier == 0]
+    starts = np.array([e.start for e in out], dtype=np.int64)
+    for v in zero:
+        k = int(np.searchsorted(starts, v.step, side="right")) - 1
+        if k >= 0 and v.step <= out[k].end:
+            out[k].advice.append(v)
+    return out
+
+
+def whatif(rep: Replay, ckpt_every: int | None) -> dict[str, Any]:
+    """The steps ``rep`` would have skipped, rolled back (and to where) and halted."""
+    skip = [v.step for v in rep.flagged if v.action is Action.SKIP and v.tier >= 1]
+    rollback = [{"step": v.step, "onset": v.onset_step,
+                 "to": rollback_step(v.onset_step if v.onset_step is not None else v.step,
+                                     ckpt_every)}
+                for v in rep.flagged if v.action is Action.ROLLBACK]
+    halt = [v.step for v in rep.flagged if v.action is Action.HALT]
+    alerts = sum(1 for v in rep.flagged if v.action is Action.ALERT)
+    scaler = sum(1 for v in rep.flagged if v.action is Action.SKIP and v.tier == 0)
+    return {"skip": skip, "rollback": rollback, "halt": halt, "alerts": alerts,
+            "scaler_skips": scaler, "seconds": rep.seconds}
+
+
+def recorded_whatif(log: MetricsLog) -> dict[str, Any] | None:
+    """What the run itself did, from a spikeguard log's ``action`` column; None if not logged."""
+    act = log.recorded.get("action")
+    if act is None:
+        return None
+    tier = log.recorded.get("tier")
+
+    def at(name: str) -> list[int]:
+        return log.steps[act == ACTIONS.index(name)].tolist()
+
+    skip = at("skip")
+    if tier is not None:
+        skip = log.steps[(act == ACTIONS.index("skip")) & (tier >= 1)].tolist()
+    return {"skip": skip, "rollback": [{"step": s, "onset": None, "to": None}
+                                       for s in at("rollback")],
+            "halt": at("halt"), "alerts": len(at("alert")), "scaler_skips": None, "seconds": None}
+

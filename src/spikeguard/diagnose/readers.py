@@ -1,0 +1,377 @@
+"""Read a run's metrics log, whatever wrote it, into one columnar ``MetricsLog``.
+
+Formats: spikeguard's ``metrics.jsonl``; Hugging Face Trainer's ``trainer_state.json``
+(``log_history``); Lightning's CSVLogger ``metrics.csv``; any CSV with common column names (or
+``--map col=metric``); a W&B history CSV export; TensorBoard event files (``pip install
+spikeguard[tb]``). A directory is searched for those files. Damaged input gives partial results
+and a warning per repair: a cut-off last line, unreadable lines, rows out of order, repeated steps,
+missing cells; an empty file or a log without loss and grad norm is a ValueError.
+
+A JSONL log of a million steps reads in seconds: only the needed keys are pulled from each line
+(``orjson`` when installed, ``pip install spikeguard[json]``), in chunks turned into numpy arrays.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from operator import itemgetter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..record import ACTIONS, SCHEMA
+from ._columns import METRICS, Column, assemble, choose, column_len, read_column, to_floats
+
+__all__ = ["FORMATS", "MetricsLog", "read_log", "read_quarantine"]
+
+FORMATS = ("auto", "jsonl", "hf", "lightning", "csv", "wandb", "tensorboard")
+"""Values of ``--format``."""
+
+_DISCOVER = 1000  # JSONL keys are learned from this many leading records
+_CHUNK = 65536
+
+
+@dataclass
+class MetricsLog:
+    """A metrics log as columns: one entry per step, steps strictly increasing.
+
+    ``columns`` holds only the metrics the log has (names as in the metrics record); ``recorded``
+    holds what the run itself decided, when the log says (spikeguard JSONL: ``tier``, and
+    ``action`` as an index into ``spikeguard.record.ACTIONS``; -1 where unknown).
+    """
+
+    path: str
+    """Where it was read from."""
+    format: str
+    """One of ``FORMATS`` (never "auto")."""
+    steps: np.ndarray
+    """int64 step numbers, strictly increasing."""
+    columns: dict[str, np.ndarray]
+    """float64 values by metric name; NaN / inf are real values."""
+    warnings: list[str] = field(default_factory=list)
+    """One sentence per repair made while reading."""
+    recorded: dict[str, np.ndarray] = field(default_factory=dict)
+    """The run's own verdicts, when logged."""
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    @cached_property
+    def stride(self) -> int:
+        """Typical steps between records: 1 for a per-step log, N for one line every N steps."""
+        if len(self.steps) < 2:
+            return 1
+        return max(1, int(np.median(np.diff(self.steps))))
+
+
+def _loads() -> Any:
+    try:
+        import orjson
+    except ImportError:
+        return json.loads
+    return orjson.loads
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
+    """(line number, bytes, ends with a newline) for each non-blank line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                yield n, raw, raw.endswith(b"\n")
+
+
+def _read_jsonl(path: Path, mapping: dict[str, str], warnings: list[str], *,
+                loads: Any = None) -> dict[str, Column]:
+    """Raw columns of a JSONL log: the metric columns read by ``to_floats`` chunk by chunk, and
+    the run's own ``tier`` / ``action`` (as ``ACTIONS`` indices) when present.
+
+    The hot loop is one parse and one ``itemgetter`` per line (records that lack a key take the
+    slower ``dict.get`` path); the cyclic garbage collector is paused meanwhile, since every
+    parsed record is garbage at once and a collection would only walk the rows kept so far.
+    """
+    loads = loads or _loads()
+    codes = {a: i for i, a in enumerate(ACTIONS)}
+    bad: list[int] = []
+    head: list[dict[str, Any]] = []
+    keys: tuple[str, ...] = ()
+    rows: list[tuple[Any, ...]] = []
+    parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    exact: set[str | None] = set()
+    cut = False
+
+    def flush() -> None:
+        for k, col in zip(keys, zip(*rows)):
+            if k == "action":
+                vals = np.array([codes.get(v, -1) for v in col], dtype=np.float64)
+                parts[k].append((vals, vals < 0))
+            else:  # NaN vs missing matters for the loss, the grad norm and the step only
+                vals, miss, _ = to_floats(col, exact=k in exact)
+                parts[k].append((vals, miss))
+        rows.clear()
+
+    def start() -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for rec in head:
+            seen.update(dict.fromkeys(rec))
+            schema = rec.get("schema", SCHEMA)
+            if not isinstance(schema, int) or schema > SCHEMA:
+                raise ValueError(f"{path}: schema={schema!r} is newer than this spikeguard reads "
+                                 f"(schema {SCHEMA}); upgrade spikeguard to read this log")
+        chosen, _ = choose(list(seen), mapping)
+        exact.update(chosen.get(m) for m in ("step", "loss", "grad_norm"))
+        ks = tuple(dict.fromkeys([*chosen.values(), "tier", "action", "schema"]))
+        for k in ks:
+            parts[k] = []
+        rows.extend(tuple(rec.get(k) for k in ks) for rec in head)
+        return ks
+
+    get: Any = None
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        with open(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    rec = loads(line)
+                    if get is not None:
+                        rows.append(get(rec))
+                        if len(rows) >= _CHUNK:
+                            flush()
+                        continue
+                except KeyError:
+                    rows.append(tuple(rec.get(k) for k in keys))
+                    continue
+                except (ValueError, TypeError):
+                    if not line.strip():
+                        continue
+                    if line.endswith(b"\n"):
+                        bad.append(n)
+                    else:
+                        cut = True  # only the last line can lack its newline
+                    continue
+                if not isinstance(rec, dict):
+                    bad.append(n)
+                    continue
+                head.append(rec)
+                if len(head) >= _DISCOVER:
+                    keys = start()
+                    get = itemgetter(*keys)
+        if get is None:
+            if not head:
+                raise ValueError(f"{path}: no JSON records"
+                                 + (f" ({len(bad)} unreadable line(s))" if bad else ""))
+            keys = start()
+        flush()
+    finally:
+        if gc_was_on:
+            gc.enable()
+    if cut:
+        warnings.append(f"{path.name}: the last line was cut off (a crash mid-write?): dropped")
+    if bad:
+        warnings.append(f"{path.name}: {len(bad)} line(s) are not JSON objects (first: line "
+                        f"{bad[0]}): skipped")
+    out = {k: (np.concatenate([v for v, _ in ps]), np.concatenate([m for _, m in ps]))
+           for k, ps in parts.items()}
+    schema = out.pop("schema")[0]
+    if np.nanmax(schema, initial=SCHEMA) > SCHEMA:
+        raise ValueError(f"{path}: schema={int(np.nanmax(schema))} is newer than this "
+                         f"spikeguard reads (schema {SCHEMA}); upgrade spikeguard to read this log")
+    return out
+
+
+def _read_hf(path: Path) -> dict[str, list]:
+    try:
+        state = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not readable JSON ({exc}); a Trainer state file is written "
+                         "whole at each save, so take the one from an earlier checkpoint") from exc
+    history = state.get("log_history") if isinstance(state, dict) else None
+    if not isinstance(history, list):
+        raise ValueError(f"{path}: no 'log_history' list: not a Trainer state file")
+    # the closing summary (train_runtime, train_loss = mean over the run) is not a step's loss
+    rows = [e for e in history if isinstance(e, dict) and "train_runtime" not in e]
+    names: dict[str, None] = {}
+    for e in rows:
+        names.update(dict.fromkeys(e))
+    return {k: [e.get(k) for e in rows] for k in names}
+
+
+def _read_csv(path: Path, warnings: list[str]) -> dict[str, list]:
+    text = path.read_text(errors="replace")
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty")
+    try:
+        dialect: Any = csv.Sniffer().sniff(text[:4096], delimiters=",;\t")
+    except csv.Error:
+        dialect = csv.excel
+    reader = csv.reader(io.StringIO(text), dialect)
+    header = next(reader)
+    rows = [r for r in reader if any(c.strip() for c in r)]
+    if rows and len(rows[-1]) < len(header) and not text.endswith("\n"):
+        rows.pop()
+        warnings.append(f"{path.name}: the last row was cut off: dropped")
+    short = [i for i, r in enumerate(rows) if len(r) != len(header)]
+    if short:
+        warnings.append(f"{path.name}: {len(short)} row(s) have {len(rows[short[0]])} cells, not "
+                        f"{len(header)} (first: row {short[0] + 2}): skipped")
+        rows = [r for r in rows if len(r) == len(header)]
+    return {h: [r[j] for r in rows] for j, h in enumerate(header)}
+
+
+def _read_tensorboard(path: Path) -> dict[str, list]:
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError as exc:
+        raise ImportError("reading TensorBoard logs needs tensorboard: pip install "
+                          "'spikeguard[tb]'") from exc
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    per_tag = {t: acc.Scalars(t) for t in acc.Tags().get("scalars", []) if t != "step"}
+    steps = sorted({e.step for events in per_tag.values() for e in events})
+    if not steps:
+        raise ValueError(f"{path}: no scalar events")
+    index = {s: i for i, s in enumerate(steps)}
+    out: dict[str, list] = {"step": list(steps)}
+    for tag, events in per_tag.items():
+        col: list[Any] = [None] * len(steps)
+        for e in events:  # a restarted run writes a step again: the later value wins
+            col[index[e.step]] = e.value
+        out[tag] = col
+    return out
+
+
+def _find(path: Path) -> tuple[Path, str]:
+    if path.is_dir():
+        for name, fmt in (("metrics.jsonl", "jsonl"), ("trainer_state.json", "hf"),
+                          ("metrics.csv", "lightning")):
+            if (path / name).is_file():
+                return path / name, fmt
+        if any(p.name.startswith("events.out.tfevents") for p in path.iterdir()):
+            return path, "tensorboard"
+        raise ValueError(f"{path}: found no metrics.jsonl, trainer_state.json, metrics.csv or "
+                         "TensorBoard events.out.tfevents.* file in this directory")
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or directory")
+    name = path.name.lower()
+    if name.startswith("events.out.tfevents"):
+        return path, "tensorboard"
+    if name.endswith(".jsonl"):
+        return path, "jsonl"
+    if name.endswith(".json"):
+        return path, "hf"
+    if name.endswith((".csv", ".tsv")):
+        with open(path, errors="replace") as f:
+            head = f.readline().lower()
+        if "_step" in head.split(",") or "_runtime" in head or "__min" in head:
+            return path, "wandb"
+        if "epoch" in head and "step" in head:
+            return path, "lightning"
+        return path, "csv"
+    raise ValueError(f"{path}: cannot tell the format from the name; pass --format one of "
+                     f"{', '.join(FORMATS[1:])}")
+
+
+def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
+             mapping: dict[str, str] | None = None, json_loads: Any = None) -> MetricsLog:
+    """Read ``path`` (a file or a run directory) into a :class:`MetricsLog`.
+
+    ``fmt`` forces a format (``FORMATS``); ``mapping`` is {column: metric} for names diagnose
+    does not recognise; ``json_loads`` replaces the JSON parser (tests compare the two).
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"format={fmt!r} is not one of {', '.join(FORMATS)}")
+    p = Path(path)
+    mapping = dict(mapping or {})
+    found, guess = _find(p)
+    fmt = guess if fmt == "auto" else fmt
+    warnings: list[str] = []
+    if found.is_file() and found.stat().st_size == 0:
+        raise ValueError(f"{found}: the file is empty (the run wrote no records yet?)")
+    recorded: dict[str, np.ndarray] = {}
+    if fmt == "jsonl":
+        raw = _read_jsonl(found, mapping, warnings, loads=json_loads)
+        for k in ("tier", "action"):
+            col = raw.pop(k)
+            if not col[1].all():
+                recorded[k] = col
+    elif fmt == "hf":
+        raw = _read_hf(found)
+    elif fmt == "tensorboard":
+        raw = _read_tensorboard(found)
+    else:
+        raw = _read_csv(found, warnings)
+    if not raw or not column_len(next(iter(raw.values()))):
+        raise ValueError(f"{found}: no records")
+    steps, cols = assemble(raw, mapping=mapping, where=str(found), warnings=warnings)
+    step_col = choose(list(raw), mapping)[0].get("step")
+    recorded = _align(raw[step_col], recorded, steps) if recorded and step_col else {}
+    for m in ("loss", "grad_norm", "log_z"):
+        if m not in cols:
+            what = {"loss": "the loss rules are off", "grad_norm": "the grad-norm rules are off",
+                    "log_z": "the log Z rules are off and log Z drift cannot be seen"}[m]
+            warnings.append(f"no {m} column: {what}")
+    log = MetricsLog(str(found), fmt, steps, {m: cols[m] for m in METRICS if m in cols},
+                     warnings, recorded)
+    if log.stride > 1:
+        warnings.append(f"sparse log: one record every ~{log.stride} steps; windows are scaled "
+                        "to records, and an outlier between records cannot be seen")
+    return log
+
+
+def _align(step_col: Column, recorded: dict[str, Column],
+           steps: np.ndarray) -> dict[str, np.ndarray]:
+    """The run's recorded tier / action per kept step (-1 unknown; the last record of a step
+    wins, as for the metrics)."""
+    s, s_miss, _ = read_column(step_col)
+    pos = np.searchsorted(steps, np.where(s_miss, -1, s))
+    pos = np.minimum(pos, len(steps) - 1)
+    ok = ~s_miss & (steps[pos] == s)
+    rows = np.flatnonzero(ok)[::-1]                # newest first: np.unique keeps the first
+    at, first = np.unique(pos[rows], return_index=True)
+    out = {}
+    for k, col in recorded.items():
+        vals, miss, _ = read_column(col)
+        v = np.where(miss, -1, vals)[rows[first]]
+        arr = np.full(len(steps), -1, dtype=np.int8)
+        arr[at] = v.astype(np.int8)
+        out[k] = arr
+    return out
+
+
+_Q_ALIASES = {"step": "step", "stream_index": "stream_index", "index": "stream_index",
+              "stream": "stream_index", "rank": "rank", "row": "row", "loss": "loss",
+              "log_z": "log_z", "logz": "log_z", "z": "z", "z_score": "z", "zscore": "z"}
+
+
+def read_quarantine(path: str | os.PathLike[str],
+                    warnings: list[str] | None = None) -> list[dict[str, Any]]:
+    """The sequences a run quarantined: ``quarantine.jsonl`` beside ``metrics.jsonl``, one JSON
+    object per line with ``step``, ``stream_index``, ``rank``, ``row``, ``loss``, ``log_z`` and
+    ``z`` (the robust z-score; ``z_score`` is read too). Lines without a step are skipped with a
+    warning; a missing file gives [].
+    """
+    p = Path(path)
+    if not p.is_file():
+        return []
+    out: list[dict[str, Any]] = []
+    bad = 0
+    for _, line, _ in _lines(p):
+        try:
+            rec = json.loads(line)
+            item = {_Q_ALIASES[k.lower()]: v for k, v in rec.items() if k.lower() in _Q_ALIASES}
+            item["step"] = int(item["step"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            bad += 1
+            continue
+        out.append(item)
+    if bad and warnings is not None:
+        warnings.append(f"{p.name}: {bad} line(s) without a readable step: skipped")
+    return sorted(out, key=lambda r: r["step"])
