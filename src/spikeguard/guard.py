@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ._guard_checks import check_grads, check_loss, check_nested, check_pair
-from ._guard_respond import _Frozen, _Pending, _Readback, _Responses
+from ._guard_respond import _Pending, _Readback, _Responses
 from ._guarded_optimizer import GuardedOptimizer
 from ._validate import check_int, check_positive
 from .detect.gradnorm import grad_stats
@@ -197,12 +197,12 @@ class Guard(_Responses):
         host read this call: step t's with read_lag 0; step t-1's with read_lag 1 (None on the
         first step). ``rerun()`` re-runs the current batch's forward and backward (for the Tier 3
         forensics). Raises TrainingHalted on a halt, after the record is written."""
+        if out is None and not self._micro:
+            raise ValueError("guard.step() needs the step's loss: pass step(out), or call "
+                             "guard.accumulate(out) after each micro-batch's backward")
         check_grads(self.params)
         if out is not None:
             self.accumulate(out, log_z=log_z)
-        if not self._micro:
-            raise ValueError("guard.step() needs the step's loss: pass step(out), or call "
-                             "guard.accumulate(out) after each micro-batch's backward")
         batches = self._consume_batches()
         if self.read_lag == 0:
             return self._resolve(self._device_step(batches, rerun))
@@ -345,21 +345,6 @@ class Guard(_Responses):
         rec = metrics_record(m, tier=verdict.tier, action=action, reasons=verdict.reasons)
         rec.update(extras)
         self.sinks.log(rec, m.step)
-
-    def _maybe_save(self, p: _Pending) -> None:
-        ck = self.checkpoints
-        if ck is None or not ck.should_save(p.step):
-            return
-        if self.sinks is not None:  # the saved record count must match what is in the files
-            self.sinks.flush()
-        data = self.data if p.data_state is None else _Frozen(p.data_state)
-        ck.save(p.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                scaler=self.precision if self.precision.scaler is not None else None, data=data,
-                extra_state=self._extra_state(), alerts=list(self._window_alerts))
-        self._window_alerts.clear()
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {"guard": self, **self._extra}
 
     # -- resume and state ---------------------------------------------------------------------
     def resume(self) -> Any:

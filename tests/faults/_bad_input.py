@@ -9,7 +9,6 @@ library raises, records it returns, the version string) with the reason.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,8 +18,25 @@ import numpy as np
 import torch
 
 import spikeguard as sg
+from tests.faults._bad_objects import (
+    _LOGITS,
+    _Q,
+    _TARGET,
+    _TOKENS,
+    _ckpt_state,
+    _fresh_detector,
+    _guard_state,
+    _model,
+    _other_shape,
+    _saved,
+    _saved_by_guard,
+    _stream,
+    _trained,
+    _with_grads,
+    _write,
+)
 
-__all__ = ["CASES", "NOT_CALLED", "Case", "snapshot"]
+__all__ = ["CASES", "NOT_CALLED", "Case"]
 
 NOT_CALLED = {
     "CheckpointError": "an exception the library raises",
@@ -55,113 +71,6 @@ class Case:
     warns: type[Warning] | None = None
     """A warning the call may issue on its way to the error (checked to be of this type)."""
     extra: dict = field(default_factory=dict)
-
-
-def snapshot(obj: Any) -> Any:
-    """A deep copy with tensors cloned, for before/after comparison with ``same``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and \
-            bool(torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
-                                       and torch.equal(a.nan_to_num(), b.nan_to_num())))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
-        return math.isnan(b)
-    return a == b
-
-
-# -- objects the cases call on ---------------------------------------------------------------
-def _model(**kw: Any) -> sg.GPT:
-    torch.manual_seed(0)
-    return sg.GPT(sg.GPTConfig.tiny() if not kw else sg.GPTConfig(**{
-        **dict(vocab_size=256, n_layer=2, n_head=2, d_model=64, seq_len=64), **kw}))
-
-
-def _trained() -> dict:
-    """A model, its optimizer and a guard, one step in; the next batch's backward done."""
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = sg.TokenStream.from_corpus("pydoc", batch_size=2, seq_len=16, seed=0)
-    guard = sg.Guard(model, opt, data=data, config=sg.GuardConfig(read_lag=0))
-    x, y = next(data)
-    out = model.loss(model(x), y)
-    out.loss.backward()
-    guard.step(out)
-    x, y = next(data)
-    return dict(model=model, opt=opt, guard=guard, data=data, x=x, y=y)
-
-
-def _guard_state(c: dict) -> Any:
-    g = c["guard"]
-    return [g.state_dict(), c["model"].state_dict(), c["opt"].state_dict(), len(g._micro),
-            c["data"].state_dict(), [p.grad for p in c["model"].parameters()]]
-
-
-def _with_grads(c: dict) -> dict:
-    out = c["model"].loss(c["model"](c["x"]), c["y"])
-    out.loss.backward()
-    c["out"] = out
-    return c
-
-
-def _fresh_detector() -> dict:
-    d = sg.SpikeDetector(sg.DetectorConfig.for_run(100))
-    for s in range(3):
-        d.update(sg.StepMetrics(step=s, loss=2.0, grad_norm=1.0, log_z=5.0))
-    return dict(d=d)
-
-
-def _stream() -> dict:
-    s = sg.TokenStream.from_corpus("pydoc", batch_size=2, seq_len=16, seed=0)
-    next(s)
-    return dict(s=s)
-
-
-def _saved(tmp: Any) -> dict:
-    """A checkpoint of GPTConfig.tiny() (tiny is n_layer 2, d_model 64) in ``tmp``."""
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mgr = sg.CheckpointManager(tmp, every=1)
-    mgr.save(1, model=model, optimizer=opt)
-    return dict(mgr=mgr)
-
-
-def _saved_by_guard(tmp: Any) -> dict:
-    """A guard's checkpoint of GPTConfig.tiny() after one step (guard state included)."""
-    c = _with_grads(_trained())
-    mgr = sg.CheckpointManager(tmp, every=1)
-    guard = sg.Guard(c["model"], c["opt"], checkpoints=mgr, config=sg.GuardConfig(read_lag=0))
-    guard.step(c["out"])
-    return dict(mgr=mgr)
-
-
-def _other_shape(c: dict, **kw: Any) -> dict:
-    model = _model(**kw)
-    c.update(model=model, opt=torch.optim.AdamW(model.parameters(), lr=1e-3))
-    return c
-
-
-def _ckpt_state(c: dict) -> Any:
-    return [c["model"].state_dict(), c["opt"].state_dict(),
-            sorted(p.name for p in c["mgr"].directory.rglob("*"))]
-
-
-_Q = torch.randn(1, 2, 4, 8)
-_LOGITS = torch.randn(2, 4, 256)
-_TARGET = torch.randint(0, 256, (2, 4))
-_TOKENS = np.arange(5000, dtype=np.uint16) % 256
 
 
 def _cases(tmp_factory: Callable[[], Any]) -> list[Case]:
@@ -354,6 +263,9 @@ def _cases(tmp_factory: Callable[[], Any]) -> list[Case]:
             sg.StepMetrics(step=0, loss=1.0, grad_norm=1.0), action="explode"), ("action='explode'",)),
         Case("CheckpointManager", "every 0", lambda c: sg.CheckpointManager(tmp_factory(), every=0),
              ("every=0",)),
+        Case("CheckpointManager", "on_error 'ignore'",
+             lambda c: sg.CheckpointManager(tmp_factory(), on_error="ignore"),
+             ("on_error='ignore'", "'raise'", "'warn'")),
         Case("CheckpointManager", "keep -1", lambda c: sg.CheckpointManager(tmp_factory(), keep=-1),
              ("keep=-1",)),
         Case("CheckpointManager", "a checkpoint of a narrower model (d_model 32)",
@@ -370,7 +282,8 @@ def _cases(tmp_factory: Callable[[], Any]) -> list[Case]:
              lambda c: c["mgr"].rollback(onset=5, detection=3, data=None, model=c["model"]),
              ("onset=5", "detection=3"), setup=lambda: _other_shape(ck()), state=_ckpt_state),
         Case("verify_checkpoint", "a directory that is no checkpoint",
-             lambda c: sg.verify_checkpoint(tmp_factory()), ("manifest",)),
+             lambda c: sg.verify_checkpoint(tmp_factory()),
+             ("not a committed checkpoint", "MANIFEST.json is missing")),
         # -- the guard ------------------------------------------------------------------------
         Case("GuardConfig", "clip 0", lambda c: sg.GuardConfig(clip=0), ("clip=0",)),
         Case("GuardConfig", "tier2 'panic'", lambda c: sg.GuardConfig(tier2="panic"),
@@ -430,11 +343,6 @@ def _cases(tmp_factory: Callable[[], Any]) -> list[Case]:
         Case("read_metrics", "a missing file", lambda c: sg.read_metrics(tmp_factory() / "none.jsonl"),
              ("No such file", "none.jsonl"), raises=(OSError,)),
     ]
-
-
-def _write(path: Any, data: bytes) -> Any:
-    path.write_bytes(data)
-    return path
 
 
 CASES = _cases

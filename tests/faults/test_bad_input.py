@@ -9,8 +9,9 @@ from itertools import count
 import pytest
 
 import spikeguard as sg
-from tests.faults._bad_input import CASES, NOT_CALLED, snapshot
-from tests.faults._bad_input import same as _same
+from tests.faults._bad_input import CASES, NOT_CALLED
+from tests.faults._bad_objects import same as _same
+from tests.faults._bad_objects import snapshot
 
 _N = count()
 
