@@ -1,6 +1,8 @@
+import errno
 import hashlib
 import json
 import math
+import os
 import pickle
 import re
 import shutil
@@ -150,6 +152,22 @@ def test_a_failed_save_raises_or_warns_and_its_alerts_carry_to_the_next(tmp_path
                               [(6, False, ("4: loss spike",)), (8, True, ())])
         assert mgr.restore(model=build(seed=3)[0], at_or_before=5).step == 2
         mgr.close()
+
+
+def test_enospc_efbig_and_edquot_are_one_condition_a_full_disk():
+    from spikeguard.respond._ckpt_io import save_failure
+
+    for code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        e = OSError(code, os.strerror(code))
+        wrapped = RuntimeError("a write failed")
+        wrapped.__cause__ = e
+        assert save_failure(wrapped) == (True, f"OSError: [Errno {code}] {os.strerror(code)}")
+        # DCP reports another rank's failure as text only
+        text = RuntimeError(f"rank 1:\nTraceback (most recent call last):\n  ...\n"
+                            f"OSError: [Errno {code}] {os.strerror(code)}: '__1_0.distcp'\n")
+        assert save_failure(text)[0]
+    assert save_failure(OSError(errno.EACCES, "Permission denied")) == \
+        (False, "OSError: [Errno 13] Permission denied")
 
 
 def test_incomplete_checkpoints_are_invisible_and_cleaned(two_checkpoints, tmp_path):

@@ -4,8 +4,8 @@ The server runs as a user starts it (``python -m spikeguard sandbox --port P``).
 sent byte for byte (http.client does not normalise paths). A breach (lost) is a response whose
 body holds the bytes of a file outside the page's static folder, or a 2xx for a path that is not
 an asset. Every asset is also fetched and compared byte for byte, so refusing everything would
-not pass. The planted-payload checkpoint rows are tests/test_checkpoint.py's, joined by node id
-(tests/faults/_table.py).
+not pass. The planted-payload checkpoint rows are tests/test_checkpoint_integrity.py's, joined by
+node id (tests/faults/_table.py).
 """
 
 import contextlib
