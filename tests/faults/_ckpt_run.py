@@ -71,7 +71,8 @@ def run(out: Path, *, steps: int = 30, every: int = 10, async_save: bool = False
         finally:
             guard.close()
             mgr.close()
-        _limit(None)
+        if fsize is not None:
+            _limit(None)
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, out / "final.pt")
         return guard.step_index
     finally:
