@@ -90,7 +90,16 @@ def _unigram_entropy(tokens: np.ndarray, vocab: int) -> float:
 def _init_distributed() -> torch.device:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _dist.is_dist():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            torch.distributed.init_process_group(backend)
+        else:  # the agent's store outlives a restart: keys of one attempt apart from the last's
+            env = os.environ
+            store = torch.distributed.PrefixStore(f"spikeguard/attempt_{attempt}/",
+                                                  torch.distributed.TCPStore(
+                env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), False))
+            torch.distributed.init_process_group(backend, store=store, rank=int(env["RANK"]),
+                                                 world_size=int(env["WORLD_SIZE"]))
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
