@@ -3,7 +3,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults._table import EXTERNAL, Table
+
 ROOT = Path(__file__).resolve().parents[1]
+
+_TABLE = pytest.StashKey[Table]()
 
 
 @pytest.fixture
@@ -13,3 +17,63 @@ def sub_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
     return env
+
+
+# -- the reliability table (tests/faults; RELIABILITY.md) -----------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("spikeguard reliability suite")
+    group.addoption("--faults-full", action="store_true",
+                    help="run every fault row of tests/faults many times (outside CI)")
+    group.addoption("--faults-markdown", metavar="PATH",
+                    help="also write the reliability table as Markdown to PATH")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_TABLE] = Table()
+    config.addinivalue_line("markers", "fault_runs(ci, full): how many runs of a fault test "
+                                       "(the fault_run fixture counts them) in CI and in --faults-full")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "fault_run" not in metafunc.fixturenames:
+        return
+    mark = metafunc.definition.get_closest_marker("fault_runs")
+    ci, full = (mark.args if mark else (1, 1))
+    n = full if metafunc.config.getoption("faults_full") else ci
+    metafunc.parametrize("fault_run", range(n), ids=[f"run{i}" for i in range(n)])
+
+
+@pytest.fixture(scope="session")
+def fault_table(request: pytest.FixtureRequest) -> Table:
+    """The session's reliability table: ``with fault_table.run(row) as r: ...``."""
+    return request.config.stash[_TABLE]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    row = EXTERNAL.get(report.nodeid.split("[")[0])
+    if row is None or not _SESSION or not (report.when == "call" or
+                                           (report.when == "setup" and report.failed)):
+        return
+    _SESSION[0].add(row, survived=report.passed, lost=0 if report.passed else 1)
+
+
+_SESSION: list[Table] = []
+"""The running session's table (a test report does not carry its config)."""
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _SESSION[:] = [session.config.stash[_TABLE]]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    table = config.stash[_TABLE]
+    if not table.rows:
+        return
+    mode = "--faults-full" if config.getoption("faults_full") else "CI runs"
+    terminalreporter.write_sep("=", f"reliability table ({mode})")
+    terminalreporter.write_line(table.render())
+    path = config.getoption("faults_markdown")
+    if path:
+        Path(path).write_text(table.render(markdown=True) + "\n")
+        terminalreporter.write_line(f"written to {path}")

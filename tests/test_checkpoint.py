@@ -1,6 +1,8 @@
+import errno
 import hashlib
 import json
 import math
+import os
 import pickle
 import re
 import shutil
@@ -12,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from spikeguard import CheckpointError, CheckpointManager, TokenStream
+from spikeguard import CheckpointError, CheckpointManager, CheckpointWarning, TokenStream
 from spikeguard.respond.checkpoint import rollback_target
 from tests._ckpt_common import (
     build,
@@ -118,6 +120,54 @@ def test_rotation_keeps_keep_and_never_the_last_healthy(tmp_path):
     kept = [(c.step, c.healthy) for c in mgr.list()]
     assert kept == [(3, True), (6, False), (7, False)]
     assert mgr.restore(model=model).step == 3
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_save_raises_or_warns_and_its_alerts_carry_to_the_next(tmp_path, async_save):
+    model, opt, _ = build()
+    for on_error in ("raise", "warn"):
+        mgr = CheckpointManager(tmp_path / on_error, every=2, async_save=async_save,
+                                on_error=on_error)
+        mgr.save(2, model=model, optimizer=opt)
+        mgr.wait()
+        blocker = tmp_path / on_error / ".tmp-step_00000004"
+        blocker.write_bytes(b"")  # the save's directory cannot be made: an OSError
+        if on_error == "raise":
+            with pytest.raises(CheckpointError, match=r"step 4 could not be saved .*"
+                               r"File exists.* the checkpoint at step 2 is intact; fix the cause"):
+                mgr.save(4, model=model, optimizer=opt, alerts=["4: loss spike"])
+                mgr.wait()
+        else:
+            with pytest.warns(CheckpointWarning, match="training goes on without it"):
+                assert mgr.save(4, model=model, optimizer=opt, alerts=["4: loss spike"]) \
+                    in (None, tmp_path / "warn" / "step_00000004")
+                mgr.wait()
+            blocker.unlink()
+            mgr.save(6, model=model, optimizer=opt)
+            mgr.save(8, model=model, optimizer=opt)
+            mgr.close()
+        listed = [(c.step, c.healthy, c.alerts) for c in mgr.list()]
+        assert listed[0] == (2, True, ())
+        assert listed[1:] == ([] if on_error == "raise" else
+                              [(6, False, ("4: loss spike",)), (8, True, ())])
+        assert mgr.restore(model=build(seed=3)[0], at_or_before=5).step == 2
+        mgr.close()
+
+
+def test_enospc_efbig_and_edquot_are_one_condition_a_full_disk():
+    from spikeguard.respond._ckpt_io import save_failure
+
+    for code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        e = OSError(code, os.strerror(code))
+        wrapped = RuntimeError("a write failed")
+        wrapped.__cause__ = e
+        assert save_failure(wrapped) == (True, f"OSError: [Errno {code}] {os.strerror(code)}")
+        # DCP reports another rank's failure as text only
+        text = RuntimeError(f"rank 1:\nTraceback (most recent call last):\n  ...\n"
+                            f"OSError: [Errno {code}] {os.strerror(code)}: '__1_0.distcp'\n")
+        assert save_failure(text)[0]
+    assert save_failure(OSError(errno.EACCES, "Permission denied")) == \
+        (False, "OSError: [Errno 13] Permission denied")
 
 
 def test_incomplete_checkpoints_are_invisible_and_cleaned(two_checkpoints, tmp_path):

@@ -3,7 +3,7 @@ forensics, or resume reconfigured), plus the per-step records that the host side
 
 Private to :mod:`spikeguard.guard`: ``Guard`` inherits ``_Responses``, which reads the guard's
 attributes (config, model, optimizer, scheduler, precision, checkpoints, data, history, sinks,
-rollbacks, _batches) and acts on them.
+rollbacks, _batches, _window_alerts, _extra) and acts on them.
 """
 
 from __future__ import annotations
@@ -91,7 +91,22 @@ class _Frozen:
 
 
 class _Responses:
-    """Tier 2 and Tier 3 actions of the Guard (see the module docstring)."""
+    """Tier 2 and Tier 3 actions of the Guard (see the module docstring), and its saves."""
+
+    def _maybe_save(self, p: _Pending) -> None:
+        ck = self.checkpoints
+        if ck is None or not ck.should_save(p.step):
+            return
+        if self.sinks is not None:  # the saved record count must match what is in the files
+            self.sinks.flush()
+        data = self.data if p.data_state is None else _Frozen(p.data_state)
+        ck.save(p.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                scaler=self.precision if self.precision.scaler is not None else None, data=data,
+                extra_state=self._extra_state(), alerts=list(self._window_alerts))
+        self._window_alerts.clear()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"guard": self, **self._extra}
 
     # -- the data a step consumed -------------------------------------------------------------
     def _position(self) -> int | None:

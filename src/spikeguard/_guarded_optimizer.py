@@ -29,6 +29,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, guard: Guard, *,
                  defer_halt: bool = False) -> None:
         # no Optimizer.__init__: the wrapped optimizer owns param_groups and state
+        if getattr(guard, "optimizer", None) is not optimizer:
+            raise ValueError(f"GuardedOptimizer(optimizer, guard): guard must be the Guard built "
+                             f"with this optimizer (got a {type(guard).__name__} whose optimizer "
+                             "is another); pass Guard(model, optimizer) and the same optimizer")
         self.optimizer, self.guard = optimizer, guard
         self.defaults = optimizer.defaults
         self.defer_halt = defer_halt

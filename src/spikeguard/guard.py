@@ -35,7 +35,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._guard_respond import _Frozen, _Pending, _Readback, _Responses
+from ._guard_checks import check_grads, check_loss, check_nested, check_pair
+from ._guard_respond import _Pending, _Readback, _Responses
 from ._guarded_optimizer import GuardedOptimizer
 from ._validate import check_int, check_positive
 from .detect.gradnorm import grad_stats
@@ -87,6 +88,7 @@ class GuardConfig:
         if self.tier2 not in ("alert", "rollback"):
             raise ValueError(f"GuardConfig.tier2={self.tier2!r} must be 'alert' or 'rollback'")
         check_int(self.max_rollbacks, "GuardConfig.max_rollbacks", minimum=0, default=3)
+        check_nested(self)
         if self.read_lag not in (None, 0, 1):
             raise ValueError(f"GuardConfig.read_lag={self.read_lag!r} must be 0, 1 or None (auto)")
 
@@ -123,6 +125,7 @@ class Guard(_Responses):
                  keep_on_rollback: Iterable[str] = (),
                  pp_group: Any = None, tp_group: Any = None) -> None:
         self.config = config if config is not None else GuardConfig()
+        check_pair(model, optimizer)
         if self.config.tier2 == "rollback" and checkpoints is None:
             raise ValueError("GuardConfig(tier2='rollback') needs checkpoints=CheckpointManager(...)"
                              " to roll back to; pass one or use tier2='alert'")
@@ -189,10 +192,7 @@ class Guard(_Responses):
             loss, log_z = out.ce, out.log_z if log_z is None else log_z
         else:
             loss = out
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError("guard.step/accumulate needs the step's loss as a 0-d tensor or a "
-                             f"LossOutput with reduction='mean'; got {type(loss).__name__}"
-                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        check_loss(loss, self.params[0].device)
         loss = loss.detach().float().reshape(())
         z = (torch.full_like(loss, float("nan")) if log_z is None
              else log_z.detach().float().reshape(()).to(loss.device))
@@ -205,11 +205,12 @@ class Guard(_Responses):
         first step). ``rerun()`` re-runs the batch's forward and backward and returns its LossOutput
         (Tier 3 forensics; attribution of a skip, where ``rerun(keep=mask)`` keeps only the rows
         ``mask`` marks). Raises TrainingHalted on a halt, after the record is written."""
-        if out is not None:
-            self.accumulate(out, log_z=log_z)
-        if not self._micro:
+        if out is None and not self._micro:
             raise ValueError("guard.step() needs the step's loss: pass step(out), or call "
                              "guard.accumulate(out) after each micro-batch's backward")
+        check_grads(self.params)
+        if out is not None:
+            self.accumulate(out, log_z=log_z)
         batches = self._consume_batches()
         self._rerun_now = rerun  # read_lag 1: attribution may redo this step's grads (a drop)
         if self.read_lag == 0:
@@ -342,19 +343,6 @@ class Guard(_Responses):
         rec = metrics_record(m, tier=verdict.tier, action=action, reasons=verdict.reasons)
         rec.update(extras)
         self.sinks.log(rec, m.step)
-
-    def _maybe_save(self, p: _Pending) -> None:
-        ck = self.checkpoints
-        if ck is None or not ck.should_save(p.step):
-            return
-        data = self.data if p.data_state is None else _Frozen(p.data_state)
-        ck.save(p.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                scaler=self.precision if self.precision.scaler is not None else None, data=data,
-                extra_state=self._extra_state(), alerts=list(self._window_alerts))
-        self._window_alerts.clear()
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {"guard": self, **self._extra}
 
     # -- resume and state ---------------------------------------------------------------------
     def resume(self) -> Any:

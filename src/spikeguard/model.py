@@ -204,6 +204,9 @@ class GPT(nn.Module):
     """The reference decoder. ``forward(idx) -> hidden``; ``loss(hidden, targets) -> LossOutput``."""
 
     def __init__(self, cfg: GPTConfig) -> None:
+        if not isinstance(cfg, GPTConfig):
+            raise TypeError(f"GPT(cfg) takes a GPTConfig (e.g. GPTConfig.tiny()), got "
+                            f"{type(cfg).__name__}")
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -256,9 +259,19 @@ class GPT(nn.Module):
         """idx: [B, T] int64 token ids, T <= seq_len. Returns final hidden states [B, T, d_model]."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [batch, time], got shape {tuple(idx.shape)}")
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise ValueError(f"idx must hold token ids (an integer tensor, torch.long), got "
+                             f"{idx.dtype}")
+        if idx.numel() == 0:
+            raise ValueError(f"idx of shape {tuple(idx.shape)} is an empty batch; a step needs "
+                             "at least one sequence of at least one token")
+        if idx.device != self.wte.weight.device:
+            raise ValueError(f"idx is on {idx.device} but the model is on "
+                             f"{self.wte.weight.device}; move it with idx.to(device)")
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
+        _check_token_ids(idx, self.cfg.vocab_size)
         x = self.wte(idx)
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(t, device=idx.device))
@@ -293,6 +306,19 @@ class GPT(nn.Module):
         """Training FLOPs per token (6N plus attention), for throughput reports."""
         cfg = self.cfg
         return 6.0 * self.num_params() + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+
+def _check_token_ids(idx: torch.Tensor, vocab_size: int) -> None:
+    """Every id in [0, vocab_size): a ValueError naming the first bad one on the CPU; on an
+    accelerator an asynchronous device assert (no host sync)."""
+    bad = (idx < 0) | (idx >= vocab_size)
+    if idx.device.type == "cpu":
+        if bool(bad.any()):
+            b, t = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"idx[{b}, {t}] = {int(idx[b, t])} is outside the vocabulary "
+                             f"[0, {vocab_size}) (GPTConfig.vocab_size); check the tokenizer")
+    elif idx.device.type != "meta":
+        torch._assert_async(~bad.any(), f"a token id is outside [0, {vocab_size})")
 
 
 def count_params(cfg: GPTConfig) -> int:

@@ -79,6 +79,10 @@ def metrics_record(metrics: StepMetrics, *, tier: Any = 0, action: Action | str 
     Values may be 0-d tensors (device or not): the sinks read them off the device one step late,
     so building a record never syncs.
     """
+    if not isinstance(metrics, StepMetrics):
+        raise TypeError(f"metrics_record(metrics) takes a StepMetrics, got {type(metrics).__name__}")
+    if isinstance(tier, int) and not 0 <= tier <= 3:
+        raise ValueError(f"tier={tier!r} must be 0, 1, 2 or 3 (the verdict's tier)")
     if isinstance(action, enum.Enum):
         action = action.value
     if isinstance(action, str) and action not in ACTIONS:

@@ -81,6 +81,13 @@ def _skipped_to(index: int, ranges: list[tuple[int, int]]) -> int:
     return index
 
 
+def _integer(dtype: Any) -> bool:
+    """A numpy or torch integer dtype (bool is not one)."""
+    if isinstance(dtype, torch.dtype):
+        return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return bool(np.issubdtype(dtype, np.integer))
+
+
 class TokenStream(torch.utils.data.IterableDataset):
     """Batches of (inputs, targets), int64 [batch_size, seq_len], from a token array.
 
@@ -92,8 +99,14 @@ class TokenStream(torch.utils.data.IterableDataset):
 
     def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int = 0,
                  rank: int | None = None, world_size: int | None = None) -> None:
+        if not hasattr(tokens, "ndim") or not hasattr(tokens, "dtype"):
+            raise TypeError(f"tokens must be a 1-D numpy array of token ids (np.memmap for a "
+                            f".bin file), got {type(tokens).__name__}")
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if not _integer(tokens.dtype):
+            raise ValueError(f"tokens must hold integer token ids, got dtype {tokens.dtype}; "
+                             "tokenize the text first (e.g. uint16 ids)")
         check_int(batch_size, "TokenStream batch_size")
         check_int(seq_len, "TokenStream seq_len")
         rank, world_size = _world(rank, world_size)

@@ -273,7 +273,13 @@ def collect(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: dist
     pp = group_size(pp_group, "pp_group")
     tp = group_size(tp_group, "tp_group")
     layout = GradLayout(world=world, pp=pp)
+    if isinstance(parameters, (str, bytes)) or not hasattr(parameters, "__iter__"):
+        raise TypeError(f"parameters must be a tensor or an iterable of tensors (e.g. "
+                        f"model.parameters()), got {type(parameters).__name__}")
     for index, p in enumerate(parameters):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameters[{index}] is a {type(p).__name__}, not a tensor; pass "
+                            "model.parameters() or a list of tensors")
         grad = p.grad
         if grad is None:
             continue

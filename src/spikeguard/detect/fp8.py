@@ -68,6 +68,8 @@ class AmaxMonitor:
     def __init__(self, *, history_len: int = 16, margin: int = 0,
                  fmt: Literal["e4m3", "e5m2"] = "e4m3", warn_below: float = 0.5) -> None:
         check_int(history_len, "history_len", hint="16 is usual")
+        check_int(margin, "margin", minimum=0, hint="0 is usual; each step of margin halves "
+                  "the scale, a negative one would map amax past the fp8 maximum")
         if fmt not in FP8_MAX:
             raise ValueError(f"fmt={fmt!r} must be 'e4m3' (448) or 'e5m2' (57344)")
         if not 0 < warn_below <= 1:

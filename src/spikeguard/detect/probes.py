@@ -120,6 +120,11 @@ class Probes:
     backward (and before ``zero_grad``)."""
 
     def __init__(self, model: nn.Module, config: ProbeConfig | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Probes(model) takes a torch.nn.Module, got {type(model).__name__}")
+        if config is not None and not isinstance(config, ProbeConfig):
+            raise TypeError(f"Probes(model, config): config must be a ProbeConfig, got "
+                            f"{type(config).__name__}")
         self.model = model
         self.config = config or ProbeConfig()
         self._step = -1

@@ -246,6 +246,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention expects 4-D [batch, heads, time, dim] q, k, v; got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype.is_floating_point and k.dtype == q.dtype and v.dtype == q.dtype):
+        raise ValueError(f"attention needs q, k, v of one floating-point dtype; got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"attention needs q, k, v on one device; got {q.device}, {k.device}, "
+                         f"{v.device}")
     check_softcap(softcap, "softcap")
     if backend not in ("auto", "sdpa", "eager", "flex"):
         raise ValueError(f"attention backend={backend!r} must be 'auto', 'sdpa', 'eager' or 'flex'")

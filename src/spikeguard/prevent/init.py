@@ -44,6 +44,8 @@ def fan_in_init_(weight: torch.Tensor, gain: float = 1.0) -> torch.Tensor:
     """Fill a [out, in, ...] weight in place from N(0, fan_in_std(in * prod(rest), gain)^2)."""
     if weight.dim() < 2:
         raise ValueError(f"fan-in init needs a weight with >= 2 dims, got shape {tuple(weight.shape)}")
+    if not weight.dtype.is_floating_point:
+        raise ValueError(f"fan-in init needs a floating-point weight, got {weight.dtype}")
     fan_in = weight[0].numel()
     return nn.init.normal_(weight, std=fan_in_std(fan_in, gain))
 
@@ -60,6 +62,10 @@ def gpt2_residual_init_(weights: list[torch.Tensor], n_layer: int, std: float = 
     if not std > 0:
         raise ValueError(f"std={std} must be positive (GPT-2 uses 0.02)")
     scaled = std * residual_scale(n_layer)
+    weights = list(weights)
+    if not weights:
+        raise ValueError("gpt2_residual_init_(weights=[]): no weights to scale; pass each "
+                         "block's residual-branch output projections (attention and MLP)")
     for w in weights:
         nn.init.normal_(w, std=scaled)
 

@@ -357,8 +357,9 @@ def router_z_loss(router_logits: torch.Tensor, mask: torch.Tensor | None = None)
         raise ValueError(f"router_logits shape {tuple(router_logits.shape)} needs a non-empty "
                          "expert dimension last")
     x = router_logits.to(compute_dtype(router_logits.dtype))
-    if mask is None:
-        return torch.logsumexp(x, dim=-1).square().mean()
+    if mask is None:  # no tokens at all: 0, as a fully padded batch (a mean would be NaN)
+        z2 = torch.logsumexp(x, dim=-1).square()
+        return z2.mean() if z2.numel() else z2.sum()
     if not isinstance(mask, torch.Tensor) or mask.dtype.is_floating_point or mask.is_complex():
         raise ValueError(f"mask must be a bool or integer tensor (True/1 at real tokens), got "
                          f"{getattr(mask, 'dtype', type(mask).__name__)}")

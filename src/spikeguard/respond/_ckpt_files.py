@@ -196,11 +196,13 @@ def covering(segments: list[Segment], needed: list[tuple[int, int]]) -> list[Seg
 class HashingStream:
     """A binary write stream that hashes what passes through it, one digest per segment: the
     bytes between two ``tell()`` calls (DCP asks for the offset before and after each entry it
-    writes, so each entry is one segment). ``segments`` once closed."""
+    writes, so each entry is one segment). ``segments`` once closed; ``error``: the OSError
+    of a failed write (torch.save's zip writer reports it only as a position mismatch)."""
 
     def __init__(self, raw: Any, algo: str) -> None:
         self.raw, self.algo, self.size, self._start = raw, algo, 0, 0
         self._hash: Any = None
+        self.error: OSError | None = None
         self.segments: list[Segment] = []
         self.closed = False
 
@@ -208,7 +210,11 @@ class HashingStream:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        n = self.raw.write(view)
+        try:
+            n = self.raw.write(view)
+        except OSError as e:
+            self.error = e
+            raise
         if self._hash is None:
             self._hash = _new_hash(self.algo)
         self._hash.update(view)

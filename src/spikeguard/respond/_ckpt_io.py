@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import math
 import os
 import random
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +28,7 @@ import torch
 from ._ckpt_files import FileEntry, digest_bytes
 
 __all__ = ["decode", "encode", "fsync_dir", "join", "model_optim", "quiet", "rng_state",
-           "set_rng_state", "split", "stager", "write_json"]
+           "save_failure", "set_rng_state", "split", "stager", "write_json"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -219,3 +221,23 @@ def stager() -> Any:
 
     return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=gpu))
+
+
+_FULL = {errno.ENOSPC: "ENOSPC", errno.EFBIG: "EFBIG", errno.EDQUOT: "EDQUOT"}
+
+
+def save_failure(exc: BaseException) -> tuple[bool, str]:
+    """(whether the disk is full, one line saying what failed) for an error of a save: an
+    OSError, DCP's CheckpointException (every rank's errors as text) or a commit error.
+    ENOSPC, EFBIG (a file size limit, RLIMIT_FSIZE) and EDQUOT are one condition: no room."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FULL:
+            return True, f"{type(seen).__name__}: {seen}"
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    m = re.search(r"\[Errno (\d+)\][^\n]*", text)
+    if m:
+        return int(m.group(1)) in _FULL, f"OSError: {m.group(0).strip()}"
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return False, f"{type(exc).__name__}: {lines[-1] if lines else ''}"

@@ -45,7 +45,10 @@ def load(path: Path, step: int, healthy: bool, model: torch.nn.Module, optimizer
     cdir = reader = None
     try:
         cdir = CheckpointDir(path)
-        files = parse_manifest(cdir.read(MANIFEST, None, stats))
+        try:
+            files = parse_manifest(cdir.read(MANIFEST, None, stats))
+        except IntegrityError as e:
+            raise IntegrityError(f"{path} is not a committed checkpoint: {e}") from e
         if _dist.rank() == 0 and cdir.names() - set(files) - {MANIFEST}:
             raise IntegrityError(f"files not in its manifest: "
                                  f"{sorted(cdir.names() - set(files) - {MANIFEST})}")
@@ -108,7 +111,10 @@ def verify_checkpoint(path: str | Path) -> dict[str, int]:
     name -> size; ValueError says what is wrong. (restore() checks only what each rank reads.)"""
     stats = IOStats()
     with CheckpointDir(path) as cdir:
-        files = parse_manifest(cdir.read(MANIFEST, None, stats))
+        try:
+            files = parse_manifest(cdir.read(MANIFEST, None, stats))
+        except IntegrityError as e:
+            raise IntegrityError(f"{path} is not a committed checkpoint: {e}") from e
         extra = cdir.names() - set(files) - {MANIFEST}
         if extra:
             raise IntegrityError(f"files not in its manifest: {sorted(extra)}")

@@ -264,7 +264,12 @@ class _HashingFileSystem(FileSystem):
             return
         with super().create_stream(path, mode) as raw:
             stream = HashingStream(raw, self._algo)
-            yield stream
+            try:
+                yield stream
+            except BaseException as e:  # name the write error (a full disk), not its echo
+                if stream.error is not None and stream.error is not e:
+                    raise stream.error from e
+                raise
             stream.close()
         path = pathlib.Path(path)
         entries = {path.name: digest_bytes(b"", self._algo)}

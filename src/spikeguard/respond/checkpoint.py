@@ -41,12 +41,14 @@ from typing import Any, Literal
 import torch
 
 from .. import _dist
+from .._crash import crash_point
 from .._validate import check_int
 from . import _ckpt_io as io
 from ._ckpt_files import DIGESTS, CheckpointDir, FileEntry, IOStats
 from ._ckpt_load import INFO as _INFO
 from ._ckpt_load import MANIFEST as _MANIFEST
 from ._ckpt_load import Refused, load, verify_checkpoint
+from ._ckpt_save import Job, agree, failure_message, make_tmp
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointWarning",
            "rollback_target", "verify_checkpoint"]
@@ -97,28 +99,6 @@ def rollback_target(onset: int, checkpoints: int | Iterable[int]) -> int | None:
     return max((s for s in checkpoints if s <= limit), default=None)
 
 
-@dataclass
-class _Job:
-    """One save from the moment its state is captured: what the writer thread needs."""
-
-    step: int
-    directory: Path
-    side: Any
-    """This rank's sidecar, already encoded for JSON."""
-    info: dict
-    records: dict[str, FileEntry] = field(default_factory=dict)
-    """File name -> manifest entry, for the files this rank wrote."""
-    stats: IOStats = field(default_factory=IOStats)
-
-    @property
-    def final(self) -> Path:
-        return self.directory / f"step_{self.step:08d}"
-
-    @property
-    def tmp(self) -> Path:
-        return self.directory / f".tmp-step_{self.step:08d}"
-
-
 class CheckpointManager:
     """Save every ``every`` steps, keep the newest ``keep`` (never deleting the newest healthy
     one), restore the newest healthy checkpoint at or before a step.
@@ -132,20 +112,38 @@ class CheckpointManager:
     save/restore or :meth:`wait` only waits for it (and re-raises its error). ``io_stats``
     counts this rank's opens and hashed bytes per file in the last save or restore (the
     listing's reads of ``info.json`` are not counted).
+
+    A failed save (a full disk: ENOSPC, EFBIG at a file size limit, EDQUOT; any write error)
+    removes its partial files and leaves the committed ones; then ``on_error="raise"`` (default)
+    raises :class:`CheckpointError` from save() (under ``async_save`` from the next
+    save/restore/wait): the run stops, to resume from the last checkpoint once there is room.
+    ``"warn"`` issues a :class:`CheckpointWarning` and trains on; the next save tries again
+    (marked unhealthy when the failed one would have been: its window's alerts carry over).
+    Raise is the default: a run that cannot checkpoint can neither resume nor roll back, and
+    stopping costs at most ``every`` steps while a warning scrolls away as that cost grows.
     """
 
     def __init__(self, directory: str | Path, *, every: int = 1000, keep: int = 10,
-                 async_save: bool = False, digest: Literal["crc32", "sha256"] = "crc32") -> None:
+                 async_save: bool = False, digest: Literal["crc32", "sha256"] = "crc32",
+                 on_error: Literal["raise", "warn"] = "raise") -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"CheckpointManager directory={directory!r} must be a path")
         check_int(every, "CheckpointManager every", hint="1000 steps is usual")
         check_int(keep, "CheckpointManager keep", hint="10 is usual")
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"CheckpointManager on_error={on_error!r} must be 'raise' (stop the "
+                             "run when a save fails; the default) or 'warn' (train on without it)")
         if digest not in DIGESTS:
             raise ValueError(f"CheckpointManager digest={digest!r} is not one of "
                              f"{sorted(DIGESTS)}; crc32 (the default) catches corruption at a "
                              "fraction of sha256's cost, sha256 suits manifests you sign")
         self.directory = Path(directory)
-        self.every, self.keep, self.async_save, self.digest = every, keep, async_save, digest
+        self.every, self.keep, self.async_save, self.digest = every, keep, bool(async_save), digest
+        self.on_error = on_error
         self.io_stats = IOStats()
         self._pending: Future[None] | None = None
+        self._pending_job: Job | None = None
+        self._carry: tuple[bool, list[str]] = (True, [])
         self._stager: Any = None
         self._executor: ThreadPoolExecutor | None = None
         self._group: Any = None
@@ -186,8 +184,9 @@ class CheckpointManager:
              scheduler: Any = None, scaler: Any = None, data: Any = None,
              extra_state: dict[str, Any] | None = None, healthy: bool = True,
              alerts: list[str] | tuple[str, ...] = (), meta: dict | None = None,
-             save_rng: bool = True) -> Path:
-        """Save the state after update ``step``; returns the final directory.
+             save_rng: bool = True) -> Path | None:
+        """Save the state after update ``step``; returns its directory (None: it failed and
+        ``on_error="warn"`` went on).
 
         ``healthy=False`` (or any ``alerts``) marks that an alert was raised in this
         checkpoint's window; restore() then passes over it. Collective across ranks.
@@ -201,14 +200,18 @@ class CheckpointManager:
         if save_rng:
             side["rng"] = io.rng_state()
         skips = data.state_dict().get("skip_ranges", []) if data is not None else []
-        job = _Job(step=step, directory=self.directory, side=io.encode(side), info={
-            "format": _FORMAT, "step": step, "healthy": bool(healthy) and not alerts,
-            "alerts": list(alerts), "skip_ranges": [list(r) for r in skips],
+        ok, carried = self._carry  # a failed save's window is part of this one's
+        job = Job(step=step, directory=self.directory, side=io.encode(side), info={
+            "format": _FORMAT, "step": step, "healthy": ok and bool(healthy) and not alerts,
+            "alerts": [*carried, *alerts], "skip_ranges": [list(r) for r in skips],
             "world_size": _dist.world_size(), "meta": meta or {}})
-        self.io_stats = job.stats
+        self.io_stats, self._carry = job.stats, (True, [])
         if not self.async_save:
-            with io.quiet():
-                self._write(job, tensors, None)
+            try:
+                with io.quiet():
+                    self._write(job, tensors, None)
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                return self._failed(job, e)
             return job.final
         if self._stager is None:  # one stager: its CPU buffers are reused save after save
             self._group = _dist.new_cpu_group()
@@ -216,9 +219,10 @@ class CheckpointManager:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="spikeguard-checkpoint")
         staged = self._stager.stage(tensors)  # the training thread's only copy of the state
         self._pending = self._executor.submit(self._write, job, staged, self._group)
+        self._pending_job = job
         return job.final
 
-    def _write(self, job: _Job, tensors: dict, group: Any) -> None:
+    def _write(self, job: Job, tensors: dict, group: Any) -> None:
         """Everything after the state is captured, in the background thread (collectives on
         the manager's own gloo group) under async_save: the sidecar, DCP's save through the
         hashing writer, the commit."""
@@ -226,28 +230,44 @@ class CheckpointManager:
 
         from ._safe_dcp import HashingWriter
 
-        if _dist.rank() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(job.tmp, ignore_errors=True)
-            job.tmp.mkdir()
-        _dist.barrier(group)
+        make_tmp(job, group)
+        error = None
         sidecar = f"rank{_dist.rank()}.json"
-        job.records[sidecar] = io.write_json(job.tmp / sidecar, job.side, self.digest)
+        try:
+            job.records[sidecar] = io.write_json(job.tmp / sidecar, job.side, self.digest)
+        except OSError as e:
+            error = e
+        agree(error, group)
         job.stats.add(sidecar, hashed=job.records[sidecar].size)
         writer = HashingWriter(job.tmp, job.records, job.stats, self.digest)
         dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _dist.is_dist())
+        crash_point("after_shard", job.step)  # tests only (SPIKEGUARD_TEST_CRASH)
         self._commit(job, group)
 
     def wait(self) -> None:
-        """Block until a pending async save is committed (re-raising its error, if any)."""
+        """Block until a pending async save is committed (a failure: as ``on_error`` says)."""
         if self._pending is None:
             return
-        fut, self._pending = self._pending, None
-        fut.result()
+        fut, job, self._pending = self._pending, self._pending_job, None
+        try:
+            fut.result()
+        except BaseException as e:
+            self._failed(job, e)
+
+    def _failed(self, job: Job, exc: BaseException) -> None:  # returns only under "warn"
+        """A save failed on every rank alike (the ranks agree before and after each write)."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise exc
+        if _dist.rank() == 0:  # free what the failed save took; committed ones stay
+            shutil.rmtree(job.tmp, ignore_errors=True)
+        msg = failure_message(job.step, self.directory, exc, self.list(), self.on_error)
+        if self.on_error == "raise":
+            raise CheckpointError(msg) from exc
+        self._carry = (job.info["healthy"], job.info["alerts"])
+        warnings.warn(msg, CheckpointWarning, stacklevel=4)
 
     def close(self) -> None:
-        """Commit a pending async save; free the staging buffers, the writer thread and the
-        async group."""
+        """Commit a pending async save; free the stager, the writer thread and the async group."""
         self.wait()
         if self._stager is not None:
             self._stager.close()
@@ -258,19 +278,22 @@ class CheckpointManager:
                 dist.destroy_process_group(self._group)
         self._stager = self._executor = self._group = None
 
-    def _commit(self, job: _Job, group: Any) -> None:
+    def _commit(self, job: Job, group: Any) -> None:
         gathered = _dist.gather_object({n: e.to_json() for n, e in job.records.items()}, group)
         error = None
         if gathered is not None:  # rank 0
             try:
                 files = self._manifest(job, gathered)
+                crash_point("before_commit", job.step)
                 io.write_json(job.tmp / _MANIFEST, {
                     "format": _FORMAT, "files": {n: e.to_json() for n, e in files.items()}})
                 io.fsync_dir(job.tmp)
+                crash_point("after_manifest", job.step)
                 if job.final.exists():
                     shutil.rmtree(job.final)
                 job.tmp.rename(job.final)
                 io.fsync_dir(self.directory)
+                crash_point("after_commit", job.step)
                 self._rotate()
             except (OSError, ValueError) as e:
                 error = f"{type(e).__name__}: {e}"
@@ -278,7 +301,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {job.final} could not be committed: "
                                   f"{error or 'rank 0 failed (see its error)'}")
 
-    def _manifest(self, job: _Job, gathered: list[dict]) -> dict[str, FileEntry]:
+    def _manifest(self, job: Job, gathered: list[dict]) -> dict[str, FileEntry]:
         files: dict[str, FileEntry] = {}
         for r, recs in enumerate(gathered):
             for name, e in recs.items():
@@ -335,6 +358,7 @@ class CheckpointManager:
         """
         self.wait()
         refusals: list[str] = []
+        fresh = optimizer is not None and not optimizer.state  # DCP fills it to read its keys
         for c in reversed(self.list()):
             if (at_or_before is not None and c.step > at_or_before) or not c.healthy:
                 continue
@@ -349,6 +373,8 @@ class CheckpointManager:
                 refusals.append(msg)
                 continue
             return c
+        if fresh:
+            optimizer.state.clear()
         where = "" if at_or_before is None else f" at or before step {at_or_before}"
         raise CheckpointError(f"no healthy checkpoint{where} in {self.directory} could be restored"
                               + "".join(f"\n  {r}" for r in refusals))

@@ -29,6 +29,7 @@ onsets; the rollback target is the newest checkpoint at or before ``onset_step -
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from typing import Any, NamedTuple
 
@@ -92,6 +93,10 @@ def _check_host(m: StepMetrics) -> None:
                 f"StepMetrics.{name} is a torch.Tensor ({value.device}); SpikeDetector.update "
                 f"takes host numbers: pass float({name}) (read it once, e.g. one step late). "
                 "A tensor here would make every comparison in the detector a hidden device sync")
+        if name == "step" and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"StepMetrics.step={value!r} must be an int")
+        if value is not None and not isinstance(value, numbers.Real):
+            raise TypeError(f"StepMetrics.{name}={value!r} must be a number (a float)")
         h.add(type(value))
 
 
@@ -107,6 +112,9 @@ class SpikeDetector:
     """
 
     def __init__(self, config: DetectorConfig | None = None) -> None:
+        if config is not None and not isinstance(config, DetectorConfig):
+            raise TypeError(f"SpikeDetector(config) takes a DetectorConfig (e.g. "
+                            f"DetectorConfig.for_run(steps)), got {type(config).__name__}")
         self.config = config if config is not None else DetectorConfig()
         self.reset()
 
@@ -151,6 +159,8 @@ class SpikeDetector:
     def update(self, m: StepMetrics) -> Verdict:
         """Judge one step. Call once per step, in order, with host floats (a torch.Tensor field
         raises TypeError: convert it with ``float(...)`` where a sync is acceptable)."""
+        if type(m) is not StepMetrics and not isinstance(m, StepMetrics):
+            raise TypeError(f"SpikeDetector.update takes a StepMetrics, got {type(m).__name__}")
         step, loss, g, lz, nf, given = (m.step, m.loss, m.grad_norm, m.log_z, m.nan_frac,
                                         m.loss_ema_ratio)
         # the common case in one cheap test; anything else (ints, None, numpy floats, tensors)

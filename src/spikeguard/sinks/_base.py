@@ -14,7 +14,7 @@ import torch
 
 from .. import _dist
 
-__all__ = ["Sink", "SinkDisabledWarning", "SinkLike", "Sinks", "host_record"]
+__all__ = ["Sink", "SinkDisabledWarning", "SinkLike", "Sinks", "check_path", "host_record"]
 
 
 class SinkDisabledWarning(RuntimeWarning):
@@ -122,9 +122,17 @@ def _writes_here(rank: int | None, what: str) -> bool:
     return this_rank(what) == rank
 
 
-def per_rank(target: str, rank: int | None, what: str, field: str) -> str:
+def check_path(target: Any, what: str, field: str) -> str:
+    """``target`` as a str when it is a path (str or os.PathLike); TypeError naming it if not."""
+    if not isinstance(target, (str, os.PathLike)):
+        raise TypeError(f"{what} {field}={target!r} must be a path (str or os.PathLike)")
+    return os.fspath(target)
+
+
+def per_rank(target: Any, rank: int | None, what: str, field: str) -> str:
     """``target`` with ``{rank}`` replaced by this process's rank. With ``rank=None`` (every rank
     writes) the placeholder is required, so that ranks never share a file or a run."""
+    target = check_path(target, what, field)
     if rank is None and "{rank}" not in target:
         raise ValueError(f"{what}(rank=None) writes on every rank, so {field}={target!r} must "
                          "hold a {rank} placeholder (e.g. 'metrics-rank{rank}.jsonl') to give "
@@ -232,10 +240,12 @@ class Sinks(Sink):
     """Several sinks behind one: reads device values once, then hands each sink a host record.
 
     Any object with ``log(record, step)`` may be in the list (``close()`` is called when
-    present). One that raises is reported with a ``SinkDisabledWarning`` and dropped; the others
-    and the run go on. Each member decides on which rank it writes; on a rank where every
-    built-in member is inactive, the group is inactive too and reads nothing off the device.
-    The guard wraps its sinks in this.
+    present). One that raises, or a built-in sink that disables itself (a full disk), is reported
+    with a ``SinkDisabledWarning`` and dropped; the others and the run go on, and every record
+    they get from the one it failed on carries ``sink_errors``: ``{sink name: "ErrorType:
+    message"}``. Each member decides on which rank it writes; on a rank where every built-in
+    member is inactive, the group is inactive too and reads nothing off the device. The guard
+    wraps its sinks in this.
     """
 
     def __init__(self, sinks: Iterable[SinkLike], *, defer: bool | None = None) -> None:
@@ -249,17 +259,43 @@ class Sinks(Sink):
         if not self.active:
             _OPEN.discard(self)
 
-    def _drop(self, sink: Any, exc: BaseException) -> None:
+    def _drop(self, sink: Any, exc: BaseException, *, warn: bool = True) -> None:
         self.sinks = [s for s in self.sinks if s is not sink]
         self.failed[type(sink).__name__] = exc
-        warnings.warn(f"sink {type(sink).__name__} failed and is disabled for the rest of the run; "
-                      f"training continues. {type(exc).__name__}: {exc}", SinkDisabledWarning,
-                      stacklevel=4)
+        if warn:  # a built-in sink that disabled itself has already said so
+            warnings.warn(f"sink {type(sink).__name__} failed and is disabled for the rest of the "
+                          f"run; training continues. {type(exc).__name__}: {exc}",
+                          SinkDisabledWarning, stacklevel=4)
 
     def _write(self, record: dict[str, Any], step: int) -> None:
         for sink in list(self.sinks):
             try:
-                sink.log(record, step)
+                sink.log(self._noted(record), step)
+            except Exception as exc:
+                self._drop(sink, exc)
+                continue
+            if getattr(sink, "disabled", False) is True:
+                self._drop(sink, getattr(sink, "error", None) or RuntimeError("disabled"),
+                           warn=False)
+
+    def _noted(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The record, with ``sink_errors`` once a sink has failed (the sinks that still work
+        say which ones no longer do, from the record that failed on)."""
+        if not self.failed:
+            return record
+        return {**record, "sink_errors": {name: f"{type(e).__name__}: {e}"
+                                          for name, e in self.failed.items()}}
+
+    def flush(self) -> None:
+        """Write the pending record, then flush every member that can (each writes what it
+        holds), so that what was logged is in the files."""
+        super().flush()
+        for sink in list(self.sinks):
+            flush = getattr(sink, "flush", None)
+            if flush is None:
+                continue
+            try:
+                flush()
             except Exception as exc:
                 self._drop(sink, exc)
 

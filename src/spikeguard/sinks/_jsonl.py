@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import errno
 import json
 import math
 import os
@@ -10,12 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..record import RECORD_KEYS, SCHEMA
-from ._base import Sink, per_rank
+from ._base import Sink, check_path, per_rank
 
 __all__ = ["JsonlSink", "encode_record", "read_metrics"]
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _TEXT_KEYS = frozenset({"action", "reasons"})  # strings by nature: never decoded to floats
+_FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+"""A full disk, the file size limit (RLIMIT_FSIZE) and a quota: the same condition to a writer."""
 
 
 def _jsonable(value: Any) -> Any:
@@ -124,7 +128,11 @@ class JsonlSink(Sink):
     t is written at t+1). ``mode="a"`` (default) appends, first dropping a line cut short by an
     earlier crash; ``"w"`` starts a new file. ``fsync=True`` also forces every line to disk (a
     machine crash, not only a process crash). The file opens at the first record, so a bad path
-    is reported (``SinkDisabledWarning``) and never stops the run.
+    is reported (``SinkDisabledWarning``) and never stops the run. A write that fails (a full
+    disk: ENOSPC, EFBIG at the file size limit, EDQUOT) is cut back to the end of the last whole
+    line, so the file never holds part of a record, and the sink is disabled with a warning
+    saying so; in a :class:`Sinks` group the others go on and carry the condition in
+    ``sink_errors``.
 
     Under torch.distributed only rank ``rank`` (default 0) writes: one file per job. With
     ``rank=None`` every rank writes its own file, and ``path`` must hold ``{rank}``
@@ -134,10 +142,11 @@ class JsonlSink(Sink):
     def __init__(self, path: str | os.PathLike[str] = "metrics.jsonl", *,
                  mode: Literal["a", "w"] = "a", fsync: bool = False,
                  defer: bool | None = None, rank: int | None = 0) -> None:
+        check_path(path, type(self).__name__, "path")
         if mode not in ("a", "w"):
             raise ValueError(f"mode={mode!r} must be 'a' (append) or 'w' (overwrite)")
         super().__init__(defer=defer, rank=rank)
-        self.path = Path(per_rank(os.fspath(path), rank, self.name, "path"))
+        self.path = Path(per_rank(path, rank, self.name, "path"))
         self.mode = mode
         self.fsync = fsync
         self._fd: int | None = None
@@ -157,10 +166,21 @@ class JsonlSink(Sink):
         if self._fd is None:
             self._fd = self._open()
         data = (encode_record(record) + "\n").encode()
-        while data:
-            data = data[os.write(self._fd, data):]
-        if self.fsync:
-            os.fsync(self._fd)
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError as exc:
+            # never leave part of a line behind: the file keeps whole records only
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)
+            if exc.errno in _FULL:
+                raise OSError(exc.errno, f"{exc.strerror}: {self.path} is on a full disk or at "
+                              f"the file size limit; step {step} and later are not in it (the "
+                              "lines before are whole)") from exc
+            raise
 
     def _close(self) -> None:
         if self._fd is not None:

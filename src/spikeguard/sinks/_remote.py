@@ -6,7 +6,7 @@ import importlib.util
 import os
 from typing import Any
 
-from ._base import Sink, per_rank
+from ._base import Sink, check_path, per_rank
 
 __all__ = ["TensorBoardSink", "WandbSink"]
 
@@ -41,9 +41,10 @@ class TensorBoardSink(Sink):
 
     def __init__(self, log_dir: str | os.PathLike[str], *, prefix: str = "",
                  defer: bool | None = None, rank: int | None = 0) -> None:
+        check_path(log_dir, "TensorBoardSink", "log_dir")
         _require("tensorboard", "TensorBoardSink", "tb")
         super().__init__(defer=defer, rank=rank)
-        self.log_dir = per_rank(os.fspath(log_dir), rank, self.name, "log_dir")
+        self.log_dir = per_rank(log_dir, rank, self.name, "log_dir")
         self.prefix = prefix
         self._writer: Any = None
         if not self.active:

@@ -29,6 +29,7 @@ import torch
 from rich.console import Console
 
 from .. import _dist
+from .._crash import crash_point
 from ..data import TokenStream
 from ..detect.precision import PrecisionPolicy
 from ..guard import Guard
@@ -94,7 +95,16 @@ def _unigram_entropy(tokens: np.ndarray, vocab: int) -> float:
 def _init_distributed() -> torch.device:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _dist.is_dist():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            torch.distributed.init_process_group(backend)
+        else:  # the agent's store outlives a restart: keys of one attempt apart from the last's
+            env = os.environ
+            store = torch.distributed.PrefixStore(f"spikeguard/attempt_{attempt}/",
+                                                  torch.distributed.TCPStore(
+                env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), False))
+            torch.distributed.init_process_group(backend, store=store, rank=int(env["RANK"]),
+                                                 world_size=int(env["WORLD_SIZE"]))
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -119,6 +129,9 @@ def _prepare_out(cfg: TrainConfig, out: Path, run_hash: str, console: Console) -
         raise ValueError(f"--out {out} holds a run of another config or data (hash "
                          f"{str(saved)[:12]} vs {run_hash[:12]}); pass --fresh to start over "
                          f"there or choose another --out")
+    if not has_ckpt and _dist.rank() == 0:
+        # an earlier attempt died before its first checkpoint: its steps run again from 0
+        (out / "metrics.jsonl").unlink(missing_ok=True)
     return has_ckpt
 
 
@@ -211,6 +224,7 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
     out = Path(cfg.out)
     run_hash = cfg.run_hash(data.sha256)
     resume = _prepare_out(cfg, out, run_hash, console)
+    resumed_at: int | None = None
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg).to(device)
     fwd = _wrap(model, cfg.parallel, device)
@@ -244,6 +258,7 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
         info = guard.resume()
         if info is not None:
             result.resumed_from = info.step
+            resumed_at = stream.position
             if rank == 0:
                 _cut_metrics(out / "metrics.jsonl", guard.records)
                 _cut_quarantine(out / "quarantine.jsonl", info.step)
@@ -271,6 +286,7 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
                 loss = model.loss(fwd(x), y)
             guard.backward(loss)
             injector.after_backward(model)
+            crash_point("mid_step", t)  # tests only (SPIKEGUARD_TEST_CRASH)
             injector.before_step(optimizer)
             verdict = guard.step(loss, rerun=rerun)
             injector.after_step(optimizer)
@@ -291,7 +307,8 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     (out / "ranks" / f"rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "steps": guard.step_index, "applied": guard.applied,
-         "rollbacks": guard.rollbacks, "skipped": skipped,
+         "rollbacks": guard.rollbacks, "skipped": skipped, "resumed_from": result.resumed_from,
+         "resumed_at_batch": resumed_at,
          "halted": result.halted.step if result.halted else None}))
     if result.halted is None:
         result.val_loss = evaluate(model, data.val, batches=cfg.eval_batches,

@@ -1,0 +1,59 @@
+"""What the Guard checks about its arguments before it takes them (private to guard.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .detect.probes import ProbeConfig
+from .respond._detector_config import DetectorConfig
+
+__all__ = ["check_grads", "check_loss", "check_nested", "check_pair"]
+
+
+def check_pair(model: Any, optimizer: Any) -> None:
+    """The model is a module with parameters and the optimizer steps only those parameters."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Guard(model, optimizer): model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    if not all(callable(getattr(optimizer, a, None)) for a in ("step", "zero_grad")) or \
+            not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise TypeError(f"Guard(model, optimizer): optimizer must be a torch.optim.Optimizer, "
+                        f"got {type(optimizer).__name__}")
+    own = {id(p) for p in model.parameters()}
+    if not own:
+        raise ValueError(f"Guard(model, ...): the {type(model).__name__} has no parameters; the "
+                         "guard measures, clips and steps the model's parameters")
+    stray = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
+    if stray:
+        raise ValueError(f"Guard(model, optimizer): {stray} of the optimizer's parameters are not "
+                         "the model's, so the guard would neither measure nor clip them; build "
+                         "the optimizer from model.parameters()")
+
+
+def check_grads(params: list[Any]) -> None:
+    """At least one parameter has a gradient (a Python check: no device read)."""
+    if not any(p.grad is not None for p in params):
+        raise ValueError("guard.step(): no parameter of the model has a gradient; call "
+                         "loss.backward() (guard.backward(out) under fp16) before guard.step")
+
+
+def check_loss(loss: Any, device: torch.device) -> None:
+    """One number on the model's device: a 0-d tensor (or one element)."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError("guard.step/accumulate needs the step's loss as a 0-d tensor or a "
+                         f"LossOutput with reduction='mean'; got {type(loss).__name__}"
+                         f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    if loss.device != device:
+        raise ValueError(f"the loss is on {loss.device} but the model's parameters are on "
+                         f"{device}; compute it on the model's device")
+
+
+def check_nested(config: Any) -> None:
+    """A GuardConfig's nested configs are of their types (a dict would fail much later)."""
+    for name, kind in (("detector", DetectorConfig), ("probes", ProbeConfig)):
+        if not isinstance(getattr(config, name), kind):
+            raise TypeError(f"GuardConfig.{name} must be a {kind.__name__}, got "
+                            f"{type(getattr(config, name)).__name__}")

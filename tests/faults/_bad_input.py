@@ -1,0 +1,348 @@
+"""The bad-input table: for every name in ``spikeguard.__all__``, calls that are wrong, the error
+each must raise, the words its message must hold, and the state that must not change.
+
+Kinds of bad input: a wrong type, dtype or device; parameters without gradients; an empty
+parameter list or batch; a negative, non-finite or absurd config value; a checkpoint of another
+model shape. ``NOT_CALLED`` lists the names that take no user input (exceptions and warnings the
+library raises, records it returns, the version string) with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import spikeguard as sg
+from tests.faults._bad_objects import (
+    _LOGITS,
+    _Q,
+    _TARGET,
+    _TOKENS,
+    _ckpt_state,
+    _fresh_detector,
+    _guard_state,
+    _model,
+    _other_shape,
+    _saved,
+    _saved_by_guard,
+    _stream,
+    _trained,
+    _with_grads,
+    _write,
+)
+
+__all__ = ["CASES", "NOT_CALLED", "Case"]
+
+NOT_CALLED = {
+    "CheckpointError": "an exception the library raises",
+    "CheckpointWarning": "a warning the library issues",
+    "SinkDisabledWarning": "a warning the library issues",
+    "StackedLogitBoundsWarning": "a warning the library issues",
+    "TrainingHalted": "an exception the guard raises with its report",
+    "CheckpointInfo": "a record CheckpointManager.list/restore returns",
+    "Corpus": "a record load_corpus returns",
+    "LossOutput": "a record the losses return",
+    "MemoryBudget": "a record memory_budget returns",
+    "Verdict": "a record SpikeDetector.update returns",
+    "__version__": "a string",
+}
+
+
+@dataclass
+class Case:
+    name: str
+    """The public name under test."""
+    what: str
+    """The bad input, in words."""
+    call: Callable[[dict], Any]
+    """Makes the bad call with the objects ``setup`` built."""
+    match: tuple[str, ...]
+    """Words the message must hold (the field or argument, the value or the problem)."""
+    raises: tuple[type[BaseException], ...] = (ValueError, TypeError)
+    setup: Callable[[], dict] = dict
+    """Builds the objects the call uses (fresh for each case)."""
+    state: Callable[[dict], Any] | None = None
+    """What must be the same before and after the call (compared with ``snapshot``)."""
+    warns: type[Warning] | None = None
+    """A warning the call may issue on its way to the error (checked to be of this type)."""
+    extra: dict = field(default_factory=dict)
+
+
+def _cases(tmp_factory: Callable[[], Any]) -> list[Case]:
+    ck = lambda: _saved(tmp_factory())  # noqa: E731
+    m = _model
+    return [
+        # -- prevent --------------------------------------------------------------------------
+        Case("cross_entropy", "float targets", lambda c: sg.cross_entropy(_LOGITS, _TARGET.float()),
+             ("target dtype", "float32", "integer")),
+        Case("cross_entropy", "integer logits", lambda c: sg.cross_entropy(_LOGITS.long(), _TARGET),
+             ("logits", "floating-point", "int64")),
+        Case("cross_entropy", "target on another device",
+             lambda c: sg.cross_entropy(_LOGITS, _TARGET.to("meta")), ("meta", "cpu", "one device")),
+        Case("cross_entropy", "a target id past the vocabulary",
+             lambda c: sg.cross_entropy(_LOGITS, torch.full_like(_TARGET, 300)),
+             ("300", "outside", "256")),
+        Case("cross_entropy", "negative z_loss", lambda c: sg.cross_entropy(_LOGITS, _TARGET, z_loss=-1.0),
+             ("z_loss=-1", "negative")),
+        Case("linear_cross_entropy", "hidden and weight of other widths",
+             lambda c: sg.linear_cross_entropy(torch.randn(8, 64), torch.randn(256, 32),
+                                               torch.randint(0, 256, (8,))), ("hidden", "H=32")),
+        Case("linear_cross_entropy", "chunk_size 0",
+             lambda c: sg.linear_cross_entropy(torch.randn(8, 64), torch.randn(256, 64),
+                                               torch.randint(0, 256, (8,)), chunk_size=0),
+             ("chunk_size=0",)),
+        Case("linear_cross_entropy", "weight on another device",
+             lambda c: sg.linear_cross_entropy(torch.randn(8, 64), torch.randn(256, 64, device="meta"),
+                                               torch.randint(0, 256, (8,))), ("meta", "one device")),
+        Case("router_z_loss", "integer logits",
+             lambda c: sg.router_z_loss(torch.ones(4, 3, dtype=torch.long)), ("router_logits", "floating")),
+        Case("router_z_loss", "mask of another shape",
+             lambda c: sg.router_z_loss(torch.ones(4, 3), mask=torch.ones(5, dtype=torch.bool)),
+             ("mask shape", "(5,)")),
+        Case("softcap", "cap 0", lambda c: sg.softcap(torch.ones(3), 0), ("cap=0", "positive")),
+        Case("softcap", "cap -inf", lambda c: sg.softcap(torch.ones(3), -math.inf), ("cap=-inf",)),
+        Case("attention", "q, k of other head dims",
+             lambda c: sg.attention(_Q, torch.randn(1, 2, 4, 6), _Q), ("shapes do not match",)),
+        Case("attention", "integer q, k, v", lambda c: sg.attention(_Q.long(), _Q.long(), _Q.long()),
+             ("floating-point", "int64")),
+        Case("attention", "k on another device", lambda c: sg.attention(_Q, _Q.to("meta"), _Q),
+             ("one device", "meta")),
+        Case("attention", "softcap -1", lambda c: sg.attention(_Q, _Q, _Q, softcap=-1.0),
+             ("softcap=-1.0",)),
+        Case("attention", "3-D inputs", lambda c: sg.attention(_Q[0], _Q[0], _Q[0]), ("4-D",)),
+        Case("QKNorm", "head_dim 0", lambda c: sg.QKNorm(0), ("head_dim=0",)),
+        Case("QKNorm", "negative eps", lambda c: sg.QKNorm(8, eps=-1.0), ("eps=-1",)),
+        Case("QKNorm", "q of another head dim",
+             lambda c: c["n"](torch.ones(2, 4), torch.ones(2, 4)), ("head_dim=8", "(2, 4)"),
+             setup=lambda: dict(n=sg.QKNorm(8)), state=lambda c: c["n"].state_dict()),
+        Case("fan_in_init_", "a 1-D weight", lambda c: sg.fan_in_init_(c["w"]), (">= 2 dims", "(4,)"),
+             setup=lambda: dict(w=torch.ones(4)), state=lambda c: c["w"]),
+        Case("fan_in_init_", "an integer weight", lambda c: sg.fan_in_init_(c["w"]),
+             ("floating-point", "int64"), setup=lambda: dict(w=torch.ones(4, 4, dtype=torch.long)),
+             state=lambda c: c["w"]),
+        Case("fan_in_init_", "negative gain", lambda c: sg.fan_in_init_(c["w"], gain=-1.0),
+             ("gain=-1",), setup=lambda: dict(w=torch.ones(4, 4)), state=lambda c: c["w"]),
+        Case("gpt2_residual_init_", "an empty weight list", lambda c: sg.gpt2_residual_init_([], 2),
+             ("weights=[]",)),
+        Case("gpt2_residual_init_", "n_layer 0", lambda c: sg.gpt2_residual_init_([c["w"]], 0),
+             ("n_layer=0",), setup=lambda: dict(w=torch.ones(4, 4)), state=lambda c: c["w"]),
+        Case("gpt2_residual_init_", "negative std",
+             lambda c: sg.gpt2_residual_init_([c["w"]], 2, std=-0.02), ("std=-0.02",),
+             setup=lambda: dict(w=torch.ones(4, 4)), state=lambda c: c["w"]),
+        Case("memory_budget", "negative parameter count", lambda c: sg.memory_budget(-1),
+             ("n_params=-1",)),
+        Case("memory_budget", "NaN parameter count", lambda c: sg.memory_budget(math.nan),
+             ("n_params=nan",)),
+        Case("memory_budget", "0 GPUs", lambda c: sg.memory_budget(1e9, n_gpus=0), ("n_gpus=0",)),
+        Case("memory_budget", "ZeRO stage 4", lambda c: sg.memory_budget(1e9, zero_stage=4),
+             ("zero_stage=4",)),
+        Case("schedules", "negative warmup",
+             lambda c: sg.schedules.warmup_cosine(warmup_steps=-1, total_steps=10),
+             ("warmup_steps=-1",)),
+        Case("schedules", "warmup as long as the run",
+             lambda c: sg.schedules.warmup_cosine(warmup_steps=10, total_steps=10),
+             ("warmup_steps=10", "total_steps=10")),
+        Case("schedules", "min_ratio 2", lambda c: sg.schedules.warmup_cosine(
+            warmup_steps=1, total_steps=10, min_ratio=2), ("min_ratio=2",)),
+        Case("schedules", "wsd decay_fraction 1.5", lambda c: sg.schedules.wsd(
+            warmup_steps=1, total_steps=10, decay_fraction=1.5), ("decay_fraction=1.5",)),
+        # -- data -----------------------------------------------------------------------------
+        Case("load_corpus", "an unknown corpus", lambda c: sg.load_corpus("nope"), ("'nope'",)),
+        Case("load_corpus", "val_fraction 1.5", lambda c: sg.load_corpus(val_fraction=1.5),
+             ("val_fraction=1.5",)),
+        Case("TokenStream", "a list of tokens",
+             lambda c: sg.TokenStream([1, 2, 3], batch_size=2, seq_len=8), ("tokens", "list")),
+        Case("TokenStream", "float tokens",
+             lambda c: sg.TokenStream(_TOKENS.astype(np.float32), batch_size=2, seq_len=8),
+             ("integer token ids", "float32")),
+        Case("TokenStream", "an empty token array",
+             lambda c: sg.TokenStream(_TOKENS[:0], batch_size=2, seq_len=8), ("0 tokens",)),
+        Case("TokenStream", "batch_size 0",
+             lambda c: sg.TokenStream(_TOKENS, batch_size=0, seq_len=8), ("batch_size=0",)),
+        Case("TokenStream", "rank outside the world",
+             lambda c: sg.TokenStream(_TOKENS, batch_size=2, seq_len=8, rank=3, world_size=2),
+             ("rank=3", "world_size=2")),
+        Case("TokenStream", "the state of a stream with another batch size",
+             lambda c: c["s"].load_state_dict(sg.TokenStream.from_corpus(
+                 "pydoc", batch_size=4, seq_len=16).state_dict()), ("batch_size=4",),
+             setup=_stream, state=lambda c: c["s"].state_dict()),
+        Case("TokenStream", "a skip range backwards", lambda c: c["s"].skip(5, 2), ("[5, 2]",),
+             setup=_stream, state=lambda c: c["s"].state_dict()),
+        # -- model ----------------------------------------------------------------------------
+        Case("GPTConfig", "n_layer 0", lambda c: sg.GPTConfig(n_layer=0), ("n_layer=0",)),
+        Case("GPTConfig", "heads not dividing the width", lambda c: sg.GPTConfig(n_head=3),
+             ("n_head=3", "d_model=128")),
+        Case("GPTConfig", "dropout 1.5", lambda c: sg.GPTConfig(dropout=1.5), ("dropout=1.5",)),
+        Case("GPTConfig", "negative z_loss", lambda c: sg.GPTConfig(z_loss=-1e-4), ("z_loss=-0.0001",)),
+        Case("GPT", "a string for the config", lambda c: sg.GPT("tiny"), ("GPTConfig", "str")),
+        Case("GPT", "float token ids", lambda c: c["m"](torch.ones(2, 8)), ("token ids", "float32"),
+             setup=lambda: dict(m=m()), state=lambda c: c["m"].state_dict()),
+        Case("GPT", "an empty batch", lambda c: c["m"](torch.zeros(0, 8, dtype=torch.long)),
+             ("empty batch", "(0, 8)"), setup=lambda: dict(m=m()), state=lambda c: c["m"].state_dict()),
+        Case("GPT", "tokens on another device",
+             lambda c: c["m"](torch.zeros(2, 8, dtype=torch.long, device="meta")), ("meta", "cpu"),
+             setup=lambda: dict(m=m()), state=lambda c: c["m"].state_dict()),
+        Case("GPT", "a token id past the vocabulary",
+             lambda c: c["m"](torch.full((2, 8), 300)), ("300", "vocabulary", "256"),
+             setup=lambda: dict(m=m()), state=lambda c: c["m"].state_dict()),
+        Case("GPT", "a sequence longer than seq_len",
+             lambda c: c["m"](torch.zeros(1, 65, dtype=torch.long)), ("65", "seq_len=64"),
+             setup=lambda: dict(m=m()), state=lambda c: c["m"].state_dict()),
+        # -- detect ---------------------------------------------------------------------------
+        Case("grad_stats", "a string for the parameters", lambda c: sg.grad_stats("weights"),
+             ("parameters", "str")),
+        Case("grad_stats", "2-D extras", lambda c: sg.grad_stats(c["model"].parameters(),
+                                                                extras=torch.ones(2, 2)),
+             ("extras=(2, 2)", "1-D"), setup=lambda: _with_grads(_trained()), state=_guard_state),
+        Case("clip_grad_norm_", "max_norm -1", lambda c: sg.clip_grad_norm_(
+            c["model"].parameters(), -1.0), ("max_norm=-1",), setup=lambda: _with_grads(_trained()),
+             state=_guard_state),
+        Case("clip_grad_norm_", "norm_type 'two'", lambda c: sg.clip_grad_norm_(
+            c["model"].parameters(), 1.0, norm_type="two"), ("norm_type='two'",),
+             setup=lambda: _with_grads(_trained()), state=_guard_state),
+        Case("clip_grad_norm_", "a list holding a non-tensor",
+             lambda c: sg.clip_grad_norm_([c["w"], 3.0], 1.0), ("parameters[1]", "float"),
+             setup=lambda: dict(w=torch.ones(3, requires_grad=True))),
+        Case("GradStats", "clip_ with max_norm 0",
+             lambda c: sg.grad_stats(c["model"].parameters()).clip_(0.0), ("max_norm=0",),
+             setup=lambda: _with_grads(_trained()), state=_guard_state),
+        Case("PrecisionPolicy", "fp8 as a kind", lambda c: sg.PrecisionPolicy(kind="fp8"),
+             ("kind='fp8'",)),
+        Case("PrecisionPolicy", "init_scale 0", lambda c: sg.PrecisionPolicy(init_scale=0),
+             ("init_scale=0",)),
+        Case("PrecisionPolicy", "growth_interval 0", lambda c: sg.PrecisionPolicy(growth_interval=0),
+             ("growth_interval=0",)),
+        Case("AmaxMonitor", "history_len 0", lambda c: sg.AmaxMonitor(history_len=0),
+             ("history_len=0",)),
+        Case("AmaxMonitor", "negative margin", lambda c: sg.AmaxMonitor(margin=-1), ("margin=-1",)),
+        Case("AmaxMonitor", "an unknown fp8 format", lambda c: sg.AmaxMonitor(fmt="e3m4"),
+             ("fmt='e3m4'",)),
+        Case("ProbeConfig", "activation_every 0", lambda c: sg.ProbeConfig(activation_every=0),
+             ("activation_every=0",)),
+        Case("Probes", "a string for the model", lambda c: sg.Probes("model"), ("nn.Module", "str")),
+        Case("Probes", "a dict for the config", lambda c: sg.Probes(c["m"], {}),
+             ("ProbeConfig", "dict"), setup=lambda: dict(m=m()), state=lambda c: c["m"].state_dict()),
+        # -- respond --------------------------------------------------------------------------
+        Case("DetectorConfig", "grad_k -1", lambda c: sg.DetectorConfig(grad_k=-1), ("grad_k=-1",)),
+        Case("DetectorConfig", "grad_k NaN", lambda c: sg.DetectorConfig(grad_k=math.nan),
+             ("grad_k=nan",)),
+        Case("DetectorConfig", "median_window 0", lambda c: sg.DetectorConfig(median_window=0),
+             ("median_window=0",)),
+        Case("DetectorConfig", "alert above skip", lambda c: sg.DetectorConfig(alert_ratio=3.0),
+             ("alert_ratio", "skip_ratio")),
+        Case("DetectorConfig", "for_run of 2 steps", lambda c: sg.DetectorConfig.for_run(2),
+             ("total_steps=2",)),
+        Case("SpikeDetector", "a string for the config", lambda c: sg.SpikeDetector("strict"),
+             ("DetectorConfig", "str")),
+        Case("SpikeDetector", "a dict for the step", lambda c: c["d"].update({"step": 3}),
+             ("StepMetrics", "dict"), setup=_fresh_detector, state=lambda c: c["d"].state_dict()),
+        Case("SpikeDetector", "a string loss",
+             lambda c: c["d"].update(sg.StepMetrics(step=3, loss="2.0", grad_norm=1.0)),
+             ("StepMetrics.loss='2.0'", "number"), setup=_fresh_detector,
+             state=lambda c: c["d"].state_dict()),
+        Case("SpikeDetector", "a tensor loss",
+             lambda c: c["d"].update(sg.StepMetrics(step=3, loss=torch.tensor(2.0), grad_norm=1.0)),
+             ("StepMetrics.loss", "torch.Tensor"), setup=_fresh_detector,
+             state=lambda c: c["d"].state_dict()),
+        Case("SpikeDetector", "state of an unknown version", lambda c: c["d"].load_state_dict({}),
+             ("version",), setup=_fresh_detector, state=lambda c: c["d"].state_dict()),
+        Case("StepMetrics", "a string step, through the detector",
+             lambda c: c["d"].update(sg.StepMetrics(step="3", loss=2.0, grad_norm=1.0)),
+             ("StepMetrics.step='3'",), setup=_fresh_detector, state=lambda c: c["d"].state_dict()),
+        Case("Action", "an unknown action", lambda c: sg.Action("explode"), ("'explode'",)),
+        Case("metrics_record", "a dict for the metrics", lambda c: sg.metrics_record({"step": 1}),
+             ("StepMetrics", "dict")),
+        Case("metrics_record", "tier 7", lambda c: sg.metrics_record(
+            sg.StepMetrics(step=0, loss=1.0, grad_norm=1.0), tier=7), ("tier=7",)),
+        Case("metrics_record", "an unknown action", lambda c: sg.metrics_record(
+            sg.StepMetrics(step=0, loss=1.0, grad_norm=1.0), action="explode"), ("action='explode'",)),
+        Case("CheckpointManager", "every 0", lambda c: sg.CheckpointManager(tmp_factory(), every=0),
+             ("every=0",)),
+        Case("CheckpointManager", "on_error 'ignore'",
+             lambda c: sg.CheckpointManager(tmp_factory(), on_error="ignore"),
+             ("on_error='ignore'", "'raise'", "'warn'")),
+        Case("CheckpointManager", "keep -1", lambda c: sg.CheckpointManager(tmp_factory(), keep=-1),
+             ("keep=-1",)),
+        Case("CheckpointManager", "a checkpoint of a narrower model (d_model 32)",
+             lambda c: c["mgr"].restore(model=c["model"], optimizer=c["opt"]),
+             ("[64, 64]", "[32, 32]", "blocks.0"), raises=(sg.CheckpointError,),
+             setup=lambda: _other_shape(ck(), d_model=32), state=_ckpt_state,
+             warns=sg.CheckpointWarning),
+        Case("CheckpointManager", "a checkpoint of a shallower model (n_layer 3)",
+             lambda c: c["mgr"].restore(model=c["model"], optimizer=c["opt"]),
+             ("Missing key", "blocks.2"), raises=(sg.CheckpointError,),
+             setup=lambda: _other_shape(ck(), n_layer=3), state=_ckpt_state,
+             warns=sg.CheckpointWarning),
+        Case("CheckpointManager", "rollback with onset after detection",
+             lambda c: c["mgr"].rollback(onset=5, detection=3, data=None, model=c["model"]),
+             ("onset=5", "detection=3"), setup=lambda: _other_shape(ck()), state=_ckpt_state),
+        Case("verify_checkpoint", "a directory that is no checkpoint",
+             lambda c: sg.verify_checkpoint(tmp_factory()),
+             ("not a committed checkpoint", "MANIFEST.json is missing")),
+        # -- the guard ------------------------------------------------------------------------
+        Case("GuardConfig", "clip 0", lambda c: sg.GuardConfig(clip=0), ("clip=0",)),
+        Case("GuardConfig", "tier2 'panic'", lambda c: sg.GuardConfig(tier2="panic"),
+             ("tier2='panic'",)),
+        Case("GuardConfig", "read_lag 2", lambda c: sg.GuardConfig(read_lag=2), ("read_lag=2",)),
+        Case("GuardConfig", "max_rollbacks -1", lambda c: sg.GuardConfig(max_rollbacks=-1),
+             ("max_rollbacks=-1",)),
+        Case("GuardConfig", "a dict for the detector", lambda c: sg.GuardConfig(detector={}),
+             ("GuardConfig.detector", "DetectorConfig", "dict")),
+        Case("Guard", "a string for the optimizer", lambda c: sg.Guard(c["m"], "adamw"),
+             ("optimizer", "str"), setup=lambda: dict(m=m())),
+        Case("Guard", "a model without parameters", lambda c: sg.Guard(
+            torch.nn.Identity(), torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)),
+             ("no parameters",)),
+        Case("Guard", "the optimizer of another model",
+             lambda c: sg.Guard(c["m"], torch.optim.AdamW(m().parameters())),
+             ("not the model's", "model.parameters()"), setup=lambda: dict(m=m())),
+        Case("Guard", "tier2 rollback without checkpoints", lambda c: sg.Guard(
+            c["m"], torch.optim.AdamW(c["m"].parameters()),
+            config=sg.GuardConfig(tier2="rollback")), ("checkpoints",), setup=lambda: dict(m=m())),
+        Case("Guard", "step() before backward (no gradients)",
+             lambda c: c["guard"].step(c["model"].loss(c["model"](c["x"]), c["y"])),
+             ("no parameter", "gradient", "backward"), setup=_trained, state=_guard_state),
+        Case("Guard", "step() with a per-token loss", lambda c: c["guard"].step(torch.ones(4)),
+             ("0-d tensor", "(4,)"), setup=lambda: _with_grads(_trained()), state=_guard_state),
+        Case("Guard", "step() with a loss on another device",
+             lambda c: c["guard"].step(torch.tensor(2.0, device="meta")), ("meta", "cpu"),
+             setup=lambda: _with_grads(_trained()), state=_guard_state),
+        Case("Guard", "step() with no loss", lambda c: c["guard"].step(),
+             ("needs the step's loss",), setup=lambda: _with_grads(_trained()), state=_guard_state),
+        Case("Guard", "resume from a checkpoint of another model shape", lambda c: sg.Guard(
+            c["model"], c["opt"], checkpoints=c["mgr"]).resume(), ("[64, 64]", "[32, 32]"),
+             raises=(sg.CheckpointError,),
+             setup=lambda: _other_shape(_saved_by_guard(tmp_factory()), d_model=32),
+             state=_ckpt_state, warns=sg.CheckpointWarning),
+        Case("GuardedOptimizer", "a guard of another optimizer",
+             lambda c: sg.GuardedOptimizer(torch.optim.AdamW(c["model"].parameters()), c["guard"]),
+             ("guard", "optimizer"), setup=_trained, state=_guard_state),
+        # -- sinks ----------------------------------------------------------------------------
+        Case("JsonlSink", "mode 'x'", lambda c: sg.JsonlSink(tmp_factory() / "m.jsonl", mode="x"),
+             ("mode='x'",)),
+        Case("JsonlSink", "None for the path", lambda c: sg.JsonlSink(None), ("path=None",)),
+        Case("JsonlSink", "every rank writing to one file",
+             lambda c: sg.JsonlSink(tmp_factory() / "m.jsonl", rank=None), ("{rank}",)),
+        Case("ConsoleSink", "every 0", lambda c: sg.ConsoleSink(every=0), ("every=0",)),
+        Case("ConsoleSink", "rank -1", lambda c: sg.ConsoleSink(rank=-1), ("rank=-1",)),
+        Case("TensorBoardSink", "None for the directory", lambda c: sg.TensorBoardSink(None),
+             ("log_dir=None",)),
+        Case("TensorBoardSink", "rank 5 of a 1-rank job",
+             lambda c: sg.TensorBoardSink(tmp_factory(), rank=5), ("rank=5", "1 rank")),
+        Case("WandbSink", "rank -1", lambda c: sg.WandbSink(rank=-1), ("rank=-1",)),
+        Case("Sinks", "an object without log()", lambda c: sg.Sinks([object()]),
+             ("no log(record, step)",)),
+        Case("read_metrics", "a file that is not JSON lines",
+             lambda c: sg.read_metrics(c["p"]), ("line 1" if False else ":1:", "not a JSON record"),
+             setup=lambda: dict(p=_write(tmp_factory() / "m.jsonl", b"step,loss\n0,2.5\n"))),
+        Case("read_metrics", "a missing file", lambda c: sg.read_metrics(tmp_factory() / "none.jsonl"),
+             ("No such file", "none.jsonl"), raises=(OSError,)),
+    ]
+
+
+CASES = _cases
