@@ -312,7 +312,8 @@ class Guard(_Responses):
         extras: dict[str, Any] = {"armed": armed, "skipped": skipped, "clip_coef": coef}
         if p.probes is not None:
             extras.update(p.probes.decode(rest))
-        if skipped and self.config.respond and verdict.tier < 3:
+        # a loss-scaler overflow (tier 0) is the scaler's own skip: nothing to attribute
+        if skipped and self.config.respond and 1 <= verdict.tier < 3:
             verdict = self.attribution.on_skip(self, p, verdict, extras, loss, norm)
         action = verdict.action
         if not self.config.respond:

@@ -286,6 +286,13 @@ def _cases(tmp_factory: Callable[[], Any]) -> list[Case]:
              ("not a committed checkpoint", "MANIFEST.json is missing")),
         # -- the guard ------------------------------------------------------------------------
         Case("GuardConfig", "clip 0", lambda c: sg.GuardConfig(clip=0), ("clip=0",)),
+        Case("AttributionConfig", "rerun_budget 0", lambda c: sg.AttributionConfig(rerun_budget=0),
+             ("AttributionConfig.rerun_budget=0",)),
+        Case("AttributionConfig", "rerun 'yes'", lambda c: sg.AttributionConfig(rerun="yes"),
+             ("AttributionConfig.rerun='yes'", "True or False")),
+        Case("mup_param_groups", "a model built without init='mup'", lambda c: sg.mup_param_groups(
+            c["m"], lr=1e-3, weight_decay=0.1), ("init='mup'", "init='standard'"),
+             setup=lambda: dict(m=m())),
         Case("GuardConfig", "tier2 'panic'", lambda c: sg.GuardConfig(tier2="panic"),
              ("tier2='panic'",)),
         Case("GuardConfig", "read_lag 2", lambda c: sg.GuardConfig(read_lag=2), ("read_lag=2",)),
