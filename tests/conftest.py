@@ -22,7 +22,7 @@ def sub_env() -> dict[str, str]:
 # -- the reliability table (tests/faults; RELIABILITY.md) -----------------------------------------
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("spikeguard reliability suite")
-    group.addoption("--faults-full", action="store_true",
+    group.addoption("--faults-full", "--full", action="store_true", dest="faults_full",
                     help="run every fault row of tests/faults many times (outside CI)")
     group.addoption("--faults-markdown", metavar="PATH",
                     help="also write the reliability table as Markdown to PATH")
