@@ -297,3 +297,21 @@ def test_skip_storm_is_tier2_with_the_checkpoint_before_the_storm(tmp_path, caps
     assert s["rollback_step"] == 250  # the checkpoint at 300 holds update 300, in the storm
     assert s["cause"].startswith("skip storm") and s["evidence"]["moved_first"] == ["grad_norm"]
     assert out["spikes"][0]["detected"] < 310
+
+
+def test_a_spikeguard_train_log_is_classified_as_its_injected_faults(tmp_path, capsys, sub_env):
+    # a real run of the tiny model: an outlier batch at 60 (skipped), a NaN gradient at 100 (halt)
+    r = subprocess.run([sys.executable, "-m", "spikeguard", "train", "--model", "tiny",
+                        "--batch-size", "8", "--eval-batches", "1", "--no-progress", "--no-plot",
+                        "--lr", "1e-3", "--steps", "120", "--ckpt-every", "20", "--inject",
+                        "outlier@60", "--inject", "nan@100", "--out", str(tmp_path)],
+                       env=sub_env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 3, r.stdout + r.stderr  # the halt
+    out = cli_json(capsys, tmp_path / "metrics.jsonl", "--ckpt-every", 20)
+    spikes = {s["start"]: s for s in out["spikes"]}
+    assert (spikes[60]["tier"], spikes[60]["action"]) == (1, "skip")
+    # halted at 100: the newest checkpoint that predates update 99 is the one at 80
+    assert (spikes[100]["tier"], spikes[100]["action"], spikes[100]["rollback_step"]) == (
+        3, "halt", 80)
+    assert out["whatif"]["skip"] == [60] and out["whatif"]["halt"] == [100]
+    assert all(s["tier"] <= 1 for start, s in spikes.items() if start not in (60, 100))
