@@ -310,7 +310,10 @@ class GPT(nn.Module):
 
 def _check_token_ids(idx: torch.Tensor, vocab_size: int) -> None:
     """Every id in [0, vocab_size): a ValueError naming the first bad one on the CPU; on an
-    accelerator an asynchronous device assert (no host sync)."""
+    accelerator an asynchronous device assert (no host sync). Skipped inside torch.compile,
+    where the check would break the graph (the embedding lookup still refuses a bad id)."""
+    if torch.compiler.is_compiling():
+        return
     bad = (idx < 0) | (idx >= vocab_size)
     if idx.device.type == "cpu":
         if bool(bad.any()):
