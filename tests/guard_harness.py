@@ -121,3 +121,22 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
         if ckpt is not None:
             ckpt.close()
     return run
+
+
+def fsdp_tiny(world: int, steps: int) -> tuple[sg.GPT, torch.optim.AdamW, Any]:
+    """The multi-rank tests' model: GPTConfig.tiny() with each block and the whole model under
+    FSDP2 on a CPU mesh of ``world`` ranks, AdamW and warmup + cosine over ``steps``. Call it on
+    every rank after the process group is up."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, sg.schedules.warmup_cosine(warmup_steps=20, total_steps=steps, min_ratio=0.1))
+    return model, opt, sched

@@ -16,21 +16,11 @@ STEPS = 200
 
 
 def _guarded_fsdp(rank: int, world: int, directory: str) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     import spikeguard as sg
+    from tests.guard_harness import fsdp_tiny
 
-    torch.manual_seed(0)
-    cfg = sg.GPTConfig.tiny()
-    model = sg.GPT(cfg)
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, sg.schedules.warmup_cosine(warmup_steps=20, total_steps=STEPS, min_ratio=0.1))
+    model, opt, sched = fsdp_tiny(world, STEPS)
+    cfg = model.cfg
     data = sg.TokenStream.from_corpus("pydoc", batch_size=4, seq_len=cfg.seq_len, seed=0,
                                       rank=rank, world_size=world)
     guard = sg.Guard(model, opt, scheduler=sched, data=data,
