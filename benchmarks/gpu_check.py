@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -204,9 +205,12 @@ CHECKS["torchao_fp8_step"] = torchao_fp8_step
 
 def guard_no_sync(smoke: bool = False) -> tuple[bool, str]:
     """A guarded fused-AdamW step on CUDA under ``set_sync_debug_mode("error")``: healthy steps
-    and a Tier 1 skip (a random-byte batch after arming) raise nothing, and the skipped step left
-    params untouched. Then the guard's overhead beyond clip + step + schedule, as a share of the
-    median step (CUDA events; interleaved with a plain loop)."""
+    and the steps that skip (a random-byte batch after arming; the gate decides on the device)
+    raise nothing, and the skipped step left params untouched. Attribution of a skip, one step
+    later, reads the skipped batch's per-sequence losses on the host by design: it alone runs
+    outside the error mode, and the steps it examined are reported. Then the guard's overhead
+    beyond clip + step + schedule, as a share of the median step (CUDA events; interleaved with
+    a plain loop)."""
     torch.manual_seed(0)
     cfg = sg.GPTConfig.tiny() if smoke else sg.GPTConfig.bench()
     model = sg.GPT(cfg).cuda()
@@ -220,26 +224,51 @@ def guard_no_sync(smoke: bool = False) -> tuple[bool, str]:
     text = torch.randint(0, 64, (8, cfg.seq_len + 1), device="cuda", generator=gen)
     n_steps, bad_at = 12, 9
     torch.cuda.synchronize()
-    verdicts, before, after = [], None, None
+    verdicts, before, after, synced, attributed = [], None, None, [], []
+    on_skip = guard.attribution.on_skip
+
+    def on_skip_may_sync(g, p, *args, **kwargs):  # the one place a host read is by design
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return on_skip(g, p, *args, **kwargs)
+        finally:
+            attributed.append(p.step)
+            torch.cuda.set_sync_debug_mode("error")
+
+    guard.attribution.on_skip = on_skip_may_sync
     torch.cuda.set_sync_debug_mode("error")
     try:
         for t in range(n_steps):
-            x = text if t != bad_at else torch.randint(0, cfg.vocab_size, text.shape, device="cuda",
-                                                       generator=gen)
-            with guard.autocast():
-                out = model.loss(model(x[:, :-1]), x[:, 1:])
-            out.loss.backward()
-            if t == bad_at:
-                before = [p.detach().clone() for p in model.parameters()]
-            verdicts.append(guard.step(out))
-            if t == bad_at:
-                after = [p.detach().clone() for p in model.parameters()]
+            try:
+                x = text if t != bad_at else torch.randint(0, cfg.vocab_size, text.shape,
+                                                           device="cuda", generator=gen)
+                with guard.autocast():
+                    out = model.loss(model(x[:, :-1]), x[:, 1:])
+                out.loss.backward()
+                if t == bad_at:
+                    before = [p.detach().clone() for p in model.parameters()]
+                verdicts.append(guard.step(out))
+                if t == bad_at:
+                    after = [p.detach().clone() for p in model.parameters()]
+            except RuntimeError as e:  # name the step and our innermost frames
+                if "synchronizing" not in str(e):
+                    raise
+                frames = [f for f in traceback.extract_tb(e.__traceback__)
+                          if "spikeguard" in f.filename or "gpu_check" in f.filename][-4:]
+                synced = [f"step {t}"] + [f"{Path(f.filename).name}:{f.lineno} {f.line}"
+                                          for f in frames]
+                break
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    if synced:
+        guard.close()
+        return False, "a synchronizing CUDA call at " + " <- ".join(reversed(synced[1:])) + \
+            f" ({synced[0]}, skip at {bad_at})"
     verdicts.append(guard.flush())
     by_step = {v.step: v for v in verdicts if v is not None}
     unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
-    verdict_ok = by_step[bad_at].skip and unchanged and sorted(by_step) == list(range(n_steps))
+    verdict_ok = (by_step[bad_at].skip and unchanged and sorted(by_step) == list(range(n_steps))
+                  and not synced)
     # overhead: guard.step vs the plain tail, CUDA-event timed
     plain = sg.GPT(cfg).cuda()
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
@@ -272,8 +301,9 @@ def guard_no_sync(smoke: bool = False) -> tuple[bool, str]:
     over = (statistics.median(times["guard"]) - statistics.median(times["plain"])) / \
         statistics.median(times["step"])
     return verdict_ok, (f"{n_steps} guarded steps, skip at {bad_at} left params "
-                                        f"{'untouched' if unchanged else 'CHANGED'} with no sync; "
-                                        f"guard beyond clip+step: {over:.2%} of the step")
+                        f"{'untouched' if unchanged else 'CHANGED'}; no synchronizing call "
+                        f"outside attribution (skipped steps it examined: {attributed}); "
+                        f"guard beyond clip+step: {over:.2%} of the step")
 
 
 CHECKS["guard_no_sync"] = guard_no_sync
@@ -347,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, check in CHECKS.items():
         if args.only is not None and name not in args.only:
             continue
+        torch._dynamo.reset()  # each check compiles afresh (a graph cached by one broke the next)
         try:
             ok, detail = check(args.smoke)
         except Exception as exc:  # report every check, even when one breaks

@@ -207,6 +207,36 @@ def test_async_save_commits_the_state_at_call_time_hashed_in_the_writer_thread(t
     assert sync.io_stats.threads["__0_0.distcp"] == main
 
 
+def test_async_saves_go_on_when_torch_closes_the_stager_after_each_stage(tmp_path):
+    """torch 2.11's DefaultStager closes its inner copier after every stage (emptying its copy
+    table): the second async save then failed with KeyError: <class 'type'> (seen on the GPU
+    machine). Here the stager is made to behave as 2.11's does; three saves in a row commit."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    model, opt, sched = build()
+    mgr = CheckpointManager(tmp_path, every=1, keep=5, async_save=True)
+    original = DefaultStager._stage
+
+    def stage_then_close(self, state_dict, **kwargs):  # what 2.11's _stage does
+        out = original(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return out
+
+    DefaultStager._stage = stage_then_close
+    try:
+        wants = {}
+        for step in (1, 2, 3):
+            train_steps(model, opt, sched, 1)
+            mgr.save(step, model=model, optimizer=opt, scheduler=sched)
+            wants[step] = params(model)
+        mgr.close()
+    finally:
+        DefaultStager._stage = original
+    assert [c.step for c in mgr.list()] == [1, 2, 3]
+    info, m2, _, _ = restore_fresh(mgr)
+    assert info.step == 3 and same(params(m2), wants[3])
+
+
 def test_each_file_is_hashed_once_by_its_writer_and_read_once_on_restore(tmp_path):
     """The counts that used to be a wall-time bound: a save hashes every byte it writes exactly
     once and reads nothing; a restore opens each file it needs once and hashes each byte once.

@@ -64,12 +64,16 @@ def _collectives(t: torch.Tensor, **kw) -> list[str]:
 
 
 def test_default_backend_group_reduces_on_cpu():
-    """init_process_group() without a backend reports the name "undefined"; its config
-    ("cpu:gloo" on a CPU build) is what decides, so votes stay on the CPU."""
+    """init_process_group() without a backend reports the name "undefined"; its config is what
+    decides: "cpu:gloo" on a CPU build keeps votes on the CPU. Where torch sees a GPU (the GPU
+    machine's torch 2.11 makes the default config there CUDA alone), the vote goes to the GPU."""
     dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert dist.get_backend() == "undefined"
-        assert _dist.collective_device() == torch.device("cpu")
+        config = dist.get_backend_config()
+        want = (torch.device("cpu") if "cpu" in config or not torch.cuda.is_available()
+                else torch.device("cuda", torch.cuda.current_device()))
+        assert _dist.collective_device() == want, config
         t = torch.tensor([5.0])
         assert _collectives(t, shortcut=True) == []
         assert _collectives(t, shortcut=False)  # the one-rank group really reduced

@@ -27,7 +27,7 @@ import torch
 
 from ._ckpt_files import FileEntry, digest_bytes
 
-__all__ = ["decode", "encode", "fsync_dir", "join", "model_optim", "quiet", "rng_state",
+__all__ = ["Stager", "decode", "encode", "fsync_dir", "join", "model_optim", "quiet", "rng_state",
            "save_failure", "set_rng_state", "split", "stager", "write_json"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -209,9 +209,7 @@ def model_optim(model: torch.nn.Module, optimizer: Any) -> tuple[dict, dict | No
     return get_state_dict(model, optimizer)
 
 
-def stager() -> Any:
-    """A reusable DCP stager: DefaultStager (CPU buffers kept across saves, pinned and copied
-    without blocking on a GPU) on torch >= 2.9, which added it; BlockingAsyncStager before."""
+def _new_stager() -> Any:
     gpu = torch.cuda.is_available()
     if torch.torch_version.TorchVersion(torch.__version__) < (2, 9):
         from torch.distributed.checkpoint.staging import BlockingAsyncStager
@@ -221,6 +219,36 @@ def stager() -> Any:
 
     return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=gpu))
+
+
+class Stager:
+    """A reusable DCP stager: DefaultStager (CPU buffers kept across saves, pinned and copied
+    without blocking on a GPU) on torch >= 2.9, which added it; BlockingAsyncStager before.
+
+    Some releases (2.11 among them) close DefaultStager's inner copier after every stage,
+    which empties its copy table, so its next stage fails (``KeyError: <class 'type'>``) and
+    nothing was cached anyway: such a spent stager is replaced before its next use."""
+
+    def __init__(self) -> None:
+        self._inner = _new_stager()
+
+    def _spent(self) -> bool:
+        copier = getattr(self._inner, "_state_dict_stager", None)
+        return copier is not None and not getattr(copier, "_deepcopy_dispatch", True)
+
+    def stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        if self._spent():
+            self._inner.close()
+            self._inner = _new_stager()
+        return self._inner.stage(tensors)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def stager() -> Stager:
+    """A :class:`Stager` (one per manager: its buffers are reused save after save)."""
+    return Stager()
 
 
 _FULL = {errno.ENOSPC: "ENOSPC", errno.EFBIG: "EFBIG", errno.EDQUOT: "EDQUOT"}
