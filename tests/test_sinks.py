@@ -310,6 +310,26 @@ def test_wandb_offline_sink_reads_back(tmp_path, monkeypatch):
 
 # -- the benchmark runs ----------------------------------------------------------------------
 
+@pytest.mark.parametrize("name, kwargs, extra", [("TensorBoardSink", {"log_dir": "tb"}, "tb"),
+                                                  ("WandbSink", {}, "wandb")])
+def test_bad_arguments_are_named_before_a_missing_extra(name, kwargs, extra, monkeypatch):
+    """Where the extra is not installed (the GPU machine has no wandb), a bad rank still gets
+    the rank's error first: one fix at a time, the argument before the install."""
+    import importlib.util
+
+    from spikeguard.sinks import _remote
+
+    cls = getattr(_remote, name)
+    real = importlib.util.find_spec
+    missing = {"tb": "tensorboard", "wandb": "wandb"}[extra]
+    monkeypatch.setattr(_remote.importlib.util, "find_spec",
+                        lambda name, *a: None if name == missing else real(name, *a))
+    with pytest.raises(ValueError, match="rank"):
+        cls(**kwargs, rank=-1)
+    with pytest.raises(ImportError, match=rf"spikeguard\[{extra}\]"):
+        cls(**kwargs)
+
+
 def test_bench_sinks_smoke(sub_env, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sinks.py"), "--smoke",
                         "--out", str(tmp_path)], env=sub_env, capture_output=True, text=True,

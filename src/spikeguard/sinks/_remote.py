@@ -42,8 +42,8 @@ class TensorBoardSink(Sink):
     def __init__(self, log_dir: str | os.PathLike[str], *, prefix: str = "",
                  defer: bool | None = None, rank: int | None = 0) -> None:
         check_path(log_dir, "TensorBoardSink", "log_dir")
+        super().__init__(defer=defer, rank=rank)  # bad arguments are named before a missing extra
         _require("tensorboard", "TensorBoardSink", "tb")
-        super().__init__(defer=defer, rank=rank)
         self.log_dir = per_rank(log_dir, rank, self.name, "log_dir")
         self.prefix = prefix
         self._writer: Any = None
@@ -87,8 +87,8 @@ class WandbSink(Sink):
 
     def __init__(self, *, run: Any = None, project: str = "spikeguard",
                  defer: bool | None = None, rank: int | None = 0, **init_kwargs: Any) -> None:
+        super().__init__(defer=defer, rank=rank)  # bad arguments are named before a missing extra
         _require("wandb", "WandbSink", "wandb")
-        super().__init__(defer=defer, rank=rank)
         if run is None:
             if rank is None or isinstance(init_kwargs.get("name"), str):
                 init_kwargs["name"] = per_rank(init_kwargs.get("name") or "", rank, self.name,
