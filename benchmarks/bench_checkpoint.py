@@ -7,8 +7,10 @@ read and hashed, allowlisted metadata, each shard mapped once and hashed while D
 is served from it, set_state_dict, the JSON sidecar) over a plain ``dcp.load`` of the same
 checkpoint into the same tensors, with ``torch.load`` of a ``torch.save`` file for scale (one
 rank), and the bytes restore hashed per byte it read (entries of its load plan, whole small
-files); (2) the time the training thread spends in save() with ``async_save=True`` (staging
-the state; a background thread writes, hashes and commits while "training" goes on) over a
+files); (2) the time the training thread is held by a save with ``async_save=True`` (in save(),
+which copies buffers and param_groups, plus the wait of the next step's optimizer.step() for
+the writer thread's copy of the parameters and optimizer state, with a real training step
+between them; the writer then hashes, writes and commits while "training" goes on) over a
 synchronous save (write, hash as written, commit). Runs are interleaved (A, B, C, A, B, C, ...) so machine noise hits every
 variant alike. With ``--ranks N`` (N > 1) the model is sharded with FSDP2 over N gloo
 ranks on this machine (each rank writes and reads its own shard) and each run counts the
@@ -49,10 +51,16 @@ def _model(smoke: bool, device: str, world: int):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt, device)
+    return model, opt
+
+
+def _step(model, opt, device: str) -> None:
+    """One training step (batch 2 x 32): forward, backward, optimizer.step."""
     x = torch.randint(0, 256, (2, 33), device=device)
     model.loss(model(x[:, :-1]), x[:, 1:]).loss.backward()
     opt.step()
-    return model, opt
+    opt.zero_grad(set_to_none=True)
 
 
 def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: str) -> dict:
@@ -89,17 +97,24 @@ def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: s
     out["max_opens"] = max(stats.opened.values())
 
     asy = CheckpointManager(Path(root) / "async", every=1, keep=2, async_save=True)
-    out.update(block_sync=[], block_async=[], total_async=[])
+    out.update(block_sync=[], block_async=[], total_async=[], in_save=[], waited=[])
     for i in range(runs + 1):  # the first async save allocates the staging buffers: dropped
         if i:
             out["block_sync"].append(_timed(lambda i=i: sync.save(10 + i, model=model,
                                                                  optimizer=opt)))
+            out.setdefault("step_plain", []).append(_timed(lambda: _step(model, opt, device)))
         start = time.perf_counter()
-        blocking = _timed(lambda i=i: asy.save(10 + i, model=model, optimizer=opt))
+        in_save = _timed(lambda i=i: asy.save(10 + i, model=model, optimizer=opt))
+        # training goes on; its optimizer.step() waits for the copy
+        step_async = _timed(lambda: _step(model, opt, device))
+        waited = asy.staging.waited
         while not asy._pending.done():  # "training" until the background write is done
             time.sleep(0.002)
         if i:
-            out["block_async"].append(blocking)
+            out["block_async"].append(in_save + waited)
+            out["in_save"].append(in_save)
+            out["waited"].append(waited)
+            out.setdefault("step_async", []).append(step_async)
             out["total_async"].append(time.perf_counter() - start)
     asy.close()
     return out
@@ -139,8 +154,11 @@ def main() -> None:
           f"(worst rank); MiB hashed per rank: {mib}")
     a, s, t = med("block_async"), med("block_sync"), med("total_async")
     print(f"async/sync blocking ratio {a / s:.3f} (target <= 0.1): async save blocks {a:.1f} ms "
-          f"(staging), sync save {s:.1f} ms (write + hash + "
-          f"commit), async until committed {t:.1f} ms")
+          f"(save() {med('in_save'):.1f} + the next optimizer.step waiting for the copy "
+          f"{med('waited'):.1f}), sync save {s:.1f} ms (write + hash + commit), async until "
+          f"committed {t:.1f} ms")
+    print(f"the training step after an async save (the copy in flight) took {med('step_async'):.1f} "
+          f"ms vs {med('step_plain'):.1f} ms after a sync save (its wait included)")
 
 
 if __name__ == "__main__":

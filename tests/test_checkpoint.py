@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import zlib
 
 import pytest
@@ -205,6 +206,39 @@ def test_async_save_commits_the_state_at_call_time_hashed_in_the_writer_thread(t
     sync = CheckpointManager(tmp_path / "sync", every=1)
     sync.save(1, model=model, optimizer=opt)
     assert sync.io_stats.threads["__0_0.distcp"] == main
+
+
+def test_async_save_copies_params_and_optimizer_state_off_the_training_thread(tmp_path):
+    """save() returns before the parameters and the optimizer state are copied (the writer
+    thread is held busy here); the optimizer's next step() waits for that copy, so the
+    checkpoint holds the state at the call. A buffer changed right after save(), as a forward
+    may change one, was copied at the call."""
+    model, opt, sched = build()
+    model.register_buffer("seen", torch.zeros(3))
+    train_steps(model, opt, sched)
+    mgr = CheckpointManager(tmp_path, every=1, keep=5, async_save=True)
+    mgr.save(1, model=model, optimizer=opt, scheduler=sched)
+    mgr.wait()
+    release = threading.Event()
+    mgr._executor.submit(release.wait)  # the writer thread is busy until released
+    train_steps(model, opt, sched)
+    want = params(model)
+    want_opt = {i: {k: v.clone() for k, v in st.items()}
+                for i, st in opt.state_dict()["state"].items()}
+    mgr.save(2, model=model, optimizer=opt, scheduler=sched)  # returns, nothing copied yet
+    model.seen.add_(1.0)
+    threading.Timer(0.3, release.set).start()
+    start = time.perf_counter()
+    train_steps(model, opt, sched)  # its optimizer.step() waits for the copy
+    held = time.perf_counter() - start
+    assert held >= 0.25 and mgr.staging.waited >= 0.25, (held, mgr.staging.waited)
+    mgr.close()
+    m2, o2, s2 = build(seed=123)
+    m2.register_buffer("seen", torch.full((3,), 7.0))
+    info = mgr.restore(model=m2, optimizer=o2, scheduler=s2)
+    assert info.step == 2 and same(params(m2), want)
+    got = o2.state_dict()["state"]
+    assert all(torch.equal(got[i][k], v) for i, st in want_opt.items() for k, v in st.items())
 
 
 def test_async_saves_go_on_when_torch_closes_the_stager_after_each_stage(tmp_path):

@@ -1,18 +1,24 @@
-"""The save side's helpers of ``checkpoint.py``: one save's job, the ranks' agreement on a
-write, and what a failed save says."""
+"""The save side's helpers of ``checkpoint.py``: one save's job, async staging, the ranks'
+agreement on a write, and what a failed save says."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import threading
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .. import _dist
 from . import _ckpt_io as io
 from ._ckpt_files import FileEntry, IOStats
 
-__all__ = ["Job", "agree", "failure_message", "make_tmp"]
+__all__ = ["Job", "Staging", "agree", "failure_message", "make_tmp"]
 
 
 @dataclass
@@ -72,3 +78,77 @@ def failure_message(step: int, directory: Path, exc: BaseException, done: list[A
         return msg + (f"; {fix} and rerun to resume from it" if done else "") + \
             ", or use on_error='warn' to train on without saving"
     return msg + "; training goes on without it (on_error='warn') and the next save tries again"
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Staging:
+    """An async save's copy of the state, mostly off the training thread.
+
+    What only ``optimizer.step()`` changes (the parameters and the optimizer's per-parameter
+    state) is copied by the writer thread while training goes on; a step pre-hook on the
+    optimizer makes its next ``step()`` wait until that copy is done. The rest (buffers, which
+    a forward may change, and the optimizer's param_groups) is copied at save() on the training
+    thread. Without a torch optimizer everything is copied at save(). ``waited`` is the time the
+    training thread spent waiting in that hook since the last save (seconds)."""
+
+    def __init__(self) -> None:
+        self.stager: io.Stager | None = None
+        self.waited = 0.0
+        self._done = threading.Event()
+        self._done.set()
+        self._hooks: dict[int, Any] = {}
+        self._device: int | None = None
+
+    def start(self, tensors: dict[str, Any], model: Any, optimizer: Any) -> tuple[dict, dict]:
+        """(the part staged now, the part left to :meth:`finish`); arms the optimizer's hook."""
+        if self.stager is None:  # one stager: its CPU buffers are reused save after save
+            self.stager = io.stager()
+        if not hasattr(optimizer, "register_step_pre_hook"):  # none given, or not torch's
+            optimizer = None
+        params = {_local(p).data_ptr() for p in model.parameters()}
+        now, later = {}, {}
+        for key, t in tensors.items():
+            where = json.loads(key)
+            late = optimizer is not None and (
+                where[:2] == ["optim", "state"] or
+                (where[0] == "model" and _local(t).data_ptr() in params))
+            (later if late else now)[key] = t
+        if optimizer is not None and id(optimizer) not in self._hooks:
+            self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(self._before_step)
+        staged = self.stager.stage(now) if now else {}
+        # the writer thread copies on this thread's GPU (a new thread starts on cuda:0)
+        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self.waited = 0.0
+        if later:
+            self._done.clear()
+        return staged, later
+
+    def finish(self, staged: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+        """In the writer thread: stage the rest; the training thread may step again after."""
+        try:
+            with torch.cuda.device(self._device) if self._device is not None else nullcontext():
+                return {**staged, **self.stager.stage(later)} if later else staged
+        finally:
+            self._done.set()
+
+    def _before_step(self, *_: Any) -> None:
+        self.wait()
+
+    def wait(self) -> None:
+        """Until the copy of the parameters and optimizer state is done."""
+        if not self._done.is_set():
+            start = time.perf_counter()
+            self._done.wait()
+            self.waited += time.perf_counter() - start
+
+    def close(self) -> None:
+        self.wait()
+        for handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None

@@ -20,8 +20,8 @@ checks below. Everything is written under ``.tmp-step_...``, fsynced, and rename
 directory without its manifest is never listed. Restore reads every file it needs once, from
 inside the checkpoint directory only (no symlinks), and hashes what it reads as it reads it;
 DCP metadata goes through an allowlist unpickler and bytes entries load with
-``weights_only=True`` (see ``_safe_dcp``). A checkpoint failing any check is refused with a :class:`CheckpointWarning`
-and the previous healthy one is used.
+``weights_only=True`` (see ``_safe_dcp``). A checkpoint failing a check is refused (a
+:class:`CheckpointWarning`) and the previous healthy one is used.
 
 torch.distributed.checkpoint is imported on first use, not by ``import spikeguard``.
 """
@@ -48,7 +48,7 @@ from ._ckpt_files import DIGESTS, CheckpointDir, FileEntry, IOStats
 from ._ckpt_load import INFO as _INFO
 from ._ckpt_load import MANIFEST as _MANIFEST
 from ._ckpt_load import Refused, load, verify_checkpoint
-from ._ckpt_save import Job, agree, failure_message, make_tmp
+from ._ckpt_save import Job, Staging, agree, failure_message, make_tmp
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointWarning",
            "rollback_target", "verify_checkpoint"]
@@ -104,14 +104,14 @@ class CheckpointManager:
     one), restore the newest healthy checkpoint at or before a step.
 
     Collective under torch.distributed: every rank calls save/restore with the same step.
-    With ``async_save=True`` save() returns once the state is staged (copied off the device
-    into reused CPU buffers by DCP's stager); a background thread then runs ``dcp.save`` (each
-    rank hashing its files as they are written) and the commit (a gather of the per-rank
-    digests, the manifest, a rename), with its collectives on a gloo group of the manager's own
-    so they never interleave with the training thread's and NCCL-only jobs work. The next
-    save/restore or :meth:`wait` only waits for it (and re-raises its error). ``io_stats``
-    counts this rank's opens and hashed bytes per file in the last save or restore (the
-    listing's reads of ``info.json`` are not counted).
+    With ``async_save=True`` save() copies only the buffers and param_groups; a writer thread
+    copies the parameters and optimizer state into reused CPU buffers (DCP's stager; the
+    optimizer's next step() waits for that copy: change parameters only through it, or call
+    ``staging.wait()`` first), runs ``dcp.save`` (each rank hashing what it writes) and the
+    commit, its collectives on a gloo group of its own (never interleaved with training's;
+    NCCL-only jobs work). The next save/restore or :meth:`wait` waits for it (and re-raises
+    its error). ``io_stats``: this rank's opens and hashed bytes per file in the last save or
+    restore (the listing's reads of ``info.json`` not counted).
 
     A failed save (a full disk: ENOSPC, EFBIG at a file size limit, EDQUOT; any write error)
     removes its partial files and leaves the committed ones; then ``on_error="raise"`` (default)
@@ -144,7 +144,7 @@ class CheckpointManager:
         self._pending: Future[None] | None = None
         self._pending_job: Job | None = None
         self._carry: tuple[bool, list[str]] = (True, [])
-        self._stager: Any = None
+        self.staging = Staging()  # .waited: seconds the last async save held the next step
         self._executor: ThreadPoolExecutor | None = None
         self._group: Any = None
 
@@ -186,11 +186,8 @@ class CheckpointManager:
              alerts: list[str] | tuple[str, ...] = (), meta: dict | None = None,
              save_rng: bool = True) -> Path | None:
         """Save the state after update ``step``; returns its directory (None: it failed and
-        ``on_error="warn"`` went on).
-
-        ``healthy=False`` (or any ``alerts``) marks that an alert was raised in this
-        checkpoint's window; restore() then passes over it. Collective across ranks.
-        """
+        ``on_error="warn"`` went on). ``healthy=False`` (or any ``alerts``) marks an alert in
+        this checkpoint's window: restore() passes over it. Collective across ranks."""
         self.wait()
         msd, osd = io.model_optim(model, optimizer)
         tensors, rest = io.split({"model": msd, "optim": osd})
@@ -213,28 +210,32 @@ class CheckpointManager:
             except BaseException as e:  # DCP's CheckpointException is a BaseException
                 return self._failed(job, e)
             return job.final
-        if self._stager is None:  # one stager: its CPU buffers are reused save after save
+        if self._executor is None:
             self._group = _dist.new_cpu_group()
-            self._stager = io.stager()
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="spikeguard-checkpoint")
-        staged = self._stager.stage(tensors)  # the training thread's only copy of the state
-        self._pending = self._executor.submit(self._write, job, staged, self._group)
+        now, later = self.staging.start(tensors, model, optimizer)
+        self._pending = self._executor.submit(self._write, job, now, self._group, later)
         self._pending_job = job
         return job.final
 
-    def _write(self, job: Job, tensors: dict, group: Any) -> None:
+    def _write(self, job: Job, tensors: dict, group: Any, later: dict | None = None) -> None:
         """Everything after the state is captured, in the background thread (collectives on
-        the manager's own gloo group) under async_save: the sidecar, DCP's save through the
-        hashing writer, the commit."""
+        the manager's own gloo group) under async_save: the rest of the staging, the sidecar,
+        DCP's save through the hashing writer, the commit."""
         import torch.distributed.checkpoint as dcp
 
         from ._safe_dcp import HashingWriter
 
-        make_tmp(job, group)
         error = None
+        try:
+            tensors = tensors if later is None else self.staging.finish(tensors, later)
+        except Exception as e:  # every rank learns of it at the agreement below
+            error = e
+        make_tmp(job, group)
         sidecar = f"rank{_dist.rank()}.json"
         try:
-            job.records[sidecar] = io.write_json(job.tmp / sidecar, job.side, self.digest)
+            if error is None:
+                job.records[sidecar] = io.write_json(job.tmp / sidecar, job.side, self.digest)
         except OSError as e:
             error = e
         agree(error, group)
@@ -269,14 +270,14 @@ class CheckpointManager:
     def close(self) -> None:
         """Commit a pending async save; free the stager, the writer thread and the async group."""
         self.wait()
-        if self._stager is not None:
-            self._stager.close()
+        self.staging.close()
+        if self._executor is not None:
             self._executor.shutdown()
             if self._group is not None:
                 import torch.distributed as dist
 
                 dist.destroy_process_group(self._group)
-        self._stager = self._executor = self._group = None
+        self._executor = self._group = None
 
     def _commit(self, job: Job, group: Any) -> None:
         gathered = _dist.gather_object({n: e.to_json() for n, e in job.records.items()}, group)
