@@ -202,7 +202,10 @@ class SafeReader(FileSystemReader):
                 for req in reqs:
                     planner.load_bytes(req, io.BytesIO(bytes(piece)))
                 return
-            tensor = torch.load(_ViewFile(piece), map_location="cpu", weights_only=True)
+            # buffered: torch.load's many small record reads come from one buffer fill; the
+            # tensor bytes, larger than the buffer, go straight from the view into place
+            tensor = torch.load(io.BufferedReader(_ViewFile(piece), 1 << 16),
+                                map_location="cpu", weights_only=True)
         if not isinstance(tensor, torch.Tensor):
             raise UnsafeCheckpointError(f"tensor entry {reqs[0].storage_index.fqn!r} holds a "
                                         f"{type(tensor).__name__}")
