@@ -14,6 +14,7 @@ import zlib
 
 import pytest
 import torch
+import xxhash
 
 from spikeguard import CheckpointError, CheckpointManager, CheckpointWarning, TokenStream
 from spikeguard.respond.checkpoint import rollback_target
@@ -290,23 +291,28 @@ def test_each_file_is_hashed_once_by_its_writer_and_read_once_on_restore(tmp_pat
     entries = sorted((i.offset, i.length) for i in metadata.storage_data.values())
     assert [(o, n) for o, n, _ in table] == entries  # one segment per entry, nothing else
     shard = (path / "__0_0.distcp").read_bytes()
-    assert all(f"crc32:{zlib.crc32(shard[o:o + n]):08x}" == d for o, n, d in table)
+    assert all(f"xxh3:{xxhash.xxh3_128(shard[o:o + n]).hexdigest()}" == d for o, n, d in table)
     _, model2, _, _ = restore_fresh(mgr)
     assert dict(mgr.io_stats.hashed) == written
     assert dict(mgr.io_stats.opened) == {name: 1 for name in sizes}
     assert same(params(model2), params(model))
 
 
-def test_sha256_digests_on_request(tmp_path):
+_REFERENCE = {"sha256": lambda b: hashlib.sha256(b).hexdigest(),
+              "crc32": lambda b: f"{zlib.crc32(b):08x}"}
+
+
+@pytest.mark.parametrize("algo", sorted(_REFERENCE))
+def test_other_digests_on_request(tmp_path, algo):
     model, opt, sched = build()
-    mgr = CheckpointManager(tmp_path, every=1, digest="sha256")
+    mgr = CheckpointManager(tmp_path, every=1, digest=algo)
     path = mgr.save(1, model=model, optimizer=opt, scheduler=sched)
     files = json.loads((path / "MANIFEST.json").read_text())["files"]
-    want = hashlib.sha256((path / "rank0.json").read_bytes()).hexdigest()
-    assert files["rank0.json"]["digest"] == f"sha256:{want}"
+    want = _REFERENCE[algo]((path / "rank0.json").read_bytes())
+    assert files["rank0.json"]["digest"] == f"{algo}:{want}"
     table = json.loads((path / "__0_0.distcp.digests.json").read_text())["segments"]
     shard = (path / "__0_0.distcp").read_bytes()
-    assert all(d == "sha256:" + hashlib.sha256(shard[o:o + n]).hexdigest() for o, n, d in table)
+    assert all(d == f"{algo}:" + _REFERENCE[algo](shard[o:o + n]) for o, n, d in table)
     _, model2, _, _ = restore_fresh(mgr)  # the reader takes the algorithm from each digest
     assert same(params(model2), params(model))
     with pytest.raises(ValueError, match="digest='md5' is not one of"):

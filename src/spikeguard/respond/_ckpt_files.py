@@ -22,37 +22,21 @@ as they are read, each read once.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import mmap
 import os
 import stat
 import threading
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DIGESTS", "CheckpointDir", "FileEntry", "HashingStream", "IOStats", "IntegrityError",
-           "MappedFile", "Segment", "check_name", "covering", "digest_bytes", "parse_manifest",
-           "parse_segments"]
+from ._ckpt_digest import DEFAULT_DIGEST, DIGESTS
 
-class _Crc32:
-    """zlib's CRC-32 behind hashlib's interface (zlib releases the GIL on large buffers)."""
-
-    def __init__(self) -> None:
-        self._value = 0
-
-    def update(self, data: Any) -> None:
-        self._value = zlib.crc32(data, self._value)
-
-    def hexdigest(self) -> str:
-        return f"{self._value:08x}"
-
-
-DIGESTS = {"crc32": _Crc32, "sha256": hashlib.sha256}
-"""Digests a manifest may name; each recorded digest reads ``"<name>:<hex>"``."""
+__all__ = ["DEFAULT_DIGEST", "DIGESTS", "CheckpointDir", "FileEntry", "HashingStream", "IOStats",
+           "IntegrityError", "MappedFile", "Segment", "check_name", "covering", "digest_bytes",
+           "parse_manifest", "parse_segments"]
 
 
 def _new_hash(digest: str) -> Any:

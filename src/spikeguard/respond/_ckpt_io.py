@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._ckpt_digest import DEFAULT_DIGEST
 from ._ckpt_files import FileEntry, digest_bytes
 
 __all__ = ["Stager", "decode", "encode", "fsync_dir", "join", "model_optim", "quiet", "rng_state",
@@ -154,7 +155,7 @@ def _lists(node: Any) -> Any:
     return out
 
 
-def write_json(path: Path, obj: Any, algo: str = "crc32") -> FileEntry:
+def write_json(path: Path, obj: Any, algo: str = DEFAULT_DIGEST) -> FileEntry:
     """Write JSON, fsync it, and return its manifest entry (the bytes digested in memory with
     ``algo``)."""
     data = json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()

@@ -12,10 +12,10 @@ Layout of ``directory/step_00000100/``: DCP's ``.metadata`` and ``__<rank>_0.dis
 (sidecars), ``info.json`` (step, health, alerts, skip ranges, world size) and ``MANIFEST.json``
 (size and digest, or segment table, of every other file). Each rank hashes the files it writes
 as it writes them (in the background writer under ``async_save``); rank 0 gathers the digests
-into the manifest. The digest is CRC-32 by default (``digest="sha256"`` for a cryptographic
-one): it detects corruption (every burst of up to 32 bits, so any flipped byte, for certain);
-it is no defence against someone who can write the directory, since they could rewrite the
-manifest too. That defence is the loader's: the allowlist, ``weights_only`` and the path
+into the manifest. The digest is XXH3-128 by default (``digest="crc32"`` to catch every burst of
+up to 32 bits for certain, ``"sha256"`` for a cryptographic one): corruption goes unseen with a
+chance of 2^-128; it is no defence against someone who can write the directory, since they
+could rewrite the manifest too. That defence is the loader's: the allowlist, ``weights_only`` and the path
 checks below. Everything is written under ``.tmp-step_...``, fsynced, and renamed: a
 directory without its manifest is never listed. Restore reads every file it needs once, from
 inside the checkpoint directory only (no symlinks), and hashes what it reads as it reads it;
@@ -44,7 +44,8 @@ from .. import _dist
 from .._crash import crash_point
 from .._validate import check_int
 from . import _ckpt_io as io
-from ._ckpt_files import DIGESTS, CheckpointDir, FileEntry, IOStats
+from ._ckpt_digest import DEFAULT_DIGEST, DIGESTS, Digest
+from ._ckpt_files import CheckpointDir, FileEntry, IOStats
 from ._ckpt_load import INFO as _INFO
 from ._ckpt_load import MANIFEST as _MANIFEST
 from ._ckpt_load import Refused, load, verify_checkpoint
@@ -124,7 +125,7 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | Path, *, every: int = 1000, keep: int = 10,
-                 async_save: bool = False, digest: Literal["crc32", "sha256"] = "crc32",
+                 async_save: bool = False, digest: Digest = DEFAULT_DIGEST,
                  on_error: Literal["raise", "warn"] = "raise") -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"CheckpointManager directory={directory!r} must be a path")
@@ -135,7 +136,7 @@ class CheckpointManager:
                              "run when a save fails; the default) or 'warn' (train on without it)")
         if digest not in DIGESTS:
             raise ValueError(f"CheckpointManager digest={digest!r} is not one of "
-                             f"{sorted(DIGESTS)}; crc32 (the default) catches corruption at a "
+                             f"{sorted(DIGESTS)}; xxh3 (the default) catches corruption at a "
                              "fraction of sha256's cost, sha256 suits manifests you sign")
         self.directory = Path(directory)
         self.every, self.keep, self.async_save, self.digest = every, keep, bool(async_save), digest
@@ -219,9 +220,8 @@ class CheckpointManager:
         return job.final
 
     def _write(self, job: Job, tensors: dict, group: Any, later: dict | None = None) -> None:
-        """Everything after the state is captured, in the background thread (collectives on
-        the manager's own gloo group) under async_save: the rest of the staging, the sidecar,
-        DCP's save through the hashing writer, the commit."""
+        """After save() (in the writer thread under async_save, collectives on its own group):
+        the rest of the staging, the sidecar, DCP's save through the hashing writer, commit."""
         import torch.distributed.checkpoint as dcp
 
         from ._safe_dcp import HashingWriter
