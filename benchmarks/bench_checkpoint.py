@@ -97,12 +97,13 @@ def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: s
     out["max_opens"] = max(stats.opened.values())
 
     asy = CheckpointManager(Path(root) / "async", every=1, keep=2, async_save=True)
-    out.update(block_sync=[], block_async=[], total_async=[], in_save=[], waited=[])
+    out.update(block_sync=[], block_async=[], total_async=[], in_save=[], waited=[],
+               step_plain=[], step_async=[])
     for i in range(runs + 1):  # the first async save allocates the staging buffers: dropped
         if i:
             out["block_sync"].append(_timed(lambda i=i: sync.save(10 + i, model=model,
                                                                  optimizer=opt)))
-            out.setdefault("step_plain", []).append(_timed(lambda: _step(model, opt, device)))
+            out["step_plain"].append(_timed(lambda: _step(model, opt, device)))
         start = time.perf_counter()
         in_save = _timed(lambda i=i: asy.save(10 + i, model=model, optimizer=opt))
         # training goes on; its optimizer.step() waits for the copy
@@ -114,7 +115,7 @@ def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: s
             out["block_async"].append(in_save + waited)
             out["in_save"].append(in_save)
             out["waited"].append(waited)
-            out.setdefault("step_async", []).append(step_async)
+            out["step_async"].append(step_async)
             out["total_async"].append(time.perf_counter() - start)
     asy.close()
     return out

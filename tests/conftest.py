@@ -20,6 +20,17 @@ def sub_env() -> dict[str, str]:
 
 
 # -- the reliability table (tests/faults; RELIABILITY.md) -----------------------------------------
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (bit-reproducible runs), then as it was."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("spikeguard reliability suite")
     group.addoption("--faults-full", "--full", action="store_true", dest="faults_full",

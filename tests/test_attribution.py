@@ -23,12 +23,7 @@ GARBAGE = (150, 5)     # (batch index = step, row) of the planted sequence
 GRAD = (225, 10.0)     # a one-time gradient multiply (not the data)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ import spikeguard as sg
 from spikeguard.integrations import hf as sg_hf
 from spikeguard.integrations._common import METRICS, HeldScheduler
 
+from .state_compare import same, same_moments
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -93,16 +95,6 @@ class Snapshots(transformers.TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         self.after[state.global_step - 1] = self._snap(state)
-
-
-def same(a, b):
-    return all(torch.equal(a[k], b[k]) for k in a)
-
-
-def same_moments(a, b):
-    return a.keys() == b.keys() and all(
-        all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
-        for x, y in zip(a.values(), b.values()))
 
 
 def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):

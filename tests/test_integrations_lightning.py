@@ -16,6 +16,8 @@ import spikeguard as sg
 from spikeguard.integrations import lightning as sg_lightning
 from spikeguard.integrations._common import METRICS
 
+from .state_compare import same, same_moments
+
 L = pytest.importorskip("lightning.pytorch")
 
 SEQ, BATCH, STEPS, OUTLIER = 32, 4, 24, 14
@@ -93,16 +95,6 @@ def make_trainer(tmp_path, guard_cb, steps=STEPS, outlier=None, **trainer_kw):
 
 def guard_config(steps=STEPS):
     return sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps, arm_after=5))
-
-
-def same(a, b):
-    return all(torch.equal(a[k], b[k]) for k in a)
-
-
-def same_moments(a, b):
-    return a.keys() == b.keys() and all(
-        all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
-        for x, y in zip(a.values(), b.values()))
 
 
 def logged_rows(tmp_path):

@@ -14,21 +14,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from spikeguard.respond.detector import SpikeDetector
 
 from .verdict_streams import streams, verdict_rows
 
 DATA = Path(__file__).parent / "data"
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_train_50_steps_losses_are_bit_identical_to_the_recording(one_thread, tmp_path):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 __all__ = ["all_reduce", "all_true", "backend_devices", "barrier", "collective_device",
            "collective_device_type", "cpu_capable", "gather_object", "group_size", "is_dist",
-           "new_cpu_group", "rank", "world_size"]
+           "local_tensor", "new_cpu_group", "rank", "world_size"]
 
 # device types each built-in backend reduces on (torch's Backend.backend_capability, kept here
 # so the pure functions below need no process group)
@@ -35,6 +35,11 @@ _CAPABILITY = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "xccl": ("xpu",),
 def is_dist() -> bool:
     """True when torch.distributed is available and a default process group exists."""
     return dist.is_available() and dist.is_initialized()
+
+
+def local_tensor(t: Any) -> Any:
+    """This rank's shard of a DTensor (``to_local()``); any other value as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def rank(group: dist.ProcessGroup | None = None) -> int:

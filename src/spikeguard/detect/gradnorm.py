@@ -33,6 +33,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from .._dist import local_tensor
 from ._grad_layout import GradLayout, collect, tensor_norms
 
 __all__ = ["GradStats", "clip_grad_norm_", "grad_stats", "nonfinite_params"]
@@ -287,7 +288,7 @@ def nonfinite_params(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> li
     for name, p in named_parameters:
         g = p.grad
         if g is not None:
-            g = g.to_local() if hasattr(g, "to_local") else g
+            g = local_tensor(g)
             if g.numel():
                 names.append(name)
                 grads.append(g)

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .._dist import local_tensor
 from .._validate import check_int, check_positive
 
 __all__ = ["PrecisionPolicy", "PrecisionRuntime", "bf16_supported", "gated_step"]
@@ -55,8 +56,7 @@ def bf16_supported(device: torch.device | str) -> bool:
 def _device_of(where: nn.Module | torch.device | str) -> torch.device:
     if isinstance(where, nn.Module):
         for p in where.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            return local.device
+            return local_tensor(p).device
         raise ValueError("the model has no parameters to take a device from; pass the device")
     return torch.device(where)
 

@@ -32,11 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._ckpt_digest import DEFAULT_DIGEST, DIGESTS
+from ._ckpt_digest import DIGESTS
 
-__all__ = ["DEFAULT_DIGEST", "DIGESTS", "CheckpointDir", "FileEntry", "HashingStream", "IOStats",
-           "IntegrityError", "MappedFile", "Segment", "check_name", "covering", "digest_bytes",
-           "parse_manifest", "parse_segments"]
+__all__ = ["CheckpointDir", "FileEntry", "HashingStream", "IOStats", "IntegrityError", "MappedFile",
+           "Segment", "check_name", "covering", "digest_bytes", "parse_manifest", "parse_segments"]
 
 
 def _new_hash(digest: str) -> Any:

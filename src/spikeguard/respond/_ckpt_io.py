@@ -29,7 +29,7 @@ from ._ckpt_digest import DEFAULT_DIGEST
 from ._ckpt_files import FileEntry, digest_bytes
 
 __all__ = ["Stager", "decode", "encode", "fsync_dir", "join", "model_optim", "quiet", "rng_state",
-           "save_failure", "set_rng_state", "split", "stager", "write_json"]
+           "save_failure", "set_rng_state", "split", "write_json"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -231,7 +231,7 @@ class Stager:
     nothing was cached anyway: such a spent stager is replaced before its next use."""
 
     def __init__(self) -> None:
-        self._inner = _new_stager()
+        self._inner = _new_stager()  # one per manager: its buffers are reused save after save
 
     def _spent(self) -> bool:
         copier = getattr(self._inner, "_state_dict_stager", None)
@@ -245,11 +245,6 @@ class Stager:
 
     def close(self) -> None:
         self._inner.close()
-
-
-def stager() -> Stager:
-    """A :class:`Stager` (one per manager: its buffers are reused save after save)."""
-    return Stager()
 
 
 _FULL = {errno.ENOSPC: "ENOSPC", errno.EFBIG: "EFBIG", errno.EDQUOT: "EDQUOT"}

@@ -80,10 +80,6 @@ def failure_message(step: int, directory: Path, exc: BaseException, done: list[A
     return msg + "; training goes on without it (on_error='warn') and the next save tries again"
 
 
-def _local(t: Any) -> Any:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class Staging:
     """An async save's copy of the state, mostly off the training thread.
 
@@ -105,16 +101,16 @@ class Staging:
     def start(self, tensors: dict[str, Any], model: Any, optimizer: Any) -> tuple[dict, dict]:
         """(the part staged now, the part left to :meth:`finish`); arms the optimizer's hook."""
         if self.stager is None:  # one stager: its CPU buffers are reused save after save
-            self.stager = io.stager()
+            self.stager = io.Stager()
         if not hasattr(optimizer, "register_step_pre_hook"):  # none given, or not torch's
             optimizer = None
-        params = {_local(p).data_ptr() for p in model.parameters()}
+        params = {_dist.local_tensor(p).data_ptr() for p in model.parameters()}
         now, later = {}, {}
         for key, t in tensors.items():
             where = json.loads(key)
             late = optimizer is not None and (
                 where[:2] == ["optim", "state"] or
-                (where[0] == "model" and _local(t).data_ptr() in params))
+                (where[0] == "model" and _dist.local_tensor(t).data_ptr() in params))
             (later if late else now)[key] = t
         if optimizer is not None and id(optimizer) not in self._hooks:
             self._hooks[id(optimizer)] = optimizer.register_step_pre_hook(self._before_step)

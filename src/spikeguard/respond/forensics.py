@@ -70,10 +70,6 @@ class TrainingHalted(RuntimeError):
         self.report = report
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _gather(obj: Any) -> list[Any]:
     if _dist.world_size() == 1:
         return [obj]
@@ -100,7 +96,7 @@ def nonfinite_params(named_parameters: list[tuple[str, nn.Parameter]]) -> list[s
 
 def _finite(x: Any) -> bool:
     if isinstance(x, torch.Tensor):
-        return not x.is_floating_point() or bool(torch.isfinite(_local(x.detach())).all())
+        return not x.is_floating_point() or bool(torch.isfinite(_dist.local_tensor(x.detach())).all())
     if isinstance(x, (tuple, list)):
         return all(_finite(v) for v in x)
     if isinstance(x, dict):

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._dist import local_tensor
+
 __all__ = ["Fault", "Injector", "parse_fault"]
 
 _SPEC = re.compile(r"^(outlier|seq|grad|nan|lr|logit-drift)@(\d+)(?::([^!]*))?(!?)$")
@@ -161,7 +163,7 @@ class Injector:
                 raise ValueError(f"--inject nan@{f.step}:{name}: no such parameter; the model has "
                                  f"e.g. {', '.join(list(params)[:4])}")
             g = params[name].grad
-            local = g.to_local() if hasattr(g, "to_local") else g
+            local = local_tensor(g)
             if local is not None and local.numel():
                 local.view(-1)[0] = float("nan")
 

@@ -1,0 +1,20 @@
+"""Snapshots of a model's parameters and an optimizer's moments, compared exactly (the framework
+integration tests: a skipped step must leave both bit-identical)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["same", "same_moments"]
+
+
+def same(a: dict, b: dict) -> bool:
+    """Every tensor of snapshot ``a`` equals the one under its name in ``b``."""
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def same_moments(a: dict, b: dict) -> bool:
+    """Two optimizer-state snapshots (parameter -> {name: tensor or number}) hold equal values."""
+    return a.keys() == b.keys() and all(
+        all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
+        for x, y in zip(a.values(), b.values()))
