@@ -1,6 +1,6 @@
 """Checkpoint costs on GPTConfig.bench() + AdamW: restore vs a plain dcp.load, async vs sync save.
 
-    PYTHONPATH=src:. python benchmarks/bench_checkpoint.py [--smoke] [--runs 11] [--ranks 4]
+    PYTHONPATH=src:. python benchmarks/bench_checkpoint.py [--smoke] [--runs 11] [--ranks 4] [--collector off]
 
 Prints (1) the median time of CheckpointManager.restore (manifest, info, sidecar and metadata
 read and hashed, allowlisted metadata, each shard mapped once and hashed while DCP's load plan
@@ -14,12 +14,16 @@ between them; the writer then hashes, writes and commits while "training" goes o
 synchronous save (write, hash as written, commit). Runs are interleaved (A, B, C, A, B, C, ...) so machine noise hits every
 variant alike. With ``--ranks N`` (N > 1) the model is sharded with FSDP2 over N gloo
 ranks on this machine (each rank writes and reads its own shard) and each run counts the
-slowest rank.
+slowest rank. The time Python's cycle collector ran inside each arm is printed beside it: a
+full collection walks every object of the process (0.1-0.2 s here) and falls in whichever arm
+crosses its threshold; restore pauses the collector while it runs. ``--collector off`` measures
+both arms with it off, as large jobs run (collecting by hand between steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
@@ -35,6 +39,27 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+class _CollectorClock:
+    """Seconds Python's cycle collector ran (gc.callbacks), to show where collections fall."""
+
+    def __init__(self) -> None:
+        self.total, self._start = 0.0, 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._start
+
+    def timed(self, fn, into: list) -> float:
+        """_timed(fn); the collector's share of it is appended to ``into``."""
+        before = self.total
+        took = _timed(fn)
+        into.append(self.total - before)
+        return took
 
 
 def _model(smoke: bool, device: str, world: int):
@@ -63,7 +88,8 @@ def _step(model, opt, device: str) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: str) -> dict:
+def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: str,
+             collector: bool = True) -> dict:
     """One rank's timings (seconds per run) and restore's I/O counts."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -73,6 +99,10 @@ def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: s
 
     warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
     torch.set_num_threads(1)
+    if not collector:  # as large jobs run it (torchtitan's gc_freq, Megatron's --manual-gc)
+        gc.collect()
+        gc.disable()
+    clock = _CollectorClock()
     model, opt = _model(smoke, device, world)
     out: dict = {"params": sum(p.numel() for p in model.parameters())}  # DTensor: global
     no_dist = world == 1
@@ -83,11 +113,12 @@ def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: s
     plain_pt = Path(root) / "plain.pt"
     if world == 1:
         torch.save(tensors, plain_pt)
-    out.update(restore=[], plain=[], tload=[])
+    out.update(restore=[], plain=[], tload=[], gc_restore=[], gc_plain=[])
     for _ in range(runs):
-        out["restore"].append(_timed(lambda: sync.restore(model=model, optimizer=opt)))
-        out["plain"].append(_timed(lambda: dcp.load(tensors, checkpoint_id=path,
-                                                    no_dist=no_dist)))
+        out["restore"].append(clock.timed(lambda: sync.restore(model=model, optimizer=opt),
+                                          out["gc_restore"]))
+        out["plain"].append(clock.timed(lambda: dcp.load(tensors, checkpoint_id=path,
+                                                         no_dist=no_dist), out["gc_plain"]))
         if world == 1:
             out["tload"].append(_timed(lambda: torch.load(plain_pt, weights_only=True)))
     stats = sync.io_stats
@@ -127,27 +158,33 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=11)
     ap.add_argument("--ranks", type=int, default=1, help="gloo ranks (FSDP2-sharded when > 1)")
     ap.add_argument("--device", default="cpu", help="cuda: async save blocks only for the copy")
+    ap.add_argument("--collector", choices=("on", "off"), default="on",
+                    help="Python's automatic cycle collection during the runs (off: as large "
+                         "jobs run, collecting by hand)")
     args = ap.parse_args()
+    collector = args.collector == "on"
     runs = 2 if args.smoke else args.runs
     with tempfile.TemporaryDirectory() as tmp:
         if args.ranks == 1:
-            per_rank = [_measure(0, 1, tmp, args.smoke, runs, args.device)]
+            per_rank = [_measure(0, 1, tmp, args.smoke, runs, args.device, collector)]
         else:
             from tests.dist import run_distributed
 
             per_rank = run_distributed(_measure, args.ranks, tmp, args.smoke, runs, args.device,
-                                       timeout=3600)
+                                       collector, timeout=3600)
 
     def med(key: str) -> float:  # per run the slowest rank, then the median over runs
         return statistics.median(max(r[key][i] for r in per_rank) for i in range(runs)) * 1e3
 
     first = per_rank[0]
     print(f"model {first['params'] / 1e6:.1f}M params, checkpoint {first['size'] / 2**20:.1f} MiB, "
-          f"{args.ranks} rank(s), {runs} runs")
+          f"{args.ranks} rank(s), {runs} runs, cycle collector {args.collector}")
     r, p = med("restore"), med("plain")
     scale = f", torch.load {med('tload'):.1f} ms (scale)" if args.ranks == 1 else ""
     print(f"restore/dcp.load ratio {r / p:.3f} (target <= 1.3): restore {r:.1f} ms, "
           f"dcp.load {p:.1f} ms{scale}")
+    print(f"  of which Python's cycle collector: restore {med('gc_restore'):.1f} ms, dcp.load "
+          f"{med('gc_plain'):.1f} ms (median over runs of the slowest rank; restore pauses it)")
     hashed = max(x["hashed_per_byte"] for x in per_rank)
     opens = max(x["max_opens"] for x in per_rank)
     mib = ", ".join(f"{x['hashed_mib']:.1f}" for x in per_rank)

@@ -357,6 +357,48 @@ def test_generic_stateful_extra_state_and_bad_arguments(tmp_path):
         CheckpointManager(tmp_path, keep=0)
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_save_and_restore_pause_the_cycle_collector_and_keep_its_setting(tmp_path, enabled):
+    """DCP's short-lived objects must die by reference count, not be promoted by collections
+    that run mid-call (they trigger full collections of the whole process later)."""
+    import gc
+
+    seen = []
+
+    class Probe:
+        def state_dict(self):
+            seen.append(("save", gc.isenabled()))
+            return {}
+
+        def load_state_dict(self, state):
+            seen.append(("restore", gc.isenabled()))
+
+    ran = []
+
+    def count(phase, info):
+        if phase == "start":
+            ran.append(info["generation"])
+
+    model, opt, sched = build()
+    train_steps(model, opt, sched, 1)
+    mgr = CheckpointManager(tmp_path, every=1)
+    threshold = gc.get_threshold()
+    (gc.enable if enabled else gc.disable)()
+    gc.set_threshold(1, 1, 1)  # a collection on nearly every allocation, were it running
+    gc.callbacks.append(count)
+    try:
+        mgr.save(1, model=model, optimizer=opt, extra_state={"probe": Probe()})
+        mgr.restore(model=model, optimizer=opt, extra_state={"probe": Probe()})
+        after = gc.isenabled()
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*threshold)
+        gc.enable()
+    assert seen == [("save", False), ("restore", False)]
+    assert after is enabled
+    assert ran == [] or (enabled and len(ran) < 20), ran  # between the calls only
+
+
 def test_benchmark_smoke(sub_env):
     out = subprocess.run([sys.executable, "benchmarks/bench_checkpoint.py", "--smoke"],
                          env=sub_env, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import errno
+import gc
 import json
 import math
 import os
@@ -28,8 +29,8 @@ import torch
 from ._ckpt_digest import DEFAULT_DIGEST
 from ._ckpt_files import FileEntry, digest_bytes
 
-__all__ = ["Stager", "decode", "encode", "fsync_dir", "join", "model_optim", "quiet", "rng_state",
-           "save_failure", "set_rng_state", "split", "write_json"]
+__all__ = ["Stager", "collector_paused", "decode", "encode", "fsync_dir", "join", "model_optim",
+           "quiet", "rng_state", "save_failure", "set_rng_state", "split", "write_json"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -190,6 +191,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(tuple(state["numpy"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cycle collector for one load or save. DCP builds tens of thousands of
+    short-lived objects per call (metadata, plans, read items); a collection that runs while
+    they are alive promotes them to the oldest generation, and enough promotions start a full
+    collection of the whole process (every object torch and the model hold: 0.1-0.2 s on a
+    busy CPU). Paused, they die by reference count and promote nothing. The previous setting
+    is kept: a job that runs with the collector off (as large training jobs often do) keeps
+    it off."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @contextlib.contextmanager

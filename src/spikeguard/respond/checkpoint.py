@@ -190,10 +190,18 @@ class CheckpointManager:
         ``on_error="warn"`` went on). ``healthy=False`` (or any ``alerts``) marks an alert in
         this checkpoint's window: restore() passes over it. Collective across ranks."""
         self.wait()
+        with io.collector_paused():  # sync: the whole write; async: the staging only
+            return self._save(step, model, optimizer, self._statefuls(scheduler, scaler, data,
+                                                                      extra_state),
+                              healthy, alerts, meta, save_rng, data)
+
+    def _save(self, step: int, model: torch.nn.Module, optimizer: Any, statefuls: dict[str, Any],
+              healthy: bool, alerts: Any, meta: dict | None, save_rng: bool,
+              data: Any) -> Path | None:
         msd, osd = io.model_optim(model, optimizer)
         tensors, rest = io.split({"model": msd, "optim": osd})
         side: dict[str, Any] = {"rest": rest}
-        for name, obj in self._statefuls(scheduler, scaler, data, extra_state).items():
+        for name, obj in statefuls.items():
             side[name] = obj.state_dict()
         if save_rng:
             side["rng"] = io.rng_state()
@@ -358,6 +366,13 @@ class CheckpointManager:
         ranks; all ranks agree on every refusal. Returns its info.
         """
         self.wait()
+        with io.collector_paused():
+            return self._restore(model, optimizer, self._statefuls(scheduler, scaler, data,
+                                                                   extra_state),
+                                 at_or_before, restore_rng)
+
+    def _restore(self, model: torch.nn.Module, optimizer: Any, statefuls: dict[str, Any],
+                 at_or_before: int | None, restore_rng: bool) -> CheckpointInfo:
         refusals: list[str] = []
         fresh = optimizer is not None and not optimizer.state  # DCP fills it to read its keys
         for c in reversed(self.list()):
@@ -365,12 +380,11 @@ class CheckpointManager:
                 continue
             self.io_stats = IOStats()
             try:
-                load(c.path, c.step, c.healthy, model, optimizer,
-                     self._statefuls(scheduler, scaler, data, extra_state), restore_rng,
+                load(c.path, c.step, c.healthy, model, optimizer, statefuls, restore_rng,
                      self.io_stats)
             except Refused as e:
                 msg = f"checkpoint {c.path} refused: {e}; falling back to the previous healthy one"
-                warnings.warn(msg, CheckpointWarning, stacklevel=2)
+                warnings.warn(msg, CheckpointWarning, stacklevel=3)  # the caller of restore()
                 refusals.append(msg)
                 continue
             return c
