@@ -4,6 +4,7 @@ agreement on a write, and what a failed save says."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -17,8 +18,9 @@ import torch
 from .. import _dist
 from . import _ckpt_io as io
 from ._ckpt_files import FileEntry, IOStats
+from ._ckpt_load import INFO
 
-__all__ = ["Job", "Staging", "agree", "failure_message", "make_tmp"]
+__all__ = ["Job", "Staging", "agree", "failure_message", "make_tmp", "manifest", "statefuls"]
 
 
 @dataclass
@@ -148,3 +150,33 @@ class Staging:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
+
+
+def statefuls(scheduler: Any, scaler: Any, data: Any,
+              extra_state: dict[str, Any] | None) -> dict[str, Any]:
+    """The objects saved and restored through their state_dict, by sidecar key."""
+    named = {"scheduler": scheduler, "scaler": scaler, "data": data}
+    for k, v in (extra_state or {}).items():
+        if k in named or k in ("rest", "rng"):
+            raise ValueError(f"extra_state key {k!r} is reserved; rename it")
+        named[k] = v
+    return {k: v for k, v in named.items() if v is not None}
+
+
+def manifest(job: Job, gathered: list[dict], digest: str) -> dict[str, FileEntry]:
+    """Rank 0 at commit: every rank's records (as gathered) plus info.json, checked against the
+    files present in the directory."""
+    files: dict[str, FileEntry] = {}
+    for r, recs in enumerate(gathered):
+        for name, e in recs.items():
+            entry = FileEntry.from_json(e)
+            if files.setdefault(name, entry) != entry:
+                raise ValueError(f"rank {r} wrote {name} with other contents than another rank")
+    files[INFO] = io.write_json(job.tmp / INFO, job.info, digest)
+    job.stats.add(INFO, hashed=files[INFO].size)
+    present = set(os.listdir(job.tmp))
+    if present != set(files):
+        raise ValueError(f"files written but not hashed: {sorted(present - set(files))}; "
+                         f"hashed but absent: {sorted(set(files) - present)} (is the "
+                         "directory on a file system every rank shares?)")
+    return files

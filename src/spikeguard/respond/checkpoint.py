@@ -45,11 +45,11 @@ from .._crash import crash_point
 from .._validate import check_int
 from . import _ckpt_io as io
 from ._ckpt_digest import DEFAULT_DIGEST, DIGESTS, Digest
-from ._ckpt_files import CheckpointDir, FileEntry, IOStats
+from ._ckpt_files import CheckpointDir, IOStats
 from ._ckpt_load import INFO as _INFO
 from ._ckpt_load import MANIFEST as _MANIFEST
 from ._ckpt_load import Refused, load, verify_checkpoint
-from ._ckpt_save import Job, Staging, agree, failure_message, make_tmp
+from ._ckpt_save import Job, Staging, agree, failure_message, make_tmp, manifest, statefuls
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointWarning",
            "rollback_target", "verify_checkpoint"]
@@ -191,7 +191,7 @@ class CheckpointManager:
         this checkpoint's window: restore() passes over it. Collective across ranks."""
         self.wait()
         with io.collector_paused():  # sync: the whole write; async: the staging only
-            return self._save(step, model, optimizer, self._statefuls(scheduler, scaler, data,
+            return self._save(step, model, optimizer, statefuls(scheduler, scaler, data,
                                                                       extra_state),
                               healthy, alerts, meta, save_rng, data)
 
@@ -292,7 +292,7 @@ class CheckpointManager:
         error = None
         if gathered is not None:  # rank 0
             try:
-                files = self._manifest(job, gathered)
+                files = manifest(job, gathered, self.digest)
                 crash_point("before_commit", job.step)
                 io.write_json(job.tmp / _MANIFEST, {
                     "format": _FORMAT, "files": {n: e.to_json() for n, e in files.items()}})
@@ -310,22 +310,6 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {job.final} could not be committed: "
                                   f"{error or 'rank 0 failed (see its error)'}")
 
-    def _manifest(self, job: Job, gathered: list[dict]) -> dict[str, FileEntry]:
-        files: dict[str, FileEntry] = {}
-        for r, recs in enumerate(gathered):
-            for name, e in recs.items():
-                entry = FileEntry.from_json(e)
-                if files.setdefault(name, entry) != entry:
-                    raise ValueError(f"rank {r} wrote {name} with other contents than another rank")
-        files[_INFO] = io.write_json(job.tmp / _INFO, job.info, self.digest)
-        job.stats.add(_INFO, hashed=files[_INFO].size)
-        present = set(os.listdir(job.tmp))
-        if present != set(files):
-            raise ValueError(f"files written but not hashed: {sorted(present - set(files))}; "
-                             f"hashed but absent: {sorted(set(files) - present)} (is the "
-                             "directory on a file system every rank shares?)")
-        return files
-
     def _rotate(self) -> None:
         ckpts = self.list()
         healthy = [c for c in ckpts if c.healthy]
@@ -340,16 +324,6 @@ class CheckpointManager:
             excess -= 1
         for stale in self.directory.glob(".tmp-step_*"):  # left by a killed run
             shutil.rmtree(stale, ignore_errors=True)
-
-    @staticmethod
-    def _statefuls(scheduler: Any, scaler: Any, data: Any,
-                   extra_state: dict[str, Any] | None) -> dict[str, Any]:
-        named = {"scheduler": scheduler, "scaler": scaler, "data": data}
-        for k, v in (extra_state or {}).items():
-            if k in named or k in ("rest", "rng"):
-                raise ValueError(f"extra_state key {k!r} is reserved; rename it")
-            named[k] = v
-        return {k: v for k, v in named.items() if v is not None}
 
     # -- restore ------------------------------------------------------------------------------
     def restore(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -367,7 +341,7 @@ class CheckpointManager:
         """
         self.wait()
         with io.collector_paused():
-            return self._restore(model, optimizer, self._statefuls(scheduler, scaler, data,
+            return self._restore(model, optimizer, statefuls(scheduler, scaler, data,
                                                                    extra_state),
                                  at_or_before, restore_rng)
 
