@@ -45,6 +45,42 @@ def test_presets_and_validation():
         sg.GPT(sg.GPTConfig.tiny())(torch.zeros(1, 65, dtype=torch.long))
 
 
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+@pytest.mark.parametrize("knobs", [{}, {"pos": "rope", "qk_norm": True}, {"attn_softcap": 20.0}],
+                         ids=["sdpa", "rope-qknorm", "capped-eager"])
+def test_grouped_query_attention_equals_multi_head_with_kv_heads_repeated(n_kv_head, knobs):
+    """Reference: the multi-head model whose key/value projections repeat each of the grouped
+    model's kv heads for its group of query heads (query head h reads kv head h // (H / H_kv))."""
+    torch.manual_seed(0)
+    cfg = sg.GPTConfig.tiny(n_head=4, n_kv_head=n_kv_head, **knobs)
+    gqa, mha = sg.GPT(cfg), sg.GPT(sg.GPTConfig.tiny(n_head=4, **knobs))
+    h, d, hd = 4, cfg.d_model, cfg.head_dim
+    assert gqa.blocks[0].attn.qkv.weight.shape == (d + 2 * n_kv_head * hd, d)
+    assert mha.num_params() - gqa.num_params() == cfg.n_layer * 2 * (h - n_kv_head) * hd * d
+    state = gqa.state_dict()
+    for name, w in list(state.items()):
+        if name.endswith("attn.qkv.weight"):
+            wq, wk, wv = w.split((h * hd, n_kv_head * hd, n_kv_head * hd))
+            grow = [x.view(n_kv_head, hd, d).repeat_interleave(h // n_kv_head, 0).reshape(-1, d)
+                    for x in (wk, wv)]
+            state[name] = torch.cat([wq, *grow])
+    mha.load_state_dict(state)
+    idx = torch.randint(0, 256, (2, 24))
+    torch.testing.assert_close(gqa(idx), mha(idx), rtol=1e-5, atol=1e-5)
+    out = gqa.loss(gqa(idx[:, :-1]), idx[:, 1:])
+    out.loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in gqa.parameters())
+
+
+def test_n_kv_head_validation_names_the_field_and_the_fix():
+    assert sg.GPTConfig(n_head=4).kv_heads == 4 and sg.GPTConfig(n_head=4, n_kv_head=1).kv_heads == 1
+    with pytest.raises(ValueError, match=r"n_kv_head=3 does not divide n_head=4; pick a divisor"):
+        sg.GPTConfig(n_head=4, n_kv_head=3)
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match=r"GPTConfig.n_kv_head=.* must be an integer >= 1"):
+            sg.GPTConfig(n_head=4, n_kv_head=bad)
+
+
 @pytest.mark.slow
 def test_reference_gpt_learns_the_default_corpus(tmp_path):
     corpus = sg.load_corpus("pydoc")

@@ -1,8 +1,9 @@
 """A small reference GPT with the stability knobs of the library.
 
-Pre-norm decoder, learned or rotary positions, optional tied embeddings. ``forward`` returns the
-final hidden states [B, T, d_model]; ``loss`` turns them into the training loss, so the output
-layer and the loss can be fused by the losses module without touching the trunk.
+Pre-norm decoder, learned or rotary positions, grouped-query attention (``n_kv_head``),
+optional tied embeddings. ``forward`` returns the final hidden states [B, T, d_model]; ``loss``
+turns them into the training loss, so the output layer and the loss can be fused by the losses
+module without touching the trunk.
 
 ``init="mup"`` builds the model in muP (see :mod:`spikeguard.prevent.mup` for the table of
 scalings); its optimizer takes :func:`spikeguard.prevent.mup.mup_param_groups`.
@@ -42,6 +43,9 @@ class GPTConfig:
     """Transformer blocks."""
     n_head: int = 4
     """Attention heads; must divide d_model."""
+    n_kv_head: int | None = None
+    """Key/value heads, shared by groups of query heads (grouped-query attention; 1 is
+    multi-query); must divide n_head. None: one per query head."""
     d_model: int = 128
     """Residual stream width."""
     seq_len: int = 128
@@ -73,6 +77,13 @@ class GPTConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig.d_model={self.d_model} is not divisible by "
                              f"n_head={self.n_head}; pick a head count that divides it")
+        if self.n_kv_head is not None:
+            check_int(self.n_kv_head, "GPTConfig.n_kv_head", default=None,
+                      hint="a divisor of n_head (1 for multi-query attention)")
+            if self.n_head % self.n_kv_head:
+                raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} does not divide "
+                                 f"n_head={self.n_head}; pick a divisor (1 for multi-query "
+                                 f"attention) or None for one per query head")
         if self.pos == "rope" and (self.d_model // self.n_head) % 2:
             raise ValueError(f"rotary positions need an even head dim, got "
                              f"{self.d_model // self.n_head}; change d_model or n_head")
@@ -99,6 +110,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when it is None."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
     def attn_scale(self) -> float | None:
@@ -151,7 +167,7 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.logit_p99_request = False
         self.last_logit_p99: torch.Tensor | None = None
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_heads * cfg.head_dim, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
         self.qk_norm = QKNorm(cfg.head_dim, kind="rms") if cfg.qk_norm else None
@@ -162,7 +178,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.cfg.n_head, self.cfg.head_dim).permute(2, 0, 3, 1, 4)
+        h, h_kv, hd = self.cfg.n_head, self.cfg.kv_heads, self.cfg.head_dim
+        if h_kv == h:
+            q, k, v = self.qkv(x).view(b, t, 3, h, hd).permute(2, 0, 3, 1, 4)
+        else:  # [B, T, (H + 2 H_kv) D] -> q [B, H, T, D], k and v [B, H_kv, T, D]
+            q, k, v = (z.view(b, t, -1, hd).transpose(1, 2)
+                       for z in self.qkv(x).split((h * hd, h_kv * hd, h_kv * hd), dim=-1))
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k)
         if self.cfg.pos == "rope":

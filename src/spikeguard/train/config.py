@@ -23,7 +23,7 @@ from .faults import parse_fault
 
 __all__ = ["NO_DEFENSES", "SHAPE_FIELDS", "TrainConfig"]
 
-SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio")
+SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "seq_len", "mlp_ratio")
 """GPTConfig fields the ``model`` preset and the data decide (not flags of their own)."""
 
 NO_DEFENSES = {"gpt.z_loss": 0.0, "gpt.qk_norm": False, "guard.clip": None,
