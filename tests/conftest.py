@@ -20,15 +20,25 @@ def sub_env() -> dict[str, str]:
 
 
 # -- the reliability table (tests/faults; RELIABILITY.md) -----------------------------------------
-@pytest.fixture
-def one_thread():
-    """torch on one thread for the test (bit-reproducible runs), then as it was."""
+def _one_thread():
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (bit-reproducible runs), then as it was."""
+    yield from _one_thread()
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """The same for a module's shared runs, until the module's last test."""
+    yield from _one_thread()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -24,8 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def clean():
-    torch.set_num_threads(1)
+def clean(one_thread_module):
     return guarded_run(steps=STEPS)
 
 
@@ -178,8 +177,7 @@ def test_a_nan_from_the_data_is_traced_to_the_first_module_forward_and_backward(
 
 
 @pytest.fixture(scope="module")
-def lr_fault_runs(tmp_path_factory):
-    torch.set_num_threads(1)
+def lr_fault_runs(tmp_path_factory, one_thread_module):
     root = tmp_path_factory.mktemp("lr")
     return {policy: guarded_run(steps=STEPS, out=root / policy, tier2=policy,
                                 faults=[Fault("lr", 150, mult=50.0, length=20)])
