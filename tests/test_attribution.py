@@ -13,7 +13,7 @@ import torch
 
 import spikeguard as sg
 from spikeguard.guard import AttributionConfig, GuardConfig
-from spikeguard.respond._attribution import Attribution, outliers, robust_z
+from spikeguard.respond._attribution import Attribution, kept_weight, outliers, robust_z
 from spikeguard.train.faults import Injector
 
 from .attribution_harness import attributed_run
@@ -27,14 +27,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory):
-    torch.set_num_threads(1)
+def clean(tmp_path_factory, one_thread_module):
     return attributed_run(steps=STEPS, batch=BATCH, out=tmp_path_factory.mktemp("clean"))
 
 
 @pytest.fixture(scope="module")
-def dropped(tmp_path_factory):
-    torch.set_num_threads(1)
+def dropped(tmp_path_factory, one_thread_module):
     return attributed_run(steps=STEPS, batch=BATCH, out=tmp_path_factory.mktemp("drop"),
                           garbage=(GARBAGE,), grad_mult=GRAD, drop=True)
 
@@ -173,6 +171,20 @@ def test_outliers_stand_out_above_on_loss_or_log_z_and_need_four_rows():
     got = outliers(rows, 5.0)
     assert [r["row"] for r in got] == [3, 6] and all(r["z"] > 5 for r in got)
     assert outliers(rows[:3], 5.0) == []
+
+
+def test_kept_weight_makes_the_ranks_average_the_global_token_mean():
+    tokens = {(0, 0): 10, (0, 1): 10, (0, 2): 30, (1, 0): 20, (1, 1): 20, (1, 2): 5}
+    rows = [{"rank": r, "pos": i, "tokens": float(n)} for (r, i), n in tokens.items()]
+    gone = [rows[5], rows[0]]
+    kept = {k: n for k, n in tokens.items() if k not in ((1, 2), (0, 0))}
+    for rank in (0, 1):
+        mine = sum(n for (r, _), n in kept.items() if r == rank)
+        # the average over 2 ranks of weight_r * (rank r's token mean) is the global token mean
+        assert kept_weight(rows, gone, rank) / 2 == pytest.approx(mine / sum(kept.values()))
+    one = [r for r in rows if r["rank"] == 0]
+    assert kept_weight(one, [one[1]], 0) == 1.0  # one rank: exact, no rescaling
+    assert kept_weight(rows, gone, 3) == 1.0  # a rank without rows (a pipeline stage)
 
 
 def test_config_refuses_bad_values_and_its_flags_are_generated():

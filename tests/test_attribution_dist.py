@@ -2,13 +2,15 @@
 
 Every rank re-runs the skipped step together (its collectives included), the rows of both ranks
 are gathered so the z-scores see the global batch, rank 0 writes the one quarantine line (naming
-rank 1), and the drop re-runs the step with 3 of rank 1's rows and all 4 of rank 0's.
+rank 1), and the drop re-runs the step with 3 of rank 1's rows and all 4 of rank 0's: its update
+is one process's gradient of the mean over those 7 rows.
 """
 
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.dist import run_distributed
 
@@ -33,15 +35,25 @@ def _attributed_fsdp(rank: int, world: int, directory: str) -> dict:
                      sinks=[sg.JsonlSink(f"{directory}/metrics.jsonl")],
                      config=sg.GuardConfig(detector=sg.DetectorConfig.for_run(STEPS),
                                            attribution=AttributionConfig(drop_sequences=True)))
-    verdicts = []
+    verdicts, seen = [], {}
+
+    def at_the_drop(*_):  # the optimizer step after the drop's re-run: that re-run's gradients
+        if "kept" in seen and "grads" not in seen:
+            seen["grads"] = [p.grad.full_tensor() for p in model.parameters()]
+            seen["params"] = [p.detach().full_tensor() for p in model.parameters()]
+            seen["parts"] = [None] * world
+            torch.distributed.all_gather_object(seen["parts"], seen["kept"])
+
+    opt.register_step_pre_hook(at_the_drop)
     while guard.step_index < STOP:
         x, y = next(data)
 
         def again(keep=None, x=x, y=y):
             if keep is not None:
                 x, y = x[keep], y[keep]
+                seen["kept"] = (x, y)
             o = model.loss(model(x), y)
-            o.loss.backward()
+            guard.backward(o)
             return o
 
         out = model.loss(model(x), y)
@@ -51,7 +63,36 @@ def _attributed_fsdp(rank: int, world: int, directory: str) -> dict:
     guard.close()
     full = [p.detach().full_tensor() for p in model.parameters()]
     return {"verdicts": verdicts, "applied": guard.applied, "reruns": guard.attribution.reruns,
-            "params": float(sum(p.double().square().sum() for p in full))}
+            "params": float(sum(p.double().square().sum() for p in full)),
+            "drop": _against_one_process(seen)}
+
+
+def _against_one_process(seen: dict) -> dict:
+    """The drop's gradient (after any clipping: compared as a direction) against one process's
+    gradient of the mean loss over every kept row of both ranks, and against the mean of the
+    ranks' own means (what an unweighted re-run gives)."""
+    import spikeguard as sg
+
+    ref = sg.GPT(sg.GPTConfig.tiny())
+    with torch.no_grad():
+        for p, full in zip(ref.parameters(), seen["params"]):
+            p.copy_(full)
+
+    def grad(rows: list) -> torch.Tensor:
+        ref.zero_grad()
+        x, y = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        ref.loss(ref(x), y).loss.backward()
+        return torch.cat([p.grad.flatten() for p in ref.parameters()]).double()
+
+    def unit(v: torch.Tensor) -> torch.Tensor:
+        return v / v.norm()
+
+    parts = seen["parts"]
+    got = unit(torch.cat([g.flatten() for g in seen["grads"]]).double())
+    glob = grad(parts)
+    own = sum(grad([part]) for part in parts) / len(parts)
+    return {"rows": [len(part[0]) for part in parts], "global_norm": float(glob.norm()),
+            "gap": float((got - unit(glob)).norm()), "gap_own": float((got - unit(own)).norm())}
 
 
 @pytest.mark.dist
@@ -67,4 +108,9 @@ def test_two_ranks_quarantine_the_sequence_of_rank_1_and_drop_only_it(tmp_path):
     rec = next(json.loads(x) for x in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()
                if json.loads(x)["step"] == AT)
     assert rec["cause"] == "data" and rec["kept_rows"] == [7, 8] and rec["skipped"] is False
+    # the update is the gradient of the mean over all 7 kept rows (rank 1 lost one of 4)
+    drop = r0["drop"]
+    assert drop["rows"] == [4, 3]
+    assert drop["gap"] < 1e-5 < drop["gap_own"] / 100, drop
+    assert rec["kept_grad_norm"] == pytest.approx(drop["global_norm"], rel=1e-5)
     assert r0["applied"] == STOP and r0["reruns"] == 1

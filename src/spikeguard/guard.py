@@ -168,6 +168,7 @@ class Guard(_Responses):
         self._window_alerts: list[str] = []
         self._micro: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # loss, log Z, sequences
         self._rerun_now: Callable[..., Any] | None = None
+        self._loss_weight, self._backwards = 1.0, 0  # see backward()
         self._pending: _Pending | None = None
         self._data_pos = self._position()
         self._warned_disagree = False
@@ -180,8 +181,13 @@ class Guard(_Responses):
         return self.precision.autocast()
 
     def backward(self, loss: Any) -> None:
-        """``loss.backward()`` through the loss scaler under fp16 (``loss`` may be a LossOutput)."""
+        """``loss.backward()`` through the loss scaler under fp16 (``loss`` may be a LossOutput).
+        In attribution's re-run without quarantined rows it weighs this rank's loss so that the
+        update is the mean over the tokens kept on every rank."""
         loss = loss.loss if hasattr(loss, "loss") and hasattr(loss, "log_z") else loss
+        if self._loss_weight != 1.0:
+            loss = loss * self._loss_weight
+        self._backwards += 1
         self.precision.scale(loss).backward()
 
     def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None) -> None:
@@ -202,9 +208,10 @@ class Guard(_Responses):
              rerun: Callable[[], Any] | None = None) -> Verdict | None:
         """One optimizer step, after backward (see the module docstring). Returns the verdict the
         host read this call: step t's with read_lag 0; step t-1's with read_lag 1 (None on the
-        first step). ``rerun()`` re-runs the batch's forward and backward and returns its LossOutput
-        (Tier 3 forensics; attribution of a skip, where ``rerun(keep=mask)`` keeps only the rows
-        ``mask`` marks). Raises TrainingHalted on a halt, after the record is written."""
+        first step). ``rerun()`` re-runs the batch's forward and backward (``guard.backward``)
+        and returns its LossOutput (Tier 3 forensics; attribution of a skip, where
+        ``rerun(keep=mask)`` keeps only the rows ``mask`` marks). Raises TrainingHalted on a
+        halt, after the record is written."""
         if out is None and not self._micro:
             raise ValueError("guard.step() needs the step's loss: pass step(out), or call "
                              "guard.accumulate(out) after each micro-batch's backward")

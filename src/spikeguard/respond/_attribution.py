@@ -8,8 +8,9 @@ re-runs. From the per-sequence values of the loss (``LossOutput.sequences``, no 
 sequences whose mean loss or log Z stands out against the rest of the batch (a robust z-score:
 median and MAD over the rows of every data-parallel rank) are quarantined, one JSON line each in
 ``quarantine.jsonl`` beside the metrics file. With ``drop_sequences`` the guard re-runs the step
-without them (the loss is then the mean over the tokens kept) and applies that update if it
-passes the gate; a Tier 2 rollback drops them from its data range instead of skipping it whole.
+without them (``guard.backward`` weighs each rank's loss so that the update is the mean over the
+tokens kept on every rank) and applies that update if it passes the gate; a Tier 2 rollback
+drops them from its data range instead of skipping it whole.
 
 Every decision here is taken from all-reduced or gathered numbers, so every rank takes it alike.
 Private to the guard: ``Attribution.on_skip`` reads the guard's parameters, precision runtime,
@@ -190,7 +191,7 @@ class Attribution:
         "transient" or "unknown" (not re-run)."""
         self.path: Path | None = None
         """The quarantine file; None: ``quarantine.jsonl`` beside the guard's JSONL sink's file."""
-        self._warned_keep = False
+        self._warned_keep = self._warned_weight = False
 
     def _allowed(self, step: int) -> bool:
         return self.reruns + 1 <= math.ceil(self.config.rerun_budget * (step + 1))
@@ -232,11 +233,12 @@ class Attribution:
                                            for q in quarantined]))
         return verdict._replace(reasons=tuple(reasons))
 
-    def _measure(self, g: Any, out: Any, *, unscale: bool = False) -> tuple[float, float, float, Any]:
-        """(loss, log Z, grad norm, GradStats) of the gradients a re-run left, all-reduced as the
-        step's own: one collective, then a host read."""
+    def _measure(self, g: Any, out: Any, *, unscale: bool = False,
+                 weight: float = 1.0) -> tuple[float, float, float, Any]:
+        """(loss, log Z, grad norm, GradStats) of the gradients a re-run left (loss and log Z
+        times ``weight``), all-reduced as the step's own: one collective, then a host read."""
         dev = g.precision.device
-        loss, log_z = _loss_of(out, dev)
+        loss, log_z = (v * weight for v in _loss_of(out, dev))
         scale = 1.0
         if unscale:
             g.precision.unscale_(g.optimizer)
@@ -253,8 +255,8 @@ class Attribution:
         seqs = [s for s in (p.rows or ()) if s is not None]
         local: list[dict[str, Any]] = []
         if seqs:
-            values = torch.stack([torch.cat([s.ce for s in seqs]).double(),
-                                  torch.cat([s.log_z for s in seqs]).double()]).tolist()
+            values = torch.stack([torch.cat([getattr(s, k) for s in seqs]).double()
+                                  for k in ("ce", "log_z", "tokens")]).tolist()
             span = p.batches
             one_each = span is not None and span[1] - span[0] + 1 == len(seqs)
             rank, pos = _dist.rank(), 0
@@ -267,7 +269,8 @@ class Attribution:
                     ids = kept if len(kept) == len(ids) else ids
                 for row in ids:
                     local.append({"stream_index": index, "rank": rank, "row": int(row),
-                                  "loss": values[0][pos], "log_z": values[1][pos], "pos": pos})
+                                  "loss": values[0][pos], "log_z": values[1][pos],
+                                  "tokens": values[2][pos], "pos": pos})
                     pos += 1
         if _dist.world_size() == 1:
             return local
@@ -293,7 +296,19 @@ class Attribution:
         keep = torch.tensor([i not in gone for i in range(n_local)], dtype=torch.bool,
                             device=p.rows[0].ce.device if p.rows and p.rows[0] is not None
                             else g.precision.device)
-        loss, _, norm, stats = self._measure(g, p.rerun(keep=keep), unscale=True)
+        weight, calls = kept_weight(rows, quarantined, rank), g._backwards
+        g._loss_weight = weight  # guard.backward in the re-run applies it
+        try:
+            out = p.rerun(keep=keep)
+        finally:
+            g._loss_weight = 1.0
+        if g._backwards == calls:  # the closure ran loss.backward() itself: unweighted
+            if weight != 1.0 and not self._warned_weight:
+                self._warned_weight = True
+                log.warning("spikeguard: rerun did not call guard.backward: the update without "
+                            "the quarantined rows is each rank's own mean, not the global one")
+            weight = 1.0
+        loss, _, norm, stats = self._measure(g, out, unscale=True, weight=weight)
         gate, det = g.gate, g.config.detector
         ema, median = float(gate.ema.value), float(gate.median.value)
         ratio = loss / ema if ema > 0 else math.nan
@@ -373,3 +388,13 @@ class Attribution:
         self.reruns = max(self.reruns, int(state["reruns"]))
         self.skips = deque(((int(s), str(c), [tuple(q) for q in qs])
                             for s, c, qs in state["skips"]), maxlen=_KEEP)
+
+
+def kept_weight(rows: list[dict[str, Any]], quarantined: list[dict[str, Any]], rank: int) -> float:
+    """This rank's loss weight without the quarantined rows: R n_r / N (kept tokens n_r here, N on
+    all R ranks with rows): the averaged gradients are those of the global token mean."""
+    out = {(q["rank"], q["pos"]) for q in quarantined}
+    kept = [r for r in rows if (r["rank"], r["pos"]) not in out]
+    mine = sum(r["tokens"] for r in kept if r["rank"] == rank)
+    total = sum(r["tokens"] for r in kept)
+    return len({r["rank"] for r in rows}) * mine / total if mine > 0 and total > 0 else 1.0
