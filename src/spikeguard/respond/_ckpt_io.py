@@ -195,13 +195,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Pause Python's cycle collector for one load or save. DCP builds tens of thousands of
-    short-lived objects per call (metadata, plans, read items); a collection that runs while
-    they are alive promotes them to the oldest generation, and enough promotions start a full
-    collection of the whole process (every object torch and the model hold: 0.1-0.2 s on a
-    busy CPU). Paused, they die by reference count and promote nothing. The previous setting
-    is kept: a job that runs with the collector off (as large training jobs often do) keeps
-    it off."""
+    """Pause Python's cycle collector for one load or save (a context or a decorator). DCP
+    builds tens of thousands of short-lived objects per call (metadata, plans, read items); a
+    collection that runs while they are alive promotes them to the oldest generation, and
+    enough promotions start a full collection of the whole process (every object torch and the
+    model hold: 0.1-0.2 s on a busy CPU). Paused, they die by reference count and promote
+    nothing. The previous setting is kept: a job that runs with the collector off (as large
+    training jobs often do) keeps it off."""
     was = gc.isenabled()
     gc.disable()
     try:

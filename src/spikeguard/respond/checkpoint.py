@@ -181,6 +181,7 @@ class CheckpointManager:
         """save() when ``step`` is a multiple of ``every``; otherwise nothing."""
         return self.save(step, **kwargs) if self.should_save(step) else None
 
+    @io.collector_paused()  # sync: the whole write; async: the part on the training thread
     def save(self, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
              scheduler: Any = None, scaler: Any = None, data: Any = None,
              extra_state: dict[str, Any] | None = None, healthy: bool = True,
@@ -190,18 +191,10 @@ class CheckpointManager:
         ``on_error="warn"`` went on). ``healthy=False`` (or any ``alerts``) marks an alert in
         this checkpoint's window: restore() passes over it. Collective across ranks."""
         self.wait()
-        with io.collector_paused():  # sync: the whole write; async: the staging only
-            return self._save(step, model, optimizer, statefuls(scheduler, scaler, data,
-                                                                      extra_state),
-                              healthy, alerts, meta, save_rng, data)
-
-    def _save(self, step: int, model: torch.nn.Module, optimizer: Any, statefuls: dict[str, Any],
-              healthy: bool, alerts: Any, meta: dict | None, save_rng: bool,
-              data: Any) -> Path | None:
         msd, osd = io.model_optim(model, optimizer)
         tensors, rest = io.split({"model": msd, "optim": osd})
         side: dict[str, Any] = {"rest": rest}
-        for name, obj in statefuls.items():
+        for name, obj in statefuls(scheduler, scaler, data, extra_state).items():
             side[name] = obj.state_dict()
         if save_rng:
             side["rng"] = io.rng_state()
@@ -326,6 +319,7 @@ class CheckpointManager:
             shutil.rmtree(stale, ignore_errors=True)
 
     # -- restore ------------------------------------------------------------------------------
+    @io.collector_paused()
     def restore(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 scheduler: Any = None, scaler: Any = None, data: Any = None,
                 extra_state: dict[str, Any] | None = None, at_or_before: int | None = None,
@@ -340,13 +334,7 @@ class CheckpointManager:
         ranks; all ranks agree on every refusal. Returns its info.
         """
         self.wait()
-        with io.collector_paused():
-            return self._restore(model, optimizer, statefuls(scheduler, scaler, data,
-                                                                   extra_state),
-                                 at_or_before, restore_rng)
-
-    def _restore(self, model: torch.nn.Module, optimizer: Any, statefuls: dict[str, Any],
-                 at_or_before: int | None, restore_rng: bool) -> CheckpointInfo:
+        objects = statefuls(scheduler, scaler, data, extra_state)
         refusals: list[str] = []
         fresh = optimizer is not None and not optimizer.state  # DCP fills it to read its keys
         for c in reversed(self.list()):
@@ -354,11 +342,11 @@ class CheckpointManager:
                 continue
             self.io_stats = IOStats()
             try:
-                load(c.path, c.step, c.healthy, model, optimizer, statefuls, restore_rng,
+                load(c.path, c.step, c.healthy, model, optimizer, objects, restore_rng,
                      self.io_stats)
             except Refused as e:
                 msg = f"checkpoint {c.path} refused: {e}; falling back to the previous healthy one"
-                warnings.warn(msg, CheckpointWarning, stacklevel=3)  # the caller of restore()
+                warnings.warn(msg, CheckpointWarning, stacklevel=3)  # past the decorator: the caller
                 refusals.append(msg)
                 continue
             return c
