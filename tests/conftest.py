@@ -10,13 +10,28 @@ ROOT = Path(__file__).resolve().parents[1]
 _TABLE = pytest.StashKey[Table]()
 
 
-@pytest.fixture
-def sub_env() -> dict[str, str]:
+def checkout_env() -> dict[str, str]:
     """Environment for a subprocess that must import this checkout's spikeguard, not whichever
     copy pip installed editable."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
     return env
+
+
+@pytest.fixture
+def sub_env() -> dict[str, str]:
+    """``checkout_env()`` as a fixture."""
+    return checkout_env()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The recorded 50-step run (tests/test_recorded.py) takes a minute of CPU in its own pinned
+    process: start it as soon as the test is known to run, so it overlaps the tests before it."""
+    from tests import _recorded_run
+
+    want = f"test_train_50_steps_losses_are_bit_identical_to_the_recording[{_recorded_run.host_capability()}]"
+    if any(item.name == want for item in session.items):
+        _recorded_run.start(_recorded_run.host_capability(), checkout_env())
 
 
 # -- the reliability table (tests/faults; RELIABILITY.md) -----------------------------------------
@@ -98,3 +113,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     if path:
         Path(path).write_text(table.render(markdown=True) + "\n")
         terminalreporter.write_line(f"written to {path}")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests import _recorded_run
+
+    _recorded_run.stop_all()
