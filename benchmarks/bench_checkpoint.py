@@ -95,7 +95,7 @@ def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: s
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from spikeguard import CheckpointManager
-    from spikeguard.respond import _ckpt_io
+    from spikeguard.checkpoint import io as _ckpt_io
 
     warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
     torch.set_num_threads(1)
@@ -106,8 +106,8 @@ def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: s
     model, opt = _model(smoke, device, world)
     out: dict = {"params": sum(p.numel() for p in model.parameters())}  # DTensor: global
     no_dist = world == 1
-    sync = CheckpointManager(Path(root) / "sync", every=1, keep=2)
-    path = sync.save(1, model=model, optimizer=opt)
+    sync = CheckpointManager(Path(root) / "sync", model=model, optimizer=opt, every=1, keep=2)
+    path = sync.save(1)
     out["size"] = sum(p.stat().st_size for p in path.iterdir())
     tensors, _ = _ckpt_io.split(dict(zip(("model", "optim"), get_state_dict(model, opt))))
     plain_pt = Path(root) / "plain.pt"
@@ -115,7 +115,7 @@ def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: s
         torch.save(tensors, plain_pt)
     out.update(restore=[], plain=[], tload=[], gc_restore=[], gc_plain=[])
     for _ in range(runs):
-        out["restore"].append(clock.timed(lambda: sync.restore(model=model, optimizer=opt),
+        out["restore"].append(clock.timed(lambda: sync.restore(),
                                           out["gc_restore"]))
         out["plain"].append(clock.timed(lambda: dcp.load(tensors, checkpoint_id=path,
                                                          no_dist=no_dist), out["gc_plain"]))
@@ -127,16 +127,16 @@ def _measure(rank: int, world: int, root: str, smoke: bool, runs: int, device: s
     out["hashed_mib"] = sum(stats.hashed.values()) / 2**20
     out["max_opens"] = max(stats.opened.values())
 
-    asy = CheckpointManager(Path(root) / "async", every=1, keep=2, async_save=True)
+    asy = CheckpointManager(Path(root) / "async", model=model, optimizer=opt, every=1, keep=2,
+                            async_save=True)
     out.update(block_sync=[], block_async=[], total_async=[], in_save=[], waited=[],
                step_plain=[], step_async=[])
     for i in range(runs + 1):  # the first async save allocates the staging buffers: dropped
         if i:
-            out["block_sync"].append(_timed(lambda i=i: sync.save(10 + i, model=model,
-                                                                 optimizer=opt)))
+            out["block_sync"].append(_timed(lambda i=i: sync.save(10 + i)))
             out["step_plain"].append(_timed(lambda: _step(model, opt, device)))
         start = time.perf_counter()
-        in_save = _timed(lambda i=i: asy.save(10 + i, model=model, optimizer=opt))
+        in_save = _timed(lambda i=i: asy.save(10 + i))
         # training goes on; its optimizer.step() waits for the copy
         step_async = _timed(lambda: _step(model, opt, device))
         waited = asy.staging.waited

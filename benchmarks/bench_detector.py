@@ -15,7 +15,7 @@ import statistics
 import time
 
 from spikeguard.detect.stats import RunningMedian
-from spikeguard.respond.detector import Action, SpikeDetector
+from spikeguard.detector.detector import Action, SpikeDetector
 from spikeguard.testing.scenarios import clean_run, data_anomaly, logit_drift
 
 __all__ = ["main"]

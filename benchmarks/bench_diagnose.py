@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return _search(args.search_only)
     if args.smoke:
         args.steps, args.rounds = 5_000, 1
+    from spikeguard.detector.detector import SpikeDetector
     from spikeguard.diagnose import diagnose, read_log, replay, replay_config, write_report
-    from spikeguard.respond.detector import SpikeDetector
 
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "metrics.jsonl"

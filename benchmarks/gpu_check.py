@@ -247,7 +247,7 @@ def guard_no_sync(smoke: bool = False) -> tuple[bool, str]:
                 out.loss.backward()
                 if t == bad_at:
                     before = [p.detach().clone() for p in model.parameters()]
-                verdicts.append(guard.step(out))
+                verdicts += guard.step(out)
                 if t == bad_at:
                     after = [p.detach().clone() for p in model.parameters()]
             except RuntimeError as e:  # name the step and our innermost frames
@@ -264,8 +264,8 @@ def guard_no_sync(smoke: bool = False) -> tuple[bool, str]:
         guard.close()
         return False, "a synchronizing CUDA call at " + " <- ".join(reversed(synced[1:])) + \
             f" ({synced[0]}, skip at {bad_at})"
-    verdicts.append(guard.flush())
-    by_step = {v.step: v for v in verdicts if v is not None}
+    verdicts += guard.flush()
+    by_step = {v.step: v for v in verdicts}
     unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
     verdict_ok = by_step[bad_at].skip and unchanged and sorted(by_step) == list(range(n_steps))
     # overhead: guard.step vs the plain tail, CUDA-event timed
@@ -343,14 +343,14 @@ def nccl_collectives(smoke: bool = False) -> tuple[bool, str]:
         want = {k: v.detach().clone() for k, v in model.state_dict().items()}
         with tempfile.TemporaryDirectory() as tmp:
             for async_save in (False, True):
-                mgr = sg.CheckpointManager(Path(tmp) / str(async_save), every=1,
-                                           async_save=async_save)
-                mgr.save(1, model=model, optimizer=opt)
+                mgr = sg.CheckpointManager(Path(tmp) / str(async_save), model=model,
+                                           optimizer=opt, every=1, async_save=async_save)
+                mgr.save(1)
                 mgr.close()
                 with torch.no_grad():
                     for p in model.parameters():
                         p.zero_()
-                info = mgr.restore(model=model, optimizer=opt)
+                info = mgr.restore()
                 same = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
                 ok = ok and info.step == 1 and same
                 kind = "async" if async_save else "sync"

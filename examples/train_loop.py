@@ -41,13 +41,13 @@ def main(steps: int = 200, out: str = "runs/example", inject_at: int | None = No
             x = torch.randint(0, cfg.vocab_size, x.shape, generator=torch.Generator().manual_seed(1))
         loss = model.loss(model(x), y)   # LossOutput: .loss to backprop, .ce and .log_z detached
         loss.loss.backward()
-        verdict = guard.step(loss)       # sg: clip, skip or step, decide, log, checkpoint
-        verdicts.append(verdict)
-        if verdict.action is not sg.Action.CONTINUE or verdict.step % 50 == 0:
-            e = verdict.evidence
-            print(f"step {verdict.step:4d} loss {e['loss']:.3f} |g| {e['grad_norm']:.3f} "
-                  f"-> {verdict.action.value} {list(verdict.reasons)}")
-    guard.close()                                                        # sg
+        for verdict in guard.step(loss):  # sg: clip, skip or step, decide, log, checkpoint
+            verdicts.append(verdict)
+            if verdict.action is not sg.Action.CONTINUE or verdict.step % 50 == 0:
+                e = verdict.evidence
+                print(f"step {verdict.step:4d} loss {e['loss']:.3f} |g| {e['grad_norm']:.3f} "
+                      f"-> {verdict.action.value} {list(verdict.reasons)}")
+    verdicts += guard.close()                                            # sg
     return verdicts
 
 

@@ -40,12 +40,12 @@ def same(a: dict, b: dict) -> bool:
 def make_pair(root):
     """Checkpoints at steps 2 and 4 of one run under ``root/ck``; returns (dir, step-2 params)."""
     model, opt, sched = build()
-    mgr = CheckpointManager(root / "ck", every=2)
+    mgr = CheckpointManager(root / "ck", model=model, optimizer=opt, scheduler=sched, every=2)
     train_steps(model, opt, sched, 2)
-    mgr.save(2, model=model, optimizer=opt, scheduler=sched)
+    mgr.save(2)
     at2 = params(model)
     train_steps(model, opt, sched, 2)
-    mgr.save(4, model=model, optimizer=opt, scheduler=sched)
+    mgr.save(4)
     return root / "ck", at2
 
 
@@ -55,9 +55,19 @@ def copy_pair(pair, tmp_path):
     return CheckpointManager(tmp_path / "ck", every=2), pair[1]
 
 
+def reopen(mgr, **states):
+    """A manager over ``mgr``'s directory with its settings and these states: how a test
+    restores into other objects than the ones that were saved."""
+    return CheckpointManager(mgr.directory, every=mgr.every, keep=mgr.keep, digest=mgr.digest,
+                             **states)
+
+
 def restore_fresh(mgr, **kw):
+    """Restore ``mgr``'s newest healthy checkpoint into a freshly built model, optimizer and
+    scheduler; returns (info, model, opt, sched). The reading manager is ``restore_fresh.last``."""
     model, opt, sched = build(seed=123)
-    info = mgr.restore(model=model, optimizer=opt, scheduler=sched, **kw)
+    reader = restore_fresh.last = reopen(mgr, model=model, optimizer=opt, scheduler=sched)
+    info = reader.restore(**kw)
     return info, model, opt, sched
 
 

@@ -17,10 +17,10 @@ import signal
 import numpy as np
 import torch
 
+from spikeguard.checkpoint.manager import CheckpointManager
 from spikeguard.data import TokenStream
 from spikeguard.detect.stats import EMA, RunningMedian
 from spikeguard.model import GPT, GPTConfig
-from spikeguard.respond.checkpoint import CheckpointManager
 
 
 class Detector:
@@ -59,12 +59,11 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     data = TokenStream.from_corpus("pydoc", batch_size=4, seq_len=64, seed=7)
     det = Detector()
-    mgr = CheckpointManager(args.ckpt, every=args.every, keep=2)
-    objects = dict(model=model, optimizer=opt, scheduler=sched, data=data,
-                   extra_state={"detector": det})
+    mgr = CheckpointManager(args.ckpt, model=model, optimizer=opt, scheduler=sched, data=data,
+                            states={"detector": det}, every=args.every, keep=2)
     start = 1
     if args.resume:
-        start = mgr.restore(**objects).step + 1
+        start = mgr.restore().step + 1
     for step in range(start, args.steps + 1):
         x, y = next(data)
         loss = model.loss(model(x), y).loss
@@ -78,7 +77,7 @@ def main() -> None:
         # host-side randomness that must resume too
         det.update(float(loss.detach()) + 1e-3 * random.random() + 1e-3 * float(np.random.rand()),
                    float(norm))
-        mgr.maybe_save(step, **objects)
+        mgr.maybe_save(step)
     torch.save({"model": model.state_dict(), "optim": opt.state_dict(),
                 "sched": sched.state_dict(), "data": data.state_dict(),
                 "detector": det.state_dict(), "torch_rng": torch.get_rng_state(),

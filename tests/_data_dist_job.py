@@ -59,9 +59,9 @@ def _job(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from spikeguard import GPT, GPTConfig, clip_grad_norm_
+    from spikeguard.checkpoint.manager import CheckpointManager
     from spikeguard.data import TokenStream
     from spikeguard.record import StepMetrics, metrics_record
-    from spikeguard.respond.checkpoint import CheckpointManager
     from spikeguard.sinks import JsonlSink
 
     torch.set_num_threads(1)
@@ -78,12 +78,13 @@ def _job(args: argparse.Namespace) -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = data.loader(num_workers=WORKERS, prefetch_factor=4)
-    mgr = CheckpointManager(out / "ckpt", every=args.every, keep=2)
+    mgr = CheckpointManager(out / "ckpt", model=model, optimizer=opt, data=loader,
+                            every=args.every, keep=2)
     metrics = JsonlSink(out / "metrics.jsonl")
     batches = JsonlSink(out / "batches-rank{rank}.jsonl", rank=None)
     start = 0
     if args.resume:
-        start = mgr.restore(model=model, optimizer=opt, data=loader).step + 1
+        start = mgr.restore().step + 1
     for step in range(start, args.steps):
         x, y = next(loader)
         seen = {"step": step, "index": data.position - 1, "worker": loader.last_worker,
@@ -108,7 +109,7 @@ def _job(args: argparse.Namespace) -> None:
         metrics.log(metrics_record(StepMetrics(step=step, loss=float(mean) / world,
                                                grad_norm=float(norm))), step)
         batches.log(seen, step)
-        mgr.maybe_save(step, model=model, optimizer=opt, data=loader)
+        mgr.maybe_save(step)
     loader.close()
     metrics.close()
     batches.close()

@@ -99,12 +99,8 @@ def attributed_run(*, steps: int = 300, batch: int = 16, seed: int = 0, out: Pat
                 for p in model.parameters():
                     p.grad.mul_(grad_mult[1])
             run.losses[t] = float(o.ce)
-            v = guard.step(o, rerun=again if rerun else None)
-            if v is not None:
-                run.verdicts.append(v)
-        v = guard.flush()
-        if v is not None:
-            run.verdicts.append(v)
+            run.verdicts += guard.step(o, rerun=again if rerun else None)
+        run.verdicts += guard.flush()
     except TrainingHalted as e:
         run.halted = e
     finally:

@@ -103,16 +103,12 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                     g["lr"] *= mult
             run.lrs[t] = opt.param_groups[0]["lr"]
             run.losses[t] = float(out_.ce)
-            v = guard.step(out_)
+            run.verdicts += guard.step(out_)
             if saved is not None:  # the fault lasts one step; a scheduler step already reset it
                 for g, base in zip(opt.param_groups, saved):
                     if g["lr"] == base * mult:
                         g["lr"] = base
-            if v is not None:
-                run.verdicts.append(v)
-        v = guard.flush()
-        if v is not None:
-            run.verdicts.append(v)
+        run.verdicts += guard.flush()
     except TrainingHalted as e:
         run.halted = e
     finally:

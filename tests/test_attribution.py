@@ -13,7 +13,7 @@ import torch
 
 import spikeguard as sg
 from spikeguard.guard import AttributionConfig, GuardConfig
-from spikeguard.respond._attribution import Attribution, kept_weight, outliers, robust_z
+from spikeguard.guard.attribution import Attribution, kept_weight, outliers, robust_z
 from spikeguard.train.faults import Injector
 
 from .attribution_harness import attributed_run
@@ -50,7 +50,8 @@ def test_the_quarantine_names_exactly_the_planted_sequence(dropped):
     assert q[0]["z"] > 5 and set(q[0]) == {"step", "stream_index", "rank", "row", "loss",
                                             "log_z", "z"}
     rec = _by_step(dropped)[GARBAGE[0]]
-    assert rec["action"] == "skip" and rec["cause"] == "data" and rec["quarantined"] == 1
+    # what happened: the batch without the planted row was applied (a drop), not a skip
+    assert rec["action"] == "drop" and rec["cause"] == "data" and rec["quarantined"] == 1
     # deterministic CPU kernels: the re-run reproduces the step bit for bit
     assert rec["rerun"] == {"loss": rec["loss"], "grad_norm": rec["grad_norm"]}
     assert any(r.startswith("rerun: data") for r in rec["reasons"])
@@ -71,6 +72,9 @@ def test_dropping_the_sequence_keeps_15_of_16_and_ends_within_2pct_of_clean(drop
     assert [v.step for v in clean.verdicts if v.skip] == []
     rec = _by_step(dropped)[GARBAGE[0]]
     assert rec["kept_rows"] == [BATCH - 1, BATCH] and rec["skipped"] is False
+    assert rec["action"] == "drop"
+    drop = next(v for v in dropped.verdicts if v.step == GARBAGE[0])
+    assert not drop.skip  # the verdict the loop sees says the update went through too
     assert dropped.guard.applied == STEPS - 1  # only the transient step was withheld
     assert abs(dropped.final_loss() / clean.final_loss() - 1) < 0.02
     assert dropped.guard.attribution.reruns == 2  # steps 150 (verify, drop) and 225 (verify)

@@ -58,7 +58,7 @@ def _attributed_fsdp(rank: int, world: int, directory: str) -> dict:
 
         out = model.loss(model(x), y)
         out.loss.backward()
-        v = guard.step(out, rerun=again)
+        (v,) = guard.step(out, rerun=again)
         verdicts.append((v.step, v.action.value, v.reasons, v.skip))
     guard.close()
     full = [p.detach().full_tensor() for p in model.parameters()]

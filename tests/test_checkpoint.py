@@ -17,12 +17,13 @@ import torch
 import xxhash
 
 from spikeguard import CheckpointError, CheckpointManager, CheckpointWarning, TokenStream
-from spikeguard.respond.checkpoint import rollback_target
+from spikeguard.checkpoint.manager import rollback_target
 from tests._ckpt_common import (
     build,
     copy_pair,
     make_pair,
     params,
+    reopen,
     restore_fresh,
     same,
     train_steps,
@@ -76,15 +77,16 @@ def test_round_trip_restores_every_piece(tmp_path):
         next(data)
     data.skip(5, 8)
     train_steps(model, opt, sched, 3)
-    mgr = CheckpointManager(tmp_path, every=3)
-    assert mgr.maybe_save(2, model=model) is None
-    mgr.maybe_save(3, model=model, optimizer=opt, scheduler=sched, scaler=scaler, data=data,
-                   meta={"note": "x"})
+    mgr = CheckpointManager(tmp_path, model=model, optimizer=opt, scheduler=sched, scaler=scaler,
+                            data=data, every=3)
+    assert mgr.maybe_save(2) is None
+    mgr.maybe_save(3, meta={"note": "x"})
     want_opt, want_sched, want = opt.state_dict(), sched.state_dict(), params(model)
     scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0)
     data2 = TokenStream.from_corpus("pydoc", batch_size=2, seq_len=32, seed=1)
     model2, opt2, sched2 = build(seed=9)
-    info = mgr.restore(model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2, data=data2)
+    info = reopen(mgr, model=model2, optimizer=opt2, scheduler=sched2, scaler=scaler2,
+                  data=data2).restore()
     assert info.step == 3 and info.healthy and info.skip_ranges == ((5, 8),)
     assert info.meta == {"note": "x"}
     assert same(params(model2), want)
@@ -99,65 +101,65 @@ def test_round_trip_restores_every_piece(tmp_path):
 # -- health, rotation, atomicity -------------------------------------------------------------
 def test_restore_takes_newest_healthy_at_or_before(tmp_path):
     model, opt, sched = build()
-    mgr = CheckpointManager(tmp_path, every=2, keep=10)
+    mgr = CheckpointManager(tmp_path, model=model, optimizer=opt, every=2, keep=10)
     saved = {}
     for step in (2, 4, 6, 8):
         train_steps(model, opt, sched)
-        mgr.save(step, model=model, optimizer=opt, alerts=["loss_ema_ratio 1.7"] if step == 6 else ())
+        mgr.save(step, alerts=["loss_ema_ratio 1.7"] if step == 6 else ())
         saved[step] = params(model)
     assert [(c.step, c.healthy) for c in mgr.list()] == [(2, True), (4, True), (6, False), (8, True)]
     for at, want in ((7, 4), (8, 8), (3, 2)):
         m, o, _ = build(seed=5)
-        assert mgr.restore(model=m, optimizer=o, at_or_before=at).step == want
+        assert reopen(mgr, model=m, optimizer=o).restore(at_or_before=at).step == want
         assert same(params(m), saved[want])
     with pytest.raises(CheckpointError, match="at or before step 1"):
-        mgr.restore(model=m, at_or_before=1)
+        reopen(mgr, model=m).restore(at_or_before=1)
 
 
 def test_rotation_keeps_keep_and_never_the_last_healthy(tmp_path):
     model, _, _ = build()
-    mgr = CheckpointManager(tmp_path, every=1, keep=3)
+    mgr = CheckpointManager(tmp_path, model=model, every=1, keep=3)
     for step in range(1, 8):
-        mgr.save(step, model=model, healthy=step <= 3, save_rng=False)
+        mgr.save(step, healthy=step <= 3, save_rng=False)
     kept = [(c.step, c.healthy) for c in mgr.list()]
     assert kept == [(3, True), (6, False), (7, False)]
-    assert mgr.restore(model=model).step == 3
+    assert mgr.restore().step == 3
 
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_failed_save_raises_or_warns_and_its_alerts_carry_to_the_next(tmp_path, async_save):
     model, opt, _ = build()
     for on_error in ("raise", "warn"):
-        mgr = CheckpointManager(tmp_path / on_error, every=2, async_save=async_save,
-                                on_error=on_error)
-        mgr.save(2, model=model, optimizer=opt)
+        mgr = CheckpointManager(tmp_path / on_error, model=model, optimizer=opt, every=2,
+                                async_save=async_save, on_error=on_error)
+        mgr.save(2)
         mgr.wait()
         blocker = tmp_path / on_error / ".tmp-step_00000004"
         blocker.write_bytes(b"")  # the save's directory cannot be made: an OSError
         if on_error == "raise":
             with pytest.raises(CheckpointError, match=r"step 4 could not be saved .*"
                                r"File exists.* the checkpoint at step 2 is intact; fix the cause"):
-                mgr.save(4, model=model, optimizer=opt, alerts=["4: loss spike"])
+                mgr.save(4, alerts=["4: loss spike"])
                 mgr.wait()
         else:
             with pytest.warns(CheckpointWarning, match="training goes on without it"):
-                assert mgr.save(4, model=model, optimizer=opt, alerts=["4: loss spike"]) \
+                assert mgr.save(4, alerts=["4: loss spike"]) \
                     in (None, tmp_path / "warn" / "step_00000004")
                 mgr.wait()
             blocker.unlink()
-            mgr.save(6, model=model, optimizer=opt)
-            mgr.save(8, model=model, optimizer=opt)
+            mgr.save(6)
+            mgr.save(8)
             mgr.close()
         listed = [(c.step, c.healthy, c.alerts) for c in mgr.list()]
         assert listed[0] == (2, True, ())
         assert listed[1:] == ([] if on_error == "raise" else
                               [(6, False, ("4: loss spike",)), (8, True, ())])
-        assert mgr.restore(model=build(seed=3)[0], at_or_before=5).step == 2
+        assert reopen(mgr, model=build(seed=3)[0]).restore(at_or_before=5).step == 2
         mgr.close()
 
 
 def test_enospc_efbig_and_edquot_are_one_condition_a_full_disk():
-    from spikeguard.respond._ckpt_io import save_failure
+    from spikeguard.checkpoint.io import save_failure
 
     for code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         e = OSError(code, os.strerror(code))
@@ -181,15 +183,16 @@ def test_incomplete_checkpoints_are_invisible_and_cleaned(two_checkpoints, tmp_p
     info, _, _, _ = restore_fresh(mgr)
     assert info.step == 4
     model, opt, _ = build()
-    mgr.save(10, model=model, optimizer=opt)
+    reopen(mgr, model=model, optimizer=opt).save(10)
     assert not (tmp_path / "ck" / ".tmp-step_00000006").exists()
 
 
 def test_async_save_commits_the_state_at_call_time_hashed_in_the_writer_thread(tmp_path):
     model, opt, sched = build()
     train_steps(model, opt, sched)
-    mgr = CheckpointManager(tmp_path, every=1, async_save=True)
-    mgr.save(1, model=model, optimizer=opt, scheduler=sched)
+    mgr = CheckpointManager(tmp_path, model=model, optimizer=opt, scheduler=sched, every=1,
+                            async_save=True)
+    mgr.save(1)
     want = params(model)
     train_steps(model, opt, sched, 2)  # training goes on while the files are written
     mgr.wait()
@@ -204,8 +207,8 @@ def test_async_save_commits_the_state_at_call_time_hashed_in_the_writer_thread(t
     mgr.close()
     info, m2, _, _ = restore_fresh(mgr)
     assert info.step == 1 and same(params(m2), want)
-    sync = CheckpointManager(tmp_path / "sync", every=1)
-    sync.save(1, model=model, optimizer=opt)
+    sync = CheckpointManager(tmp_path / "sync", model=model, optimizer=opt, every=1)
+    sync.save(1)
     assert sync.io_stats.threads["__0_0.distcp"] == main
 
 
@@ -217,8 +220,9 @@ def test_async_save_copies_params_and_optimizer_state_off_the_training_thread(tm
     model, opt, sched = build()
     model.register_buffer("seen", torch.zeros(3))
     train_steps(model, opt, sched)
-    mgr = CheckpointManager(tmp_path, every=1, keep=5, async_save=True)
-    mgr.save(1, model=model, optimizer=opt, scheduler=sched)
+    mgr = CheckpointManager(tmp_path, model=model, optimizer=opt, scheduler=sched, every=1, keep=5,
+                            async_save=True)
+    mgr.save(1)
     mgr.wait()
     release = threading.Event()
     mgr._executor.submit(release.wait)  # the writer thread is busy until released
@@ -226,7 +230,7 @@ def test_async_save_copies_params_and_optimizer_state_off_the_training_thread(tm
     want = params(model)
     want_opt = {i: {k: v.clone() for k, v in st.items()}
                 for i, st in opt.state_dict()["state"].items()}
-    mgr.save(2, model=model, optimizer=opt, scheduler=sched)  # returns, nothing copied yet
+    mgr.save(2)  # returns, nothing copied yet
     model.seen.add_(1.0)
     threading.Timer(0.3, release.set).start()
     start = time.perf_counter()
@@ -236,7 +240,7 @@ def test_async_save_copies_params_and_optimizer_state_off_the_training_thread(tm
     mgr.close()
     m2, o2, s2 = build(seed=123)
     m2.register_buffer("seen", torch.full((3,), 7.0))
-    info = mgr.restore(model=m2, optimizer=o2, scheduler=s2)
+    info = reopen(mgr, model=m2, optimizer=o2, scheduler=s2).restore()
     assert info.step == 2 and same(params(m2), want)
     got = o2.state_dict()["state"]
     assert all(torch.equal(got[i][k], v) for i, st in want_opt.items() for k, v in st.items())
@@ -249,7 +253,8 @@ def test_async_saves_go_on_when_torch_closes_the_stager_after_each_stage(tmp_pat
     from torch.distributed.checkpoint.staging import DefaultStager
 
     model, opt, sched = build()
-    mgr = CheckpointManager(tmp_path, every=1, keep=5, async_save=True)
+    mgr = CheckpointManager(tmp_path, model=model, optimizer=opt, scheduler=sched, every=1, keep=5,
+                            async_save=True)
     original = DefaultStager._stage
 
     def stage_then_close(self, state_dict, **kwargs):  # what 2.11's _stage does
@@ -262,7 +267,7 @@ def test_async_saves_go_on_when_torch_closes_the_stager_after_each_stage(tmp_pat
         wants = {}
         for step in (1, 2, 3):
             train_steps(model, opt, sched, 1)
-            mgr.save(step, model=model, optimizer=opt, scheduler=sched)
+            mgr.save(step)
             wants[step] = params(model)
         mgr.close()
     finally:
@@ -279,8 +284,8 @@ def test_each_file_is_hashed_once_by_its_writer_and_read_once_on_restore(tmp_pat
     some entries of a shard hashes only those."""
     model, opt, sched = build()
     train_steps(model, opt, sched)
-    mgr = CheckpointManager(tmp_path, every=1)
-    path = mgr.save(1, model=model, optimizer=opt, scheduler=sched)
+    mgr = CheckpointManager(tmp_path, model=model, optimizer=opt, scheduler=sched, every=1)
+    path = mgr.save(1)
     sizes = {p.name: p.stat().st_size for p in path.iterdir()}
     assert set(sizes) == {"__0_0.distcp", "__0_0.distcp.digests.json", ".metadata",
                           "rank0.json", "info.json", "MANIFEST.json"}
@@ -293,8 +298,9 @@ def test_each_file_is_hashed_once_by_its_writer_and_read_once_on_restore(tmp_pat
     shard = (path / "__0_0.distcp").read_bytes()
     assert all(f"xxh3:{xxhash.xxh3_128(shard[o:o + n]).hexdigest()}" == d for o, n, d in table)
     _, model2, _, _ = restore_fresh(mgr)
-    assert dict(mgr.io_stats.hashed) == written
-    assert dict(mgr.io_stats.opened) == {name: 1 for name in sizes}
+    reader = restore_fresh.last
+    assert dict(reader.io_stats.hashed) == written
+    assert dict(reader.io_stats.opened) == {name: 1 for name in sizes}
     assert same(params(model2), params(model))
 
 
@@ -305,8 +311,9 @@ _REFERENCE = {"sha256": lambda b: hashlib.sha256(b).hexdigest(),
 @pytest.mark.parametrize("algo", sorted(_REFERENCE))
 def test_other_digests_on_request(tmp_path, algo):
     model, opt, sched = build()
-    mgr = CheckpointManager(tmp_path, every=1, digest=algo)
-    path = mgr.save(1, model=model, optimizer=opt, scheduler=sched)
+    mgr = CheckpointManager(tmp_path, model=model, optimizer=opt, scheduler=sched, every=1,
+                            digest=algo)
+    path = mgr.save(1)
     files = json.loads((path / "MANIFEST.json").read_text())["files"]
     want = _REFERENCE[algo]((path / "rank0.json").read_bytes())
     assert files["rank0.json"]["digest"] == f"{algo}:{want}"
@@ -344,13 +351,25 @@ def test_generic_stateful_extra_state_and_bad_arguments(tmp_path):
     model, _, _ = build()
     c = Counter()
     c.n = 41
-    mgr = CheckpointManager(tmp_path, every=1)
-    mgr.save(1, model=model, extra_state={"detector": c})
+    mgr = CheckpointManager(tmp_path, model=model, states={"detector": c}, every=1)
+    mgr.save(1)
     c2 = Counter()
-    mgr.restore(model=model, extra_state={"detector": c2})
+    reopen(mgr, model=model, states={"detector": c2}).restore()
     assert c2.n == 41 and c2.hist[0] == 1.5 and c2.hist[1] != c2.hist[1]
     with pytest.raises(ValueError, match="reserved"):
-        mgr.save(2, model=model, extra_state={"data": c})
+        mgr.register(rng=c)
+    with pytest.raises(ValueError, match="already saves another 'detector'"):
+        mgr.register(detector=c2)
+    mgr.register(detector=c)  # the same object again: nothing to do
+    with pytest.raises(TypeError, match="has no state_dict"):
+        mgr.register(probe=object())
+    with pytest.raises(TypeError, match=r"save\(\) no longer takes the states \(\['extra_state', 'model'\]\).*"
+                                        r"save\(step\) / restore\(\)"):
+        mgr.save(2, model=model, extra_state={"detector": c})
+    with pytest.raises(TypeError, match=r"restore\(\) no longer takes the states \(\['model'\]\)"):
+        mgr.restore(model=model)
+    with pytest.raises(ValueError, match="no model to save"):
+        CheckpointManager(tmp_path / "empty").save(1)
     with pytest.raises(ValueError, match="every=0"):
         CheckpointManager(tmp_path, every=0)
     with pytest.raises(ValueError, match="keep=0"):
@@ -381,14 +400,15 @@ def test_save_and_restore_pause_the_cycle_collector_and_keep_its_setting(tmp_pat
 
     model, opt, sched = build()
     train_steps(model, opt, sched, 1)
-    mgr = CheckpointManager(tmp_path, every=1)
+    mgr = CheckpointManager(tmp_path, model=model, optimizer=opt, states={"probe": Probe()},
+                            every=1)
     threshold = gc.get_threshold()
     (gc.enable if enabled else gc.disable)()
     gc.set_threshold(1, 1, 1)  # a collection on nearly every allocation, were it running
     gc.callbacks.append(count)
     try:
-        mgr.save(1, model=model, optimizer=opt, extra_state={"probe": Probe()})
-        mgr.restore(model=model, optimizer=opt, extra_state={"probe": Probe()})
+        mgr.save(1)
+        mgr.restore()
         after = gc.isenabled()
     finally:
         gc.callbacks.remove(count)
@@ -432,7 +452,8 @@ def test_rollback_restores_before_update_onset_minus_one_and_skips_the_range(tmp
     def run(rollback: bool, steps: int):
         model, opt, _ = build()
         data = TokenStream.from_corpus("pydoc", batch_size=2, seq_len=16, seed=3)
-        mgr = CheckpointManager(tmp_path / f"r{rollback}", every=3)
+        mgr = CheckpointManager(tmp_path / f"r{rollback}", model=model, optimizer=opt, data=data,
+                                every=3)
         fed, step, rolled, listed = [], 0, False, None
         while step < steps:
             x, y = next(data)
@@ -442,11 +463,10 @@ def test_rollback_restores_before_update_onset_minus_one_and_skips_the_range(tmp
             loss.backward()
             opt.step()
             if rollback:  # checkpoint 9's window saw the anomaly
-                mgr.maybe_save(step, model=model, optimizer=opt, data=data,
-                               healthy=rolled or step != 9)
+                mgr.maybe_save(step, healthy=rolled or step != 9)
             if rollback and step == 9 and not rolled:
                 listed = [(c.step, c.healthy) for c in mgr.list()]
-                info = mgr.rollback(onset=7, detection=9, model=model, optimizer=opt, data=data)
+                info = mgr.rollback(onset=7, detection=9)
                 assert info.step == 3
                 step, rolled = info.step, True
             step += 1

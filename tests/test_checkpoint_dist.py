@@ -47,24 +47,25 @@ def _save_restore(rank: int, world_size: int, directory: str) -> dict:
     model, opt = _fsdp_model_and_optimizer(seed=0)
     data = TokenStream.from_corpus("pydoc", batch_size=2, seq_len=32, seed=1, rank=rank,
                                    world_size=world_size)
-    mgr = CheckpointManager(directory, every=2, async_save=True)
+    mgr = CheckpointManager(directory, model=model, optimizer=opt, data=data, every=2,
+                            async_save=True)
     _train(model, opt, rank, 2)
     for _ in range(2):
         next(data)
     torch.manual_seed(1000 + rank)  # per-rank RNG stream
-    mgr.save(2, model=model, optimizer=opt, data=data)
+    mgr.save(2)
     want, want_rng = _local(model, opt), torch.get_rng_state()
     _train(model, opt, rank, 2)  # on the default group, while the save runs on its own group
     mgr.wait()
     saved = dict(mgr.io_stats.hashed)
     next(data)
-    mgr.save(4, model=model, optimizer=opt, data=data, healthy=False)
+    mgr.save(4, healthy=False)
     mgr.close()
 
     model2, opt2 = _fsdp_model_and_optimizer(seed=7)
     data2 = TokenStream.from_corpus("pydoc", batch_size=2, seq_len=32, seed=1, rank=rank,
                                     world_size=world_size)
-    info = mgr.restore(model=model2, optimizer=opt2, data=data2)
+    info = CheckpointManager(directory, model=model2, optimizer=opt2, data=data2).restore()
     got = _local(model2, opt2)
     sizes = {p.name: p.stat().st_size for p in info.path.iterdir()}
     return {"step": info.step, "same": want.keys() == got.keys()

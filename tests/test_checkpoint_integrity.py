@@ -179,7 +179,7 @@ def _stock_load_runs(path, tmp_path, marker) -> bool:
     model, opt, _ = build()
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from spikeguard.respond import _ckpt_io
+    from spikeguard.checkpoint import io as _ckpt_io
 
     tensors, _ = _ckpt_io.split(dict(zip(("model", "optim"), get_state_dict(model, opt))))
     try:

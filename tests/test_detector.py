@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import spikeguard as sg
-from spikeguard.respond.detector import Action, DetectorConfig, SpikeDetector, Verdict
+from spikeguard.detector.detector import Action, DetectorConfig, SpikeDetector, Verdict
 from spikeguard.testing import scenarios as sc
 
 SEEDS = range(5)

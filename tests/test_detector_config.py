@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from spikeguard._config_cli import add_config_args, config_from_args, field_docs
+from spikeguard.detector.detector import Action, DetectorConfig, SpikeDetector
 from spikeguard.record import StepMetrics
-from spikeguard.respond.detector import Action, DetectorConfig, SpikeDetector
 
 
 def test_config_defaults_and_documented():

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 import spikeguard as sg
+from spikeguard.checkpoint.manager import rollback_target
 from spikeguard.cli import main
+from spikeguard.detector.detector import DetectorConfig
 from spikeguard.diagnose import FindConfig, MetricsLog, find_spikes, rollback_step
 from spikeguard.diagnose.evidence import first_move
 from spikeguard.diagnose.spikes import block_median, prior_min, trailing_mean
-from spikeguard.respond.checkpoint import rollback_target
-from spikeguard.respond.detector import DetectorConfig
 from spikeguard.testing import scenarios as sc
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import spikeguard as sg
+from spikeguard.detector.detector import DetectorConfig
 from spikeguard.diagnose import read_log, read_quarantine, replay_config
 from spikeguard.diagnose._columns import canonical, parse_map
-from spikeguard.respond.detector import DetectorConfig
 
 
 def records(n=120, start=0, every=1, seed=0):

@@ -11,8 +11,9 @@ import torch
 
 import spikeguard as sg
 from spikeguard.detect.precision import PrecisionPolicy
+from spikeguard.detector.gate import DeviceGate
 from spikeguard.guard import Guard, GuardConfig, TrainingHalted
-from spikeguard.respond._gate import DeviceGate
+from spikeguard.guard.step import apply_update
 from spikeguard.testing import scenarios as sc
 
 from .guard_harness import Fault, guarded_run
@@ -74,7 +75,7 @@ def test_a_skip_leaves_params_and_optimizer_state_bit_identical(kind, fp16, orde
     opt = _optimizer(kind, model.parameters())
     rt = PrecisionPolicy(kind="fp16-mixed" if fp16 else "fp32", init_scale=2.0**10).runtime(model)
     _backward(model, rt)
-    rt.step(opt)  # a real update first, so that moments and step counts exist
+    apply_update(rt, opt)  # a real update first, so that moments and step counts exist
     opt.zero_grad(set_to_none=True)
     before, scale = _state(model, opt), rt.grad_scale()
     skips = [("gate", float("nan")), ("overflow", float("inf"))]
@@ -86,13 +87,13 @@ def test_a_skip_leaves_params_and_optimizer_state_bit_identical(kind, fp16, orde
         # the gate skip carries a NaN gradient too: 0 * NaN is NaN, so masking must not multiply
         _backward(model, rt, plant=bad)
         gate = torch.tensor(what == "gate" or not fp16)
-        rt.step(opt, skip=gate)
+        apply_update(rt, opt, skip=gate)
         opt.zero_grad(set_to_none=True)
         assert _same(before, _state(model, opt)), what
     if fp16:  # both skips saw a non-finite gradient: the scaler halved twice, never for the gate
         assert rt.grad_scale() == scale / 4
     _backward(model, rt)
-    rt.step(opt)
+    apply_update(rt, opt)
     assert not _same(before, _state(model, opt))  # and a healthy step still updates
 
 
@@ -102,11 +103,11 @@ def test_a_guard_skip_without_overflow_leaves_the_fp16_scale_alone():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     rt = PrecisionPolicy(kind="fp16-mixed", init_scale=2.0**10).runtime(model)
     _backward(model, rt)
-    rt.step(opt)
+    apply_update(rt, opt)
     opt.zero_grad()
     before = _state(model, opt)
     _backward(model, rt)
-    rt.step(opt, skip=torch.tensor(True))
+    apply_update(rt, opt, skip=torch.tensor(True))
     assert rt.grad_scale() == 2.0**10 and _same(before, _state(model, opt))
 
 
@@ -290,7 +291,7 @@ def test_four_micro_batches_equal_one_batch_of_four_times_the_size():
             out = model.loss(model(chunk[:, :-1]), chunk[:, 1:])
             (out.loss / micro).backward()
             guard.accumulate(out)
-        v = guard.step()
+        (v,) = guard.step()
         return v.evidence, [p.detach().clone() for p in model.parameters()]
 
     (e1, p1), (e4, p4) = one(1), one(4)
@@ -327,7 +328,7 @@ def test_a_compiled_model_runs_under_the_guard():
     for _ in range(3):
         out = model.loss(compiled(x[:, :-1]), x[:, 1:])
         out.loss.backward()
-        v = guard.step(out)
+        (v,) = guard.step(out)
     assert v.action is sg.Action.CONTINUE and guard.applied == 3
 
 

@@ -49,7 +49,7 @@ def _guarded_fsdp(rank: int, world: int, directory: str) -> dict:
                 saved = [grp["lr"] for grp in opt.param_groups]
                 for grp in opt.param_groups:
                     grp["lr"] *= 50.0
-            v = guard.step(out)
+            (v,) = guard.step(out)
             for grp, lr in zip(opt.param_groups, saved or ()):
                 if grp["lr"] == lr * 50.0:  # skipped: the scheduler did not reset it
                     grp["lr"] = lr

@@ -8,15 +8,14 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "src" / "spikeguard"
 
 LAYERS = {
-    "_validate": 0, "_dist": 0, "record": 0, "_config_cli": 0, "_crash": 0,
+    "_validate": 0, "_dist": 0, "record": 0, "readback": 0, "_config_cli": 0, "_crash": 0,
     "prevent": 1, "data": 1, "testing": 1, "sinks": 1,
     "detect": 2, "model": 2, "schedules": 2,
-    "respond": 3,
-    "_guard_respond": 4, "_guarded_optimizer": 4, "_guard_checks": 4,
-    "guard": 5,
-    "train": 6, "diagnose": 6, "integrations": 6,
-    "sandbox": 7,
-    "cli": 8, "__init__": 8, "__main__": 8,
+    "detector": 3, "checkpoint": 3,
+    "guard": 4,
+    "train": 5, "diagnose": 5, "integrations": 5,
+    "sandbox": 6,
+    "cli": 7, "__init__": 7, "__main__": 7,
 }
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from spikeguard.respond.detector import SpikeDetector
+from spikeguard.detector.detector import SpikeDetector
 
 from . import _recorded_run
 from .verdict_streams import streams, verdict_rows

@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
+from spikeguard.detector.detector import DetectorConfig
 from spikeguard.record import StepMetrics
-from spikeguard.respond.detector import DetectorConfig
 from spikeguard.testing import scenarios as sc
 
 # explicit windows (not DetectorConfig.for_run, whose arming may change on purpose)

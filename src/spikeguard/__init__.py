@@ -7,11 +7,19 @@ init constants, the attention-logit probe) stay importable from their modules:
 """
 
 from . import schedules
+from .checkpoint import (
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointManager,
+    CheckpointWarning,
+    verify_checkpoint,
+)
 from .data import Corpus, TokenStream, load_corpus
 from .detect.fp8 import AmaxMonitor
 from .detect.gradnorm import GradStats, clip_grad_norm_, grad_stats
 from .detect.precision import PrecisionPolicy
 from .detect.probes import ProbeConfig, Probes
+from .detector import DetectorConfig, SpikeDetector, Verdict
 from .guard import AttributionConfig, Guard, GuardConfig, GuardedOptimizer, TrainingHalted
 from .model import GPT, GPTConfig
 from .prevent.attention import QKNorm, StackedLogitBoundsWarning, attention, softcap
@@ -25,14 +33,6 @@ from .prevent.losses import (
 )
 from .prevent.mup import mup_param_groups
 from .record import Action, StepMetrics, metrics_record
-from .respond.checkpoint import (
-    CheckpointError,
-    CheckpointInfo,
-    CheckpointManager,
-    CheckpointWarning,
-    verify_checkpoint,
-)
-from .respond.detector import DetectorConfig, SpikeDetector, Verdict
 from .sinks import (
     ConsoleSink,
     JsonlSink,

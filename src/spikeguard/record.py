@@ -26,13 +26,16 @@ RECORD_KEYS = ("schema", "step", "loss", "grad_norm", "log_z", "loss_ema_ratio",
 
 
 class Action(str, enum.Enum):
-    """What to do with the step; the value is the metrics record's ``action`` string."""
+    """What to do with the step, and in a record what was done; the value is the metrics
+    record's ``action`` string. DROP is never a verdict: it records that a skipped step's batch
+    was re-run without its quarantined rows and that update applied (``skipped`` false)."""
 
     CONTINUE = "continue"
     ALERT = "alert"
     SKIP = "skip"
     ROLLBACK = "rollback"
     HALT = "halt"
+    DROP = "drop"
 
 
 ACTIONS = tuple(a.value for a in Action)

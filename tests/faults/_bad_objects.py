@@ -91,8 +91,8 @@ def _saved(tmp: Any) -> dict:
     """A checkpoint of GPTConfig.tiny() (tiny is n_layer 2, d_model 64) in ``tmp``."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mgr = sg.CheckpointManager(tmp, every=1)
-    mgr.save(1, model=model, optimizer=opt)
+    mgr = sg.CheckpointManager(tmp, model=model, optimizer=opt, every=1)
+    mgr.save(1)
     return dict(mgr=mgr)
 
 

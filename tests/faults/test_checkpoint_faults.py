@@ -50,7 +50,6 @@ def _same_state(a, b) -> bool:
 
 def _unloadable(directory, steps) -> int:
     """Checkpoints among ``steps`` that are missing, fail verification or fail to restore."""
-    mgr = sg.CheckpointManager(directory)
     lost = 0
     for step in steps:
         path = directory / f"step_{step:08d}"
@@ -58,7 +57,8 @@ def _unloadable(directory, steps) -> int:
             sg.verify_checkpoint(path)
             model = sg.GPT(sg.GPTConfig.tiny())
             opt = torch.optim.AdamW(model.parameters())
-            assert mgr.restore(model=model, optimizer=opt, at_or_before=step).step == step
+            mgr = sg.CheckpointManager(directory, model=model, optimizer=opt)
+            assert mgr.restore(at_or_before=step).step == step
         except Exception:
             lost += 1
     return lost

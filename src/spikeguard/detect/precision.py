@@ -4,8 +4,9 @@ The rule under all three: compute may be 16-bit, but everything that accumulates
 fp32 (master weights, AdamW moments, micro-batch gradient accumulation).
 
 ``PrecisionPolicy`` is the frozen config (what a run asks for). ``policy.runtime(model)`` builds a
-``PrecisionRuntime`` on the model's device: the live side, which owns the autocast context, the
-GradScaler and its state, and the optimizer step with a skip gate. The device always comes from
+``PrecisionRuntime`` on the model's device: the live side, which owns the autocast context and
+the GradScaler and its state. The optimizer step with a skip gate is the guard's
+(``spikeguard.guard.step.apply_update``), the one place an update is applied or withheld. The device always comes from
 the model (or is given explicitly), so a CPU autocast can never wrap a CUDA model.
 
 How a skip merges with GradScaler's own (fp16-mixed):
@@ -14,7 +15,7 @@ How a skip merges with GradScaler's own (fp16-mixed):
    true gradients and the scaler has recorded, per device, whether any was inf/NaN.
 2. The guard measures those unscaled grads. A non-finite norm there *is* the scaler's overflow:
    the detector reports it as tier 0, SKIP, reason "scaler" (StepMetrics.grad_scale is set).
-3. ``runtime.step(optimizer, skip=gate)``: ``gate`` is a bool or a 0-d tensor (1 = skip).
+3. ``apply_update(runtime, optimizer, skip=gate)`` (spikeguard.guard.step): ``gate`` is a bool or a 0-d tensor (1 = skip).
    On an optimizer that takes ``found_inf`` (fused Adam/AdamW/SGD), the gate is OR-ed with the
    scaler's overflow into ``optimizer.found_inf`` for this one step: the fused kernel leaves
    params, moments and the step count untouched, with no host read. Any other optimizer reads the
@@ -38,7 +39,7 @@ from torch import nn
 from .._dist import local_tensor
 from .._validate import check_int, check_positive
 
-__all__ = ["PrecisionPolicy", "PrecisionRuntime", "bf16_supported", "gated_step"]
+__all__ = ["PrecisionPolicy", "PrecisionRuntime", "bf16_supported"]
 
 Kind = Literal["bf16-mixed", "fp16-mixed", "fp32"]
 
@@ -109,32 +110,8 @@ class PrecisionPolicy:
         return PrecisionRuntime(self, _device_of(where))
 
 
-def gated_step(optimizer: torch.optim.Optimizer, gate: torch.Tensor | bool) -> None:
-    """``optimizer.step()`` unless ``gate`` is true (1.0 / True = skip).
-
-    A 0-d tensor gate on an optimizer that takes ``found_inf`` (fused Adam/AdamW/SGD) goes in as
-    ``optimizer.found_inf`` for this step only: no host read, and the fused kernel leaves params,
-    moments and the step count untouched, NaN gradients included. Any other optimizer reads the
-    gate once on the host and is not called on a skip.
-    """
-    if not isinstance(gate, torch.Tensor):
-        if not gate:
-            optimizer.step()
-        return
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        if not bool(gate):  # the one host read of the generic path
-            optimizer.step()
-        return
-    # one tensor for every device: the fused kernels copy it to each param device themselves
-    optimizer.found_inf = gate.detach().to(torch.float32).reshape(())
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.found_inf
-
-
 class PrecisionRuntime:
-    """A policy on one device: autocast, the GradScaler (fp16) and the gated optimizer step.
+    """A policy on one device: autocast and the GradScaler (fp16).
 
     Build it with ``PrecisionPolicy.runtime(model)``. ``state_dict`` / ``load_state_dict`` hold
     the scaler's state (empty without one), so a checkpoint manager can save it as "scaler".
@@ -180,28 +157,6 @@ class PrecisionRuntime:
         found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         flags = [t.to(self.device, torch.float32) for t in found.values()]
         return torch.stack(flags).amax() if flags else torch.zeros((), device=self.device)
-
-    def step(self, optimizer: torch.optim.Optimizer, *, skip: torch.Tensor | bool = False) -> None:
-        """Apply the update unless ``skip``; under fp16 the scaler also skips on its own
-        overflow, and its scale is updated from the overflow alone (module docstring)."""
-        if self.scaler is None:
-            gated_step(optimizer, skip)
-            return
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            from torch.amp.grad_scaler import OptState
-
-            gate = self.overflow(optimizer)
-            if isinstance(skip, torch.Tensor):
-                gate = torch.maximum(gate, skip.detach().to(gate.device, torch.float32).reshape(()))
-            elif skip:
-                gate = torch.ones_like(gate)
-            gated_step(optimizer, gate)
-            self.scaler._per_optimizer_states[id(optimizer)]["stage"] = OptState.STEPPED
-        else:
-            self.unscale_(optimizer)  # update() needs the overflow check that unscale_ records
-            if not (bool(skip) if isinstance(skip, torch.Tensor) else skip):
-                self.scaler.step(optimizer)
-        self.scaler.update()
 
     def scale_tensor(self) -> torch.Tensor | None:
         """The current loss scale as a 0-d tensor on the device (no sync); None without fp16."""

@@ -13,7 +13,9 @@ at the same steps).
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +165,21 @@ class Probes:
         for m in self._attn_modules:
             m.logit_p99_request = self._attn_on(step)
             m.last_logit_p99 = None
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Extra forward passes inside (a re-run of the step) leave the current step's readings
+        as they were: activations they record are dropped and the attention probes stay off."""
+        n_act = len(self._act)
+        attn = [(m.logit_p99_request, m.last_logit_p99) for m in self._attn_modules]
+        for m in self._attn_modules:
+            m.logit_p99_request = False
+        try:
+            yield
+        finally:
+            del self._act[n_act:], self._act_names[n_act:]
+            for m, (req, last) in zip(self._attn_modules, attn):
+                m.logit_p99_request, m.last_logit_p99 = req, last
 
     def gather(self) -> ProbeValues:
         """The due probes' values for the current step, still on the device (no host read): a

@@ -1,6 +1,6 @@
 """Classify spikes by replaying the real SpikeDetector over the log, and say what to do.
 
-The detector (``spikeguard.respond.detector.SpikeDetector``) is the one implementation of the
+The detector (``spikeguard.detector.detector.SpikeDetector``) is the one implementation of the
 tiers: diagnose feeds it the log's records in step order and keeps every verdict that is not
 CONTINUE. A found spike and the verdicts around it (each spanning its ``onset_step`` to its step)
 merge into one event; its tier is the highest verdict tier in it, and its action the recommended
@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint.manager import rollback_target
+from ..detector.detector import DetectorConfig, SpikeDetector, Verdict
 from ..record import ACTIONS, Action, StepMetrics
-from ..respond.checkpoint import rollback_target
-from ..respond.detector import DetectorConfig, SpikeDetector, Verdict
 from .readers import MetricsLog
 
 __all__ = ["Event", "Replay", "events", "recorded_whatif", "replay", "replay_config",
@@ -33,7 +33,7 @@ def rollback_step(onset: int, every: int | None) -> int | None:
     """The step to roll back to for an anomaly that began at step ``onset``.
 
     With checkpoints every ``every`` steps: the Guard's rule,
-    ``respond.checkpoint.rollback_target`` (the newest checkpoint at or before onset - 2, since
+    ``checkpoint.manager.rollback_target`` (the newest checkpoint at or before onset - 2, since
     update onset - 1 may itself be the cause; None when none exists). With ``every`` None (the
     interval unknown): onset - 2 itself, the newest step whose checkpoint would be safe.
     """

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ..detector.detector import DetectorConfig
 from ..record import Action
-from ..respond.detector import DetectorConfig
 from .classify import (
     Event,
     Replay,

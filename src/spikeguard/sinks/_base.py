@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .. import _dist
+from ..readback import Readback
 
 __all__ = ["Sink", "SinkDisabledWarning", "SinkLike", "Sinks", "check_path", "host_record"]
 
@@ -44,50 +45,28 @@ def _nest(flat: list[Any], shape: list[int]) -> list[Any]:
 
 
 class _Pending:
-    """One record whose tensors are on their way to the host.
+    """One record whose tensors are on their way to the host (a :class:`Readback` of them).
 
-    At construction every tensor in the record's top level is flattened into one float64 buffer
-    and, on CUDA, copied into pinned host memory with ``non_blocking=True`` behind a CUDA event:
-    no sync. ``resolve`` waits for that event only (step t's values, long done by step t+1) and
-    returns the record with each tensor replaced by a Python number (0-d) or nested list.
+    ``resolve`` returns the record with each tensor replaced by a Python number (0-d) or a
+    nested list; it waits only for step t's copy, long done by step t+1.
     """
 
     def __init__(self, record: dict[str, Any], step: int) -> None:
         self.record, self.step = record, step
         self.keys = [k for k, v in record.items() if isinstance(v, torch.Tensor)]
-        tensors = [record[k].detach() for k in self.keys]
+        tensors = [record[k] for k in self.keys]
         self.shapes = [t.shape for t in tensors]
         self.dtypes = [t.dtype for t in tensors]
-        # tensors already on the CPU stay there (moving them to the device would sync)
-        self.is_dev = [t.device.type != "cpu" for t in tensors]
-        self.on_device = any(self.is_dev)
-        self._event: Any = None
-        self._dev: torch.Tensor | None = None
-        host = [t.reshape(-1).to(torch.float64) for t, d in zip(tensors, self.is_dev) if not d]
-        self._cpu = torch.cat(host) if host else None  # a snapshot: later in-place edits miss it
-        dev = [t for t, d in zip(tensors, self.is_dev) if d]
-        if not dev:
-            return
-        device = dev[0].device
-        flat = torch.cat([t.reshape(-1).to(device=device, dtype=torch.float64) for t in dev])
-        if device.type == "cuda":
-            self._dev = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
-            self._dev.copy_(flat, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._dev = flat  # other accelerators: copied at resolve, one step late
+        self.readback = Readback(tensors)
+        self.on_device = self.readback.any_on_device
 
     def resolve(self) -> tuple[dict[str, Any], int]:
         if not self.keys:
             return self.record, self.step
-        if self._event is not None:
-            self._event.synchronize()
-        streams = {False: iter(self._cpu.tolist() if self._cpu is not None else ()),
-                   True: iter(self._dev.cpu().tolist() if self._dev is not None else ())}
+        flat = iter(self.readback.values())
         out = dict(self.record)
-        for key, shape, dtype, d in zip(self.keys, self.shapes, self.dtypes, self.is_dev):
-            chunk = [_restore(next(streams[d]), dtype) for _ in range(shape.numel())]
+        for key, shape, dtype in zip(self.keys, self.shapes, self.dtypes):
+            chunk = [_restore(next(flat), dtype) for _ in range(shape.numel())]
             out[key] = chunk[0] if len(shape) == 0 else _nest(chunk, list(shape))
         return out, self.step
 

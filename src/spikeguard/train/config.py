@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .._validate import check_int, check_positive
+from ..detector.config import DetectorConfig
 from ..guard import GuardConfig
 from ..model import GPTConfig
-from ..respond._detector_config import DetectorConfig
 from .faults import parse_fault
 
 __all__ = ["NO_DEFENSES", "SHAPE_FIELDS", "TrainConfig"]

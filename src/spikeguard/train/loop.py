@@ -30,14 +30,14 @@ from rich.console import Console
 
 from .. import _dist
 from .._crash import crash_point
+from ..checkpoint.manager import CheckpointManager
 from ..data import TokenStream
 from ..detect.precision import PrecisionPolicy
 from ..guard import Guard
+from ..guard.forensics import HaltReport, TrainingHalted
 from ..model import GPT
 from ..prevent.mup import mup_param_groups
 from ..prevent.schedules import warmup_cosine, wsd
-from ..respond.checkpoint import CheckpointManager
-from ..respond.forensics import HaltReport, TrainingHalted
 from ..sinks import JsonlSink, read_metrics
 from .config import TrainConfig
 from .data import load_train_data
@@ -288,14 +288,11 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
             injector.after_backward(model)
             crash_point("mid_step", t)  # tests only (SPIKEGUARD_TEST_CRASH)
             injector.before_step(optimizer)
-            verdict = guard.step(loss, rerun=rerun)
+            verdicts = guard.step(loss, rerun=rerun)
             injector.after_step(optimizer)
             result.losses.append(float(loss.ce))
-            if verdict is not None and verdict.skip:
-                skipped.append(verdict.step)
-        verdict = guard.flush()
-        if verdict is not None and verdict.skip:
-            skipped.append(verdict.step)
+            skipped += [v.step for v in verdicts if v.skip]
+        skipped += [v.step for v in guard.flush() if v.skip]
     except TrainingHalted as halt:
         result.halted = halt.report
     finally:

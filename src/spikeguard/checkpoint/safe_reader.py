@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ._ckpt_files import (
+from .files import (
     CheckpointDir,
     FileEntry,
     HashingStream,
@@ -48,7 +48,7 @@ from ._ckpt_files import (
     covering,
     digest_bytes,
 )
-from ._ckpt_io import write_json
+from .io import write_json
 
 __all__ = ["HashingWriter", "IntegrityError", "SafeLoadPlanner", "SafeReader", "UnsafeCheckpointError",
            "safe_unpickle"]

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._ckpt_digest import DEFAULT_DIGEST
-from ._ckpt_files import FileEntry, digest_bytes
+from .digest import DEFAULT_DIGEST
+from .files import FileEntry, digest_bytes
 
 __all__ = ["Stager", "collector_paused", "decode", "encode", "fsync_dir", "join", "model_optim",
            "quiet", "rng_state", "save_failure", "set_rng_state", "split", "write_json"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 
 from ..detect.stats import EMA, EventWindow, RunningMedian, SlidingMin
-from ._detector_config import DetectorConfig
-from ._rules import Event, Rule
+from .config import DetectorConfig
+from .rules import Event, Rule
 
 __all__ = ["LogZDrift", "LogZRise", "LossElevated", "RatioHeld", "Recovery", "SkipStorm"]
 

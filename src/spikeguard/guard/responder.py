@@ -1,34 +1,28 @@
-"""The guard's response side: Tier 2 (alert, rollback within a budget) and Tier 3 (halt with
-forensics, or resume reconfigured), plus the per-step records that the host side resolves.
+"""The responder: Tier 2 (alert, or roll back within a budget) and Tier 3 (halt with forensics,
+or resume reconfigured). The policy for what a Tier 2 or Tier 3 verdict does lives here.
 
-Private to :mod:`spikeguard.guard`: ``Guard`` inherits ``_Responses``, which reads the guard's
-attributes (config, model, optimizer, scheduler, precision, checkpoints, data, history, sinks,
-rollbacks, _batches, _window_alerts, _extra) and acts on them.
+Built with what it acts on: the checkpoints, the batch ledger (what a rollback skips or drops),
+the step history (the Tier 2 summary), attribution (the skips by cause), the recorder (a halt
+writes its record before it raises), the step part (a reconfigured precision replaces its
+runtime) and the training objects. ``respond`` returns the action taken; after ROLLBACK the
+states were restored and the caller drops whatever it held of the steps rolled back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
+from .._validate import check_positive
+from ..detector.detector import Verdict
+from ..record import Action, StepMetrics
+from .forensics import HaltReport, TrainingHalted, gather_names, nonfinite_params, trace_nonfinite
+from .step import Pending
+from .summary import tier2_summary
 
-from ._validate import check_positive
-from .record import Action, StepMetrics
-from .respond._summary import tier2_summary
-from .respond.detector import Verdict
-from .respond.forensics import (
-    HaltReport,
-    TrainingHalted,
-    gather_names,
-    nonfinite_params,
-    trace_nonfinite,
-)
-
-__all__: list[str] = []
+__all__ = ["Responder"]
 
 log = logging.getLogger("spikeguard")
 
@@ -37,119 +31,54 @@ def _is_storm(reason: str) -> bool:
     return reason.startswith("skips ") or reason.startswith("loss not recovered")
 
 
-class _Readback:
-    """One step's numbers on their way to the host (pinned copy + event on CUDA)."""
+class Responder:
+    """Tier 2 and Tier 3 actions (module docstring). ``rollbacks`` counts rollbacks and
+    reconfigured resumes against ``max_rollbacks``."""
 
-    def __init__(self, vec: torch.Tensor) -> None:
-        self._event = None
-        if vec.device.type == "cuda":
-            self._host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
-            self._host.copy_(vec, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = vec.to("cpu")
+    def __init__(self, *, tier2: str, max_rollbacks: int, checkpoints: Any, ledger: Any,
+                 history: Any, attribution: Any, recorder: Any, updater: Any, model: Any,
+                 named_params: list, optimizer: Any, scheduler: Any = None,
+                 on_alert: Callable[[dict[str, Any]], None] | None = None,
+                 reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None = None,
+                 keep_on_rollback: Mapping[str, Any] | None = None) -> None:
+        self.tier2, self.max_rollbacks = tier2, max_rollbacks
+        self.checkpoints, self.ledger, self.history = checkpoints, ledger, history
+        self.attribution, self.recorder, self.updater = attribution, recorder, updater
+        self.model, self.named_params = model, named_params
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.on_alert, self.reconfigure = on_alert, reconfigure
+        self.keep_on_rollback = dict(keep_on_rollback or {})
+        self.rollbacks = 0
 
-    def values(self) -> list[float]:
-        # at step t+1 the event of step t has long completed: query() avoids even a no-op wait
-        if self._event is not None and not self._event.query():
-            self._event.synchronize()
-        return self._host.tolist()
+    def respond(self, p: Any, verdict: Verdict, extras: dict[str, Any]) -> Action:
+        """The action for a verdict of tier 2 or 3 (raises TrainingHalted on a halt)."""
+        if verdict.tier >= 3:
+            return self._halt(p, verdict, extras)
+        if verdict.tier == 2:
+            return self._tier2(p, verdict, extras)
+        return verdict.action
 
-
-@dataclass
-class _Pending:
-    step: int
-    readback: _Readback
-    lr: float | None
-    batches: tuple[int, int] | None
-    data_state: dict[str, Any] | None
-    rerun: Callable[[], Any] | None
-    probes: Any
-    """The step's ProbeValues (their numbers ride at the end of the read-back vector), or None."""
-    stats: Any
-    """The step's GradStats while its gradients are alive (read_lag 0), else None."""
-    finite: tuple[Any, list[int]] | None = None
-    """read_lag 1: per local gradient, whether its norm was finite (a device bool vector, read
-    only on the halt path) and its parameter's index: names the culprits after the grads are gone."""
-    rows: tuple[Any, ...] = ()
-    """Each micro-batch's per-sequence values (LossOutput.sequences, or None)."""
-
-    @property
-    def grads_alive(self) -> bool:
-        return self.stats is not None
-
-
-class _Frozen:
-    """A state_dict snapshot standing in for the data stream when a checkpoint is written late."""
-
-    def __init__(self, state: dict[str, Any]) -> None:
-        self._state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._state
-
-
-class _Responses:
-    """Tier 2 and Tier 3 actions of the Guard (see the module docstring), and its saves."""
-
-    def _maybe_save(self, p: _Pending) -> None:
-        ck = self.checkpoints
-        if ck is None or not ck.should_save(p.step):
-            return
-        if self.sinks is not None:  # the saved record count must match what is in the files
-            self.sinks.flush()
-        data = self.data if p.data_state is None else _Frozen(p.data_state)
-        ck.save(p.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                scaler=self.precision if self.precision.scaler is not None else None, data=data,
-                extra_state=self._extra_state(), alerts=list(self._window_alerts))
-        self._window_alerts.clear()
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {"guard": self, **self._extra}
-
-    # -- the data a step consumed -------------------------------------------------------------
-    def _position(self) -> int | None:
-        pos = getattr(self.data, "position", None)
-        return int(pos) if isinstance(pos, int) else None
-
-    def _consume_batches(self) -> tuple[int, int] | None:
-        pos = self._position()
-        if pos is None or self._data_pos is None:
-            self._data_pos = pos
-            return None
-        span = (self._data_pos, pos - 1)
-        self._data_pos = pos
-        self._batches.append((self.step_index, *span))
-        return span
-
-    def _data_range(self, onset: int, detection: int) -> tuple[int, int] | None:
-        spans = [(lo, hi) for s, lo, hi in self._batches if onset <= s <= detection and lo <= hi]
-        if not spans:
-            return None
-        return min(lo for lo, _ in spans), max(hi for _, hi in spans)
-
-    def _summary(self, p: _Pending, verdict: Verdict) -> dict[str, Any]:
+    def _summary(self, p: Pending, verdict: Verdict) -> dict[str, Any]:
         onset = verdict.onset_step if verdict.onset_step is not None else p.step
         target = self._rollback_target(onset)
         summary = tier2_summary(self.history, step=p.step, reasons=verdict.reasons, onset=onset,
-                                data_range=self._data_range(onset, p.step), rollback_to=target)
+                                data_range=self.ledger.data_range(onset, p.step), rollback_to=target)
         summary["skips"] = self.attribution.summary(onset, p.step)  # by cause: data or transient
         return summary
 
     def _rollback_target(self, onset: int) -> int | None:
         """The newest healthy checkpoint that predates the update before the onset (the one
-        rule, ``respond.checkpoint.rollback_target``, applied to the healthy checkpoints)."""
+        rule, ``checkpoint.manager.rollback_target``, applied to the healthy checkpoints)."""
         if self.checkpoints is None:
             return None
-        from .respond.checkpoint import rollback_target
+        from ..checkpoint.info import rollback_target
 
         return rollback_target(onset, [c.step for c in self.checkpoints.list() if c.healthy])
 
-    def _tier2(self, p: _Pending, verdict: Verdict, extras: dict[str, Any]) -> Action:
+    def _tier2(self, p: Pending, verdict: Verdict, extras: dict[str, Any]) -> Action:
         summary = self._summary(p, verdict)
         extras["summary"] = summary
-        if self.config.tier2 == "rollback":
+        if self.tier2 == "rollback":
             return self._rollback(p, verdict, extras, summary)
         if any(_is_storm(r) for r in verdict.reasons):
             # flagged steps never enter the statistics, so a level shift cannot re-baseline:
@@ -164,55 +93,49 @@ class _Responses:
         return Action.ALERT
 
     def _restore_before(self, onset: int) -> Any:
-        from .respond.checkpoint import CheckpointError
+        from ..checkpoint.info import CheckpointError
 
         target = self._rollback_target(onset)
         if target is None:
             raise CheckpointError(f"no healthy checkpoint at or before step {onset - 2} "
                                   f"(the update before the onset at {onset} may be the cause)")
         # state that lives outside the run's timeline (a fault injector: the world does not rewind)
-        kept = {k: self._extra[k].state_dict() for k in self.keep_on_rollback}
-        info = self.checkpoints.restore(
-            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            scaler=self.precision if self.precision.scaler is not None else None,
-            data=self.data, extra_state=self._extra_state(), at_or_before=target)
+        kept = {k: obj.state_dict() for k, obj in self.keep_on_rollback.items()}
+        info = self.checkpoints.restore(at_or_before=target)
         for k, state in kept.items():
-            self._extra[k].load_state_dict(state)
-        self._pending = None
-        self._micro.clear()
+            self.keep_on_rollback[k].load_state_dict(state)
         return info
 
-    def _rollback(self, p: _Pending, verdict: Verdict, extras: dict[str, Any],
+    def _rollback(self, p: Pending, verdict: Verdict, extras: dict[str, Any],
                   summary: dict[str, Any]) -> Action:
-        from .respond.checkpoint import CheckpointError
+        from ..checkpoint.info import CheckpointError
 
-        if self.rollbacks >= self.config.max_rollbacks:
+        if self.rollbacks >= self.max_rollbacks:
             return self._halt(p, verdict, extras, summary=summary,
-                              detail=f"rollback budget of {self.config.max_rollbacks} exhausted")
+                              detail=f"rollback budget of {self.max_rollbacks} exhausted")
         onset = verdict.onset_step if verdict.onset_step is not None else p.step
-        skip = self._data_range(onset, p.step)
+        skip = self.ledger.data_range(onset, p.step)
         # before the restore, which takes the attribution history back to the checkpoint
-        drops = self.attribution.range_drops(onset, p.step) if hasattr(self.data, "drop") else None
+        drops = self.attribution.range_drops(onset, p.step) if self.ledger.can_drop else None
         try:
             info = self._restore_before(onset)
         except CheckpointError as e:
             return self._halt(p, verdict, extras, summary=summary, detail=f"cannot roll back: {e}")
         self.rollbacks += 1
         if drops is not None:  # only the quarantined sequences of the range, not the range
-            for index, rows in drops.items():
-                self.data.drop(index, rows)
+            self.ledger.drop(drops)
             skip = None
             extras["dropped_sequences"] = {str(i): r for i, r in drops.items()}
-        if skip is not None and hasattr(self.data, "skip"):
-            self.data.skip(*skip)
-        self._data_pos = self._position()
+        if skip is not None and self.ledger.can_skip:
+            self.ledger.skip(*skip)
+        self.ledger.resync()
         extras.update(rollback_to=info.step, skip_range=list(skip) if skip else None,
                       rollbacks=self.rollbacks)
         log.warning("spikeguard: Tier 2 at step %d: rolled back to step %d, skipping batches %s",
                     p.step, info.step, skip)
         return Action.ROLLBACK
 
-    def _halt(self, p: _Pending, verdict: Verdict, extras: dict[str, Any], *,
+    def _halt(self, p: Pending, verdict: Verdict, extras: dict[str, Any], *,
               summary: dict[str, Any] | None = None, detail: str = "") -> Action:
         report = HaltReport(step=p.step, reasons=verdict.reasons, summary=summary, detail=detail)
         if p.grads_alive:
@@ -231,14 +154,13 @@ class _Responses:
         if changes is not None:
             return Action.ROLLBACK
         extras["halt"] = {k: v for k, v in report.to_dict().items() if k != "summary"}
-        self._log(self._last_metrics(p, verdict), verdict, Action.HALT, extras)
-        if self.sinks is not None:
-            self.sinks.flush()
+        self.recorder.log(self._last_metrics(p, verdict), verdict, Action.HALT, extras)
+        self.recorder.flush()
         if self.checkpoints is not None:
             self.checkpoints.wait()
         raise TrainingHalted(report)
 
-    def _last_metrics(self, p: _Pending, verdict: Verdict) -> StepMetrics:
+    def _last_metrics(self, p: Pending, verdict: Verdict) -> StepMetrics:
         e = verdict.evidence
         return StepMetrics(step=p.step, loss=e.get("loss", float("nan")),
                            grad_norm=e.get("grad_norm", float("nan")),
@@ -249,7 +171,7 @@ class _Responses:
                          extras: dict[str, Any]) -> dict[str, Any] | None:
         if self.reconfigure is None or self.checkpoints is None:
             return None
-        if self.rollbacks >= self.config.max_rollbacks:
+        if self.rollbacks >= self.max_rollbacks:
             report.detail = (report.detail + "; " if report.detail else "") + \
                 "no reconfigure: rollback budget exhausted"
             return None
@@ -265,7 +187,7 @@ class _Responses:
             return None
         self.rollbacks += 1
         applied = self._apply_changes(dict(changes))
-        self._data_pos = self._position()
+        self.ledger.resync()
         extras.update(reconfigured=applied, rollback_to=info.step, rollbacks=self.rollbacks,
                       halt=report.to_dict())
         log.warning("spikeguard: halt at step %d answered by reconfigure %s; resuming from %d",
@@ -276,8 +198,8 @@ class _Responses:
         applied: dict[str, Any] = {}
         for key, value in changes.items():
             if key == "precision":
-                policy = dataclasses.replace(self.precision.policy, kind=value)
-                self.precision = policy.runtime(self.model)
+                policy = dataclasses.replace(self.updater.precision.policy, kind=value)
+                self.updater.precision = policy.runtime(self.model)
             elif key == "lr_scale":
                 check_positive(value, "reconfigure lr_scale")
                 for g in self.optimizer.param_groups:

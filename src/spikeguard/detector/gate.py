@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ..detect.stats import DeviceEMA, DeviceRunningMedian
-from ._detector_config import DetectorConfig
+from .config import DetectorConfig
+from .rules import grad_spike, ratio_spike
 
 __all__ = ["DeviceGate"]
 
@@ -40,18 +41,23 @@ class DeviceGate:
         """0-d bool: enough kept updates for the statistical rules (the detector's ``armed``)."""
         return self.ema.count >= self.config.arm_after
 
-    def __call__(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        """The gate for this step (0-d bool); then fold the step into the histories unless
-        it is flagged. Call once per step, in order."""
-        c = self.config
+    def test(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """The gate for a step with these numbers (0-d bool), against the histories as they are;
+        nothing is folded in (a re-run's check uses this)."""
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
-        armed = self.armed()
         ema = self.ema.value
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
-        spike = (g > c.grad_k * self.median.value) | (ratio > c.skip_ratio)
-        gate = ~torch.isfinite(g) | ~torch.isfinite(x) | (armed & spike)
+        spike = grad_spike(g, self.median.value, self.config) | ratio_spike(ratio, self.config)
+        return ~torch.isfinite(g) | ~torch.isfinite(x) | (self.armed() & spike)
+
+    def __call__(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """The gate for this step (0-d bool); then fold the step into the histories unless
+        it is flagged. Call once per step, in order."""
+        gate = self.test(grad_norm, loss)
+        g = grad_norm.detach().to(self.device, torch.float64).reshape(())
+        x = loss.detach().to(self.device, torch.float64).reshape(())
         self.median.update(g, flagged=gate)
         self.ema.update(x, flagged=gate)
         return gate

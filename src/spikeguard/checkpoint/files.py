@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._ckpt_digest import DIGESTS
+from .digest import DIGESTS
 
 __all__ = ["CheckpointDir", "FileEntry", "HashingStream", "IOStats", "IntegrityError", "MappedFile",
            "Segment", "check_name", "covering", "digest_bytes", "parse_manifest", "parse_segments"]

@@ -20,15 +20,29 @@ from typing import Any, ClassVar
 
 from ..detect.stats import EMA, RunningMedian
 from ..record import StepMetrics
-from ._detector_config import DetectorConfig
+from .config import DetectorConfig
 
-__all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "NonFinite", "Rule", "ScalerOverflow"]
+__all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "NonFinite", "Rule", "ScalerOverflow",
+           "grad_spike", "ratio_spike"]
 
 Event = tuple[int, str]
 """(onset step, reason): where the anomaly a rule saw began, and a short text naming its metric."""
 
 _isfinite = math.isfinite
 _nan = math.nan
+
+
+def grad_spike(grad_norm: Any, median: Any, c: DetectorConfig) -> Any:
+    """The Tier 1 grad-norm test: norm > grad_k x the running median of the kept norms. One
+    definition for the host rule, the device gate and a re-run's check: floats or 0-d tensors
+    alike (a NaN median compares false)."""
+    return grad_norm > c.grad_k * median
+
+
+def ratio_spike(ratio: Any, c: DetectorConfig) -> Any:
+    """The Tier 1 loss test: loss / EMA of the kept losses > skip_ratio (floats or tensors; a
+    NaN ratio, before any history, compares false)."""
+    return ratio > c.skip_ratio
 
 
 class Rule:
@@ -72,12 +86,12 @@ class GradSpike(Rule):
     for the next one, and a storm of them would drag the median up until the storm looks normal.
     """
 
-    __slots__ = ("context", "elevated", "k", "keep", "med", "median", "onset", "reason")
+    __slots__ = ("c", "context", "elevated", "keep", "med", "median", "onset", "reason")
     _scalars = ("onset",)
     _stats = ("median",)
 
     def __init__(self, c: DetectorConfig) -> None:
-        self.k = c.grad_k
+        self.c = c
         self.elevated = c.grad_elevated
         self.median = RunningMedian(c.median_window)
         self.keep = self.median.update
@@ -94,7 +108,7 @@ class GradSpike(Rule):
                 self.onset = step
         else:
             self.onset = None
-        if armed and g > self.k * med:
+        if armed and grad_spike(g, med, self.c):
             return (self.onset, self.reason)
         return None
 
@@ -113,8 +127,8 @@ class LossRatio(Rule):
     rather than with a mean the spike has pulled up.
     """
 
-    __slots__ = ("alert", "alert_reason", "ema", "ema_prev", "keep", "onset", "ratio", "skip",
-                 "skip_at", "skip_reason")
+    __slots__ = ("alert", "alert_reason", "c", "ema", "ema_prev", "keep", "onset", "ratio", "skip",
+                 "skip_reason")
     _scalars = ("onset",)
     _stats = ("ema",)
 
@@ -122,7 +136,7 @@ class LossRatio(Rule):
         self.ema = EMA(1.0 / c.loss_ema_steps)
         self.keep = self.ema.update
         self.alert = c.alert_ratio
-        self.skip_at = c.skip_ratio
+        self.c = c
         self.onset: int | None = None
         self.ratio = _nan
         """This step's loss / EMA_{t-1} (NaN before any history)."""
@@ -148,7 +162,7 @@ class LossRatio(Rule):
             self.onset = None
         if not armed:
             return None
-        if ratio > self.skip_at:
+        if ratio_spike(ratio, self.c):
             self.skip = True
             return (self.onset, self.skip_reason)
         if ratio > self.alert:

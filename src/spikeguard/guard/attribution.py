@@ -13,19 +13,21 @@ tokens kept on every rank) and applies that update if it passes the gate; a Tier
 drops them from its data range instead of skipping it whole.
 
 Every decision here is taken from all-reduced or gathered numbers, so every rank takes it alike.
-Private to the guard: ``Attribution.on_skip`` reads the guard's parameters, precision runtime,
-optimizer, gate and sinks, as the guard's response mixin does.
+``Attribution.judge`` returns a :class:`Finding` (cause, rows, keep mask); it applies nothing:
+the re-run without the quarantined rows goes through the step part (``Updater.apply_rerun``),
+the one place an update is applied.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +35,10 @@ import torch
 
 from .. import _dist
 from .._validate import check_positive
-from ..detect.gradnorm import grad_stats
 from ..sinks import encode_record
 
-__all__ = ["Attribution", "AttributionConfig", "outliers", "robust_z"]
+__all__ = ["Attribution", "AttributionConfig", "Finding", "GradsAside", "kept_weight", "outliers",
+           "robust_z"]
 
 log = logging.getLogger("spikeguard")
 
@@ -112,20 +114,6 @@ def _close(a: float, b: float, rtol: float) -> bool:
     return a == b or abs(a - b) <= rtol * max(abs(a), abs(b))
 
 
-def _loss_of(out: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, log Z) as float32 0-d tensors from what ``rerun`` returned, as ``accumulate``
-    takes them: a LossOutput, a 0-d loss, a list of either (micro-batches: their mean) or None."""
-    if isinstance(out, (list, tuple)) and not hasattr(out, "log_z"):
-        pairs = [_loss_of(o, device) for o in out]
-        return (torch.stack([p[0] for p in pairs]).mean(), torch.stack([p[1] for p in pairs]).mean())
-    nan = torch.full((), math.nan, device=device)
-    if hasattr(out, "ce") and hasattr(out, "log_z"):
-        return out.ce.detach().float().reshape(()), out.log_z.detach().float().reshape(())
-    if isinstance(out, torch.Tensor) and out.numel() == 1:
-        return out.detach().float().reshape(()), nan
-    return nan, nan
-
-
 def _takes_keep(fn: Any) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
@@ -134,55 +122,68 @@ def _takes_keep(fn: Any) -> bool:
     return any(p.name == "keep" or p.kind is p.VAR_KEYWORD for p in params)
 
 
-class _Aside:
+class GradsAside:
     """Re-runs happen with the gradients in place set aside and the probes quiet; ``restore``
     puts both back. Under read_lag 1 the gradients in place are the next step's, taken at the
     weights before this step: when an update was applied meanwhile (a drop), they are stale, so
-    the next step is re-run through its own closure (``guard._rerun_now``) at the new weights
-    instead, when there is one; otherwise they are restored (brought to the new loss scale)."""
+    ``restore(redo=...)`` re-runs the next step at the new weights instead (the caller's redo);
+    without one they are restored, brought to the new loss scale."""
 
-    def __init__(self, g: Any) -> None:
-        self.g = g
-        self.grads = [p.grad for p in g.params]
-        for p in g.params:
+    def __init__(self, params: list[torch.Tensor], precision: Any, probes: Any) -> None:
+        self.params, self.precision = params, precision
+        self.grads = [p.grad for p in params]
+        for p in params:
             p.grad = None
-        self.scale = g.precision.grad_scale()
-        probes = g.probes
-        if probes is not None:  # the probes record into the next step: keep re-runs out of it
-            self.n_act = len(probes._act)
-            self.attn = [(m.logit_p99_request, m.last_logit_p99) for m in probes._attn_modules]
-            for m in probes._attn_modules:
-                m.logit_p99_request = False
+        self.scale = precision.grad_scale()
+        self._quiet = probes.quiet() if probes is not None else contextlib.nullcontext()
+        self._quiet.__enter__()
 
-    def restore(self, *, next_step_stale: bool) -> None:
-        g, probes = self.g, self.g.probes
-        if probes is not None:
-            del probes._act[self.n_act:], probes._act_names[self.n_act:]
-            for m, (req, last) in zip(probes._attn_modules, self.attn):
-                m.logit_p99_request, m.last_logit_p99 = req, last
-        redo = getattr(g, "_rerun_now", None) if next_step_stale else None
-        if redo is not None:
-            for p in g.params:
+    def restore(self, *, stale: bool, redo: Callable[[], None] | None = None) -> None:
+        self._quiet.__exit__(None, None, None)
+        if stale and redo is not None:
+            for p in self.params:
                 p.grad = None
-            g._micro.clear()
-            out = redo()
-            for o in out if isinstance(out, (list, tuple)) and not hasattr(out, "log_z") else [out]:
-                g.accumulate(o)
+            redo()
             return
-        for p, grad in zip(g.params, self.grads):
+        for p, grad in zip(self.params, self.grads):
             p.grad = grad
-        new = g.precision.grad_scale()
-        if next_step_stale and self.scale is not None and new != self.scale:
+        new = self.precision.grad_scale()
+        if stale and self.scale is not None and new != self.scale:
             live = [x for x in self.grads if x is not None]
             if live:
                 torch._foreach_mul_(live, new / self.scale)  # powers of two: exact
 
 
-class Attribution:
-    """The guard's attribution of skipped steps (module docstring); state in ``state_dict``."""
+@dataclass
+class Finding:
+    """Attribution's decision for one skipped step: the cause, the rows, what to drop."""
 
-    def __init__(self, config: AttributionConfig) -> None:
+    cause: str = "unknown"
+    """"data" (the re-run reproduced the step), "transient" (it did not) or "unknown"."""
+    reasons: list[str] = field(default_factory=list)
+    """Text for the verdict's reasons."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Record keys: cause, rerun, quarantined."""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """Every rank's rows of the step (gathered)."""
+    quarantined: list[dict[str, Any]] = field(default_factory=list)
+    keep: torch.Tensor | None = None
+    """When the step should be re-run without its quarantined rows: this rank's rows to keep."""
+    weight: float = 1.0
+    """This rank's loss weight in that re-run (R n_r / N: the global token mean)."""
+
+
+class Attribution:
+    """The guard's attribution of skipped steps (module docstring); state in ``state_dict``.
+
+    Built with what it reads: ``measure(out)`` (the step part's measurement of a re-run's
+    gradients: loss, log Z, norm, stats), the batch ledger (rows of a batch) and the sinks
+    (``quarantine.jsonl`` goes beside the JSONL sink's file)."""
+
+    def __init__(self, config: AttributionConfig, *, measure: Callable[..., Any] | None = None,
+                 ledger: Any = None, sinks: Any = None) -> None:
         self.config = config
+        self.measure, self.ledger, self.sinks = measure, ledger, sinks
         self.reruns = 0
         """Steps re-run so far, against the budget: each cost one extra forward and backward,
         two when the re-run without the quarantined sequences followed."""
@@ -197,60 +198,73 @@ class Attribution:
         return self.reruns + 1 <= math.ceil(self.config.rerun_budget * (step + 1))
 
     # -- the skip -----------------------------------------------------------------------------
-    def on_skip(self, g: Any, p: Any, verdict: Any, extras: dict[str, Any], loss: float,
-                norm: float) -> Any:
-        """Attribute the skipped step ``p`` (the guard's pending record, with its ``rerun`` and
-        per-sequence ``rows``); returns the verdict with the findings added to its reasons."""
-        cfg, reasons, cause = self.config, list(verdict.reasons), "unknown"
-        quarantined: list[dict[str, Any]] = []
-        aside, applied = _Aside(g), False
-        try:
-            if cfg.rerun and p.rerun is not None and self._allowed(p.step):
-                self.reruns += 1
-                loss1, _, norm1, _ = self._measure(g, p.rerun())
-                same = ((_close(loss, loss1, cfg.rerun_rtol) or math.isnan(loss1))
-                        and _close(norm, norm1, cfg.rerun_rtol))
-                cause = "data" if same else "transient"
-                extras.update(cause=cause, rerun={"loss": loss1, "grad_norm": norm1})
-                reasons.append(f"rerun: {cause} (loss {loss:.4g} -> {loss1:.4g}, grad norm "
-                               f"{norm:.4g} -> {norm1:.4g})")
-            rows = self._rows(g, p) if cause != "transient" else []
-            quarantined = outliers(rows, cfg.quarantine_z)
-            if quarantined:
-                self._write(g, p.step, quarantined)
-                extras["quarantined"] = len(quarantined)
-                reasons.append(f"quarantined {len(quarantined)} sequence(s): " + ", ".join(
-                    f"batch {q['stream_index']} rank {q['rank']} row {q['row']} (z {q['z']:.3g})"
-                    for q in quarantined[:4]))
-            # the same re-run step: the budget was charged by the verifying pass
-            if (cfg.drop_sequences and cause == "data" and quarantined and verdict.tier == 1
-                    and len(quarantined) < len(rows)):
-                reasons.append(self._drop(g, p, rows, quarantined, extras))
-                applied = extras.get("skipped") is False
-        finally:
-            aside.restore(next_step_stale=applied and not p.grads_alive)
-        self.skips.append((p.step, cause, [(q["stream_index"], q["rank"], q["row"])
-                                           for q in quarantined]))
-        return verdict._replace(reasons=tuple(reasons))
+    def judge(self, p: Any, tier: int, loss: float, norm: float) -> Finding:
+        """Attribute the skipped step ``p`` (its ``rerun`` and per-sequence ``rows``): re-run it
+        within the budget, quarantine outlier rows, and say whether to re-run without them.
+        Runs with the caller's gradients set aside (``GradsAside``)."""
+        cfg, f = self.config, Finding()
+        if cfg.rerun and p.rerun is not None and self._allowed(p.step):
+            self.reruns += 1
+            loss1, _, norm1, _ = self.measure(p.rerun())
+            same = ((_close(loss, loss1, cfg.rerun_rtol) or math.isnan(loss1))
+                    and _close(norm, norm1, cfg.rerun_rtol))
+            f.cause = "data" if same else "transient"
+            f.extras.update(cause=f.cause, rerun={"loss": loss1, "grad_norm": norm1})
+            f.reasons.append(f"rerun: {f.cause} (loss {loss:.4g} -> {loss1:.4g}, grad norm "
+                             f"{norm:.4g} -> {norm1:.4g})")
+        f.rows = self._rows(p) if f.cause != "transient" else []
+        f.quarantined = outliers(f.rows, cfg.quarantine_z)
+        if f.quarantined:
+            self._write(p.step, f.quarantined)
+            f.extras["quarantined"] = len(f.quarantined)
+            f.reasons.append(f"quarantined {len(f.quarantined)} sequence(s): " + ", ".join(
+                f"batch {q['stream_index']} rank {q['rank']} row {q['row']} (z {q['z']:.3g})"
+                for q in f.quarantined[:4]))
+        # the same re-run step: the budget was charged by the verifying pass
+        if (cfg.drop_sequences and f.cause == "data" and f.quarantined and tier == 1
+                and len(f.quarantined) < len(f.rows)):
+            self._plan_drop(p, f)
+        self.skips.append((p.step, f.cause, [(q["stream_index"], q["rank"], q["row"])
+                                             for q in f.quarantined]))
+        return f
 
-    def _measure(self, g: Any, out: Any, *, unscale: bool = False,
-                 weight: float = 1.0) -> tuple[float, float, float, Any]:
-        """(loss, log Z, grad norm, GradStats) of the gradients a re-run left (loss and log Z
-        times ``weight``), all-reduced as the step's own: one collective, then a host read."""
-        dev = g.precision.device
-        loss, log_z = (v * weight for v in _loss_of(out, dev))
-        scale = 1.0
-        if unscale:
-            g.precision.unscale_(g.optimizer)
-        elif g.precision.scaler is not None:
-            scale = g.precision.grad_scale()
-        stats = grad_stats(g.params, extras=torch.stack([loss.to(dev), log_z.to(dev)]),
-                           pp_group=g.pp_group, tp_group=g.tp_group)
-        n, lo, lz = torch.stack([stats.norm.double(), stats.extras[0].double(),
-                                 stats.extras[1].double()]).tolist()
-        return lo, lz, n / scale, stats  # a power-of-two loss scale divides exactly
+    def _plan_drop(self, p: Any, f: Finding) -> None:
+        if not _takes_keep(p.rerun):
+            if not self._warned_keep:
+                self._warned_keep = True
+                log.warning("spikeguard: drop_sequences needs a rerun closure that takes keep= "
+                            "(a bool tensor of the rows to keep); skipping whole batches instead")
+            f.reasons.append("drop: rerun takes no keep=; skipped the batch")
+            return
+        rank = _dist.rank()
+        gone = {q["pos"] for q in f.quarantined if q["rank"] == rank}
+        n_local = sum(1 for r in f.rows if r["rank"] == rank)
+        device = (p.rows[0].ce.device if p.rows and p.rows[0] is not None
+                  else torch.device("cpu"))
+        f.keep = torch.tensor([i not in gone for i in range(n_local)], dtype=torch.bool,
+                              device=device)
+        f.weight = kept_weight(f.rows, f.quarantined, rank)
 
-    def _rows(self, g: Any, p: Any) -> list[dict[str, Any]]:
+    def dropped(self, f: Finding, result: Any, weighed: bool) -> str:
+        """Record and describe the re-run without the quarantined rows (``result``: the step
+        part's RerunUpdate; ``weighed``: whether guard.backward weighed its loss)."""
+        if not weighed and f.weight != 1.0 and not self._warned_weight:
+            self._warned_weight = True
+            log.warning("spikeguard: rerun did not call guard.backward: the update without "
+                        "the quarantined rows is each rank's own mean, not the global one")
+        kept, total = len(f.rows) - len(f.quarantined), len(f.rows)
+        f.extras.update(kept_rows=[kept, total], kept_loss=result.loss,
+                        kept_grad_norm=result.grad_norm)
+        if not result.applied:
+            text = (f"drop: the {kept}/{total} kept rows still fail the gate (loss "
+                    f"{result.loss:.4g}, grad norm {result.grad_norm:.4g}); skipped the batch")
+        else:
+            f.extras["skipped"] = False
+            text = f"drop: applied the update of {kept}/{total} rows (grad norm {result.grad_norm:.4g})"
+        f.reasons.append(text)
+        return text
+
+    def _rows(self, p: Any) -> list[dict[str, Any]]:
         """Every rank's rows of the step (stream index, rank, row, loss, log Z), gathered."""
         seqs = [s for s in (p.rows or ()) if s is not None]
         local: list[dict[str, Any]] = []
@@ -262,11 +276,8 @@ class Attribution:
             rank, pos = _dist.rank(), 0
             for i, s in enumerate(seqs):
                 index = span[0] + i if one_each else None
-                ids = list(range(len(s.ce)))
-                rows_of = getattr(g.data, "rows_of", None)
-                if index is not None and callable(rows_of):
-                    kept = rows_of(index)
-                    ids = kept if len(kept) == len(ids) else ids
+                ids = (self.ledger.rows_of(index, len(s.ce)) if self.ledger is not None
+                       else list(range(len(s.ce))))
                 for row in ids:
                     local.append({"stream_index": index, "rank": rank, "row": int(row),
                                   "loss": values[0][pos], "log_z": values[1][pos],
@@ -278,60 +289,8 @@ class Attribution:
         torch.distributed.all_gather_object(gathered, local)
         return [r for part in gathered for r in part]
 
-    def _drop(self, g: Any, p: Any, rows: list[dict[str, Any]],
-              quarantined: list[dict[str, Any]], extras: dict[str, Any]) -> str:
-        """Re-run without the quarantined rows; apply the update if it passes the gate."""
-        kept = len(rows) - len(quarantined)
-        if not _takes_keep(p.rerun):
-            if not self._warned_keep:
-                self._warned_keep = True
-                log.warning("spikeguard: drop_sequences needs a rerun closure that takes keep= "
-                            "(a bool tensor of the rows to keep); skipping whole batches instead")
-            return "drop: rerun takes no keep=; skipped the batch"
-        for prm in g.params:  # the verifying re-run's gradients
-            prm.grad = None
-        rank = _dist.rank()
-        gone = {q["pos"] for q in quarantined if q["rank"] == rank}
-        n_local = sum(1 for r in rows if r["rank"] == rank)
-        keep = torch.tensor([i not in gone for i in range(n_local)], dtype=torch.bool,
-                            device=p.rows[0].ce.device if p.rows and p.rows[0] is not None
-                            else g.precision.device)
-        weight, calls = kept_weight(rows, quarantined, rank), g._backwards
-        g._loss_weight = weight  # guard.backward in the re-run applies it
-        try:
-            out = p.rerun(keep=keep)
-        finally:
-            g._loss_weight = 1.0
-        if g._backwards == calls:  # the closure ran loss.backward() itself: unweighted
-            if weight != 1.0 and not self._warned_weight:
-                self._warned_weight = True
-                log.warning("spikeguard: rerun did not call guard.backward: the update without "
-                            "the quarantined rows is each rank's own mean, not the global one")
-            weight = 1.0
-        loss, _, norm, stats = self._measure(g, out, unscale=True, weight=weight)
-        gate, det = g.gate, g.config.detector
-        ema, median = float(gate.ema.value), float(gate.median.value)
-        ratio = loss / ema if ema > 0 else math.nan
-        ok = (math.isfinite(norm) and math.isfinite(loss)
-              and (not bool(gate.armed()) or not (norm > det.grad_k * median
-                                                  or ratio > det.skip_ratio)))
-        if ok and g.config.clip is not None:
-            stats.clip_(g.config.clip)
-        g.precision.step(g.optimizer, skip=not ok)
-        for prm in g.params:
-            prm.grad = None
-        extras.update(kept_rows=[kept, len(rows)], kept_loss=loss, kept_grad_norm=norm)
-        if not ok:
-            return (f"drop: the {kept}/{len(rows)} kept rows still fail the gate (loss {loss:.4g}, "
-                    f"grad norm {norm:.4g}); skipped the batch")
-        g.applied += 1
-        if g.scheduler is not None:
-            g.scheduler.step()
-        extras["skipped"] = False
-        return f"drop: applied the update of {kept}/{len(rows)} rows (grad norm {norm:.4g})"
-
-    def _write(self, g: Any, step: int, quarantined: list[dict[str, Any]]) -> None:
-        path = self.path if self.path is not None else self._beside_sink(g)
+    def _write(self, step: int, quarantined: list[dict[str, Any]]) -> None:
+        path = self.path if self.path is not None else self._beside_sink()
         if path is None or (self.path is not None and _dist.rank() != 0):
             return
         keys = ("stream_index", "rank", "row", "loss", "log_z", "z")
@@ -340,11 +299,10 @@ class Attribution:
         with open(path, "a") as f:
             f.write("".join(line + "\n" for line in lines))
 
-    @staticmethod
-    def _beside_sink(g: Any) -> Path | None:
+    def _beside_sink(self) -> Path | None:
         """``quarantine.jsonl`` beside the file of the first JSONL sink that writes on this rank
         (with one file per rank, rank 0's); None without one."""
-        for s in getattr(g.sinks, "sinks", None) or ():
+        for s in getattr(self.sinks, "sinks", None) or ():
             path = getattr(s, "path", None)
             if (path is not None and str(path).endswith(".jsonl") and getattr(s, "active", True)
                     and (getattr(s, "rank", 0) is not None or _dist.rank() == 0)):

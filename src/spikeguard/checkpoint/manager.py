@@ -32,9 +32,8 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Iterable
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,61 +42,19 @@ import torch
 from .. import _dist
 from .._crash import crash_point
 from .._validate import check_int
-from . import _ckpt_io as io
-from ._ckpt_digest import DEFAULT_DIGEST, DIGESTS, Digest
-from ._ckpt_files import CheckpointDir, IOStats
-from ._ckpt_load import INFO as _INFO
-from ._ckpt_load import MANIFEST as _MANIFEST
-from ._ckpt_load import Refused, load, verify_checkpoint
-from ._ckpt_save import Job, Staging, agree, failure_message, make_tmp, manifest, statefuls
+from . import io
+from .digest import DEFAULT_DIGEST, DIGESTS, Digest
+from .files import CheckpointDir, IOStats
+from .info import CheckpointError, CheckpointInfo, CheckpointWarning, no_old_form, rollback_target
+from .load import INFO as _INFO
+from .load import MANIFEST as _MANIFEST
+from .load import Refused, load, verify_checkpoint
+from .save import Job, Staging, agree, failure_message, make_tmp, manifest
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointWarning",
            "rollback_target", "verify_checkpoint"]
 
 _FORMAT = "spikeguard-checkpoint/2"
-
-
-class CheckpointError(RuntimeError):
-    """No checkpoint could be restored (each refusal is listed), or one could not be committed."""
-
-
-class CheckpointWarning(UserWarning):
-    """A checkpoint was refused (integrity or safety check failed); an older one is used."""
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One committed checkpoint as listed by the manager."""
-
-    step: int
-    """Training step whose post-update state it holds."""
-    path: Path
-    """Its directory."""
-    healthy: bool
-    """False when an alert was raised in its window (since the previous checkpoint)."""
-    alerts: tuple[str, ...] = ()
-    """The alerts raised in its window, as given to save()."""
-    skip_ranges: tuple[tuple[int, int], ...] = ()
-    """Data ranges [start, stop] (batch indices, inclusive) skipped so far by the data stream."""
-    meta: dict = field(default_factory=dict)
-    """Free-form JSON metadata given to save()."""
-
-
-def rollback_target(onset: int, checkpoints: int | Iterable[int]) -> int | None:
-    """The step of the checkpoint to roll back to for an anomaly first seen at step ``onset``:
-    the newest checkpoint at or before ``onset - 2``, or None when there is none.
-
-    A checkpoint at step s holds the state after update s, and the update at ``onset - 1`` may
-    itself be the cause (a bad learning rate's first update looks normal in its own gradients),
-    so the checkpoint at ``onset - 1`` is not safe. ``checkpoints`` is the interval of saves
-    (every k steps from k) or the steps that exist. Every 1,000 steps: onset 57,182 -> 57,000;
-    onset 57,001 -> 56,000."""
-    limit = onset - 2
-    if isinstance(checkpoints, int):
-        check_int(checkpoints, "rollback_target checkpoints", hint="pass the save interval")
-        step = limit // checkpoints * checkpoints
-        return step if step >= checkpoints else None
-    return max((s for s in checkpoints if s <= limit), default=None)
 
 
 class CheckpointManager:
@@ -124,8 +81,11 @@ class CheckpointManager:
     stopping costs at most ``every`` steps while a warning scrolls away as that cost grows.
     """
 
-    def __init__(self, directory: str | Path, *, every: int = 1000, keep: int = 10,
-                 async_save: bool = False, digest: Digest = DEFAULT_DIGEST,
+    def __init__(self, directory: str | Path, *, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+                 scaler: Any = None, data: Any = None, states: Mapping[str, Any] | None = None,
+                 every: int = 1000, keep: int = 10, async_save: bool = False,
+                 digest: Digest = DEFAULT_DIGEST,
                  on_error: Literal["raise", "warn"] = "raise") -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"CheckpointManager directory={directory!r} must be a path")
@@ -148,6 +108,39 @@ class CheckpointManager:
         self.staging = Staging()  # .waited: seconds the last async save held the next step
         self._executor: ThreadPoolExecutor | None = None
         self._group: Any = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.states: dict[str, Any] = {}
+        """The Stateful objects saved beside model and optimizer, by sidecar key."""
+        self.register(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                      data=data, **dict(states or {}))
+
+    def register(self, *, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, **states: Any) -> None:
+        """Add what ``save`` writes and ``restore`` loads: the model, the optimizer and Stateful
+        objects (``state_dict`` / ``load_state_dict``) by name (``scheduler``, ``scaler``,
+        ``data`` or any other). Registering the same object again is a no-op; another object
+        under a taken name is a mistake and raises. None values are ignored."""
+        for name, obj, have in (("model", model, self.model),
+                                ("optimizer", optimizer, self.optimizer)):
+            if obj is not None and have is not None and obj is not have:
+                raise ValueError(f"CheckpointManager already saves another {name}; build one "
+                                 f"manager per training run")
+        self.model = model if model is not None else self.model
+        self.optimizer = optimizer if optimizer is not None else self.optimizer
+        for name, obj in states.items():
+            if obj is None:
+                continue
+            if name in ("rest", "rng"):
+                raise ValueError(f"CheckpointManager state name {name!r} is reserved; rename it")
+            for method in ("state_dict", "load_state_dict"):
+                if not callable(getattr(obj, method, None)):
+                    raise TypeError(f"CheckpointManager state {name!r} ({type(obj).__name__}) "
+                                    f"has no {method}(); give it state_dict/load_state_dict")
+            if name in self.states and self.states[name] is not obj:
+                raise ValueError(f"CheckpointManager already saves another {name!r}; rename "
+                                 "this one")
+            self.states[name] = obj
 
     # -- listing ------------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
@@ -182,23 +175,33 @@ class CheckpointManager:
         return self.save(step, **kwargs) if self.should_save(step) else None
 
     @io.collector_paused()  # sync: the whole write; async: the part on the training thread
-    def save(self, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-             scheduler: Any = None, scaler: Any = None, data: Any = None,
-             extra_state: dict[str, Any] | None = None, healthy: bool = True,
-             alerts: list[str] | tuple[str, ...] = (), meta: dict | None = None,
-             save_rng: bool = True) -> Path | None:
-        """Save the state after update ``step``; returns its directory (None: it failed and
-        ``on_error="warn"`` went on). ``healthy=False`` (or any ``alerts``) marks an alert in
-        this checkpoint's window: restore() passes over it. Collective across ranks."""
+    def save(self, step: int, *, healthy: bool = True, alerts: list[str] | tuple[str, ...] = (),
+             meta: dict | None = None, save_rng: bool = True,
+             snapshot: Mapping[str, dict[str, Any]] | None = None, **old: Any) -> Path | None:
+        """Save the registered states after update ``step``; returns its directory (None: it
+        failed and ``on_error="warn"`` went on). ``healthy=False`` (or any ``alerts``) marks an
+        alert in this checkpoint's window: restore() passes over it. ``snapshot`` gives state
+        dicts taken earlier, written instead of a registered object's current state (the guard
+        saves step t's data position one step late). Collective across ranks."""
+        no_old_form("save", old)
+        if self.model is None:
+            raise ValueError("CheckpointManager.save: no model to save; build the manager with "
+                             "CheckpointManager(directory, model=..., optimizer=...) or pass it "
+                             "to a Guard, which registers its own")
+        model, optimizer = self.model, self.optimizer
+        unknown = set(snapshot or {}) - set(self.states)
+        if unknown:
+            raise ValueError(f"CheckpointManager.save snapshot names {sorted(unknown)}, which "
+                             f"are not registered ({sorted(self.states)})")
         self.wait()
         msd, osd = io.model_optim(model, optimizer)
         tensors, rest = io.split({"model": msd, "optim": osd})
         side: dict[str, Any] = {"rest": rest}
-        for name, obj in statefuls(scheduler, scaler, data, extra_state).items():
-            side[name] = obj.state_dict()
+        for name, obj in self.states.items():
+            side[name] = snapshot[name] if snapshot and name in snapshot else obj.state_dict()
         if save_rng:
             side["rng"] = io.rng_state()
-        skips = data.state_dict().get("skip_ranges", []) if data is not None else []
+        skips = side["data"].get("skip_ranges", []) if "data" in side else []
         ok, carried = self._carry  # a failed save's window is part of this one's
         job = Job(step=step, directory=self.directory, side=io.encode(side), info={
             "format": _FORMAT, "step": step, "healthy": ok and bool(healthy) and not alerts,
@@ -225,7 +228,7 @@ class CheckpointManager:
         the rest of the staging, the sidecar, DCP's save through the hashing writer, commit."""
         import torch.distributed.checkpoint as dcp
 
-        from ._safe_dcp import HashingWriter
+        from .safe_reader import HashingWriter
 
         error = None
         try:
@@ -320,10 +323,8 @@ class CheckpointManager:
 
     # -- restore ------------------------------------------------------------------------------
     @io.collector_paused()
-    def restore(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                scheduler: Any = None, scaler: Any = None, data: Any = None,
-                extra_state: dict[str, Any] | None = None, at_or_before: int | None = None,
-                restore_rng: bool = True) -> CheckpointInfo:
+    def restore(self, *, at_or_before: int | None = None, restore_rng: bool = True,
+                **old: Any) -> CheckpointInfo:
         """Load the newest healthy checkpoint at or before ``at_or_before`` (any step if None).
 
         A checkpoint that fails its integrity or safety checks is refused with a
@@ -333,8 +334,12 @@ class CheckpointManager:
         overwrites them; after CheckpointError their state is undefined. Collective across
         ranks; all ranks agree on every refusal. Returns its info.
         """
+        no_old_form("restore", old)
+        if self.model is None:
+            raise ValueError("CheckpointManager.restore: no model to restore into; build the "
+                             "manager with CheckpointManager(directory, model=..., ...)")
         self.wait()
-        objects = statefuls(scheduler, scaler, data, extra_state)
+        model, optimizer, objects = self.model, self.optimizer, self.states
         refusals: list[str] = []
         fresh = optimizer is not None and not optimizer.state  # DCP fills it to read its keys
         for c in reversed(self.list()):
@@ -356,21 +361,26 @@ class CheckpointManager:
         raise CheckpointError(f"no healthy checkpoint{where} in {self.directory} could be restored"
                               + "".join(f"\n  {r}" for r in refusals))
 
-    def rollback(self, *, onset: int, detection: int, data: Any, **objects: Any) -> CheckpointInfo:
+    def rollback(self, *, onset: int, detection: int, **old: Any) -> CheckpointInfo:
         """Roll back past an anomaly seen from step ``onset`` to step ``detection``.
 
         Restores the newest healthy checkpoint that predates the update before the onset
         (``at_or_before=onset - 2``, the rule of :func:`rollback_target`: update ``onset - 1``
-        may be the cause), then makes ``data`` skip the batches of steps onset..detection; the
-        batches after the checkpoint up to ``onset - 1`` are replayed. Steps count from 0 as in
-        spikeguard.train: step s consumes the s-th batch the stream yields
-        (``data.index_of(s)``). The range is kept in the data state and in every later
-        checkpoint's info. Other keyword arguments go to :meth:`restore`.
+        may be the cause), then makes the registered ``data`` skip the batches of steps
+        onset..detection; the batches after the checkpoint up to ``onset - 1`` are replayed.
+        Steps count from 0 as in spikeguard.train: step s consumes the s-th batch the stream
+        yields (``data.index_of(s)``). The range is kept in the data state and in every later
+        checkpoint's info.
         """
+        no_old_form("rollback", old)
         if not 0 <= onset <= detection:
             raise ValueError(f"onset={onset}, detection={detection}: need 0 <= onset <= detection")
+        data = self.states.get("data")
+        if data is None or not callable(getattr(data, "skip", None)):
+            raise ValueError("CheckpointManager.rollback needs a data stream with skip() "
+                             "registered: CheckpointManager(directory, ..., data=stream)")
         index = getattr(data, "index_of", lambda s: s)
         lo, hi = index(onset), index(detection)  # under the skips the stream made so far
-        info = self.restore(at_or_before=onset - 2, data=data, **objects)
+        info = self.restore(at_or_before=onset - 2)
         data.skip(lo, hi)
         return info

@@ -23,7 +23,7 @@ fixed order, keeps flagged steps out of their histories and turns their events i
 ``Verdict.reasons`` lists what fired and which other metrics are in an excursion, ordered by
 onset: the first names the metric that moved first. ``onset_step`` is the earliest of those
 onsets; the rollback target is the newest checkpoint at or before ``onset_step - 2``
-(``respond.checkpoint.rollback_target``: the update before the onset may be the cause).
+(``checkpoint.manager.rollback_target``: the update before the onset may be the cause).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import sys
 from typing import Any, NamedTuple
 
 from ..record import Action, StepMetrics
-from ._detector_config import DetectorConfig
-from ._rules import Event, GradSpike, LossHalt, LossRatio, NonFinite, Rule, ScalerOverflow
-from ._rules_tier2 import LogZDrift, LogZRise, LossElevated, RatioHeld, Recovery, SkipStorm
+from .config import DetectorConfig
+from .rules import Event, GradSpike, LossHalt, LossRatio, NonFinite, Rule, ScalerOverflow
+from .rules_tier2 import LogZDrift, LogZRise, LossElevated, RatioHeld, Recovery, SkipStorm
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from .. import _dist
-from . import _ckpt_io as io
-from ._ckpt_files import FileEntry, IOStats
-from ._ckpt_load import INFO
+from . import io
+from .files import FileEntry, IOStats
+from .load import INFO
 
-__all__ = ["Job", "Staging", "agree", "failure_message", "make_tmp", "manifest", "statefuls"]
+__all__ = ["Job", "Staging", "agree", "failure_message", "make_tmp", "manifest"]
 
 
 @dataclass
@@ -150,17 +150,6 @@ class Staging:
         if self.stager is not None:
             self.stager.close()
             self.stager = None
-
-
-def statefuls(scheduler: Any, scaler: Any, data: Any,
-              extra_state: dict[str, Any] | None) -> dict[str, Any]:
-    """The objects saved and restored through their state_dict, by sidecar key."""
-    named = {"scheduler": scheduler, "scaler": scaler, "data": data}
-    for k, v in (extra_state or {}).items():
-        if k in named or k in ("rest", "rng"):
-            raise ValueError(f"extra_state key {k!r} is reserved; rename it")
-        named[k] = v
-    return {k: v for k, v in named.items() if v is not None}
 
 
 def manifest(job: Job, gathered: list[dict], digest: str) -> dict[str, FileEntry]:

@@ -4,14 +4,11 @@ call ``optimizer.step()`` (HF Trainer, Lightning)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from .respond.forensics import TrainingHalted
-
-if TYPE_CHECKING:
-    from .guard import Guard
+from .forensics import TrainingHalted
 
 __all__ = ["GuardedOptimizer"]
 
@@ -26,7 +23,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
     stop the run the framework's way and raise it afterwards. A ``step()`` after a halt raises
     it: nothing trains past a halt."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, guard: Guard, *,
+    def __init__(self, optimizer: torch.optim.Optimizer, guard: Any, *,
                  defer_halt: bool = False) -> None:
         # no Optimizer.__init__: the wrapped optimizer owns param_groups and state
         if getattr(guard, "optimizer", None) is not optimizer:

@@ -26,7 +26,7 @@ _MIN_ARM_AFTER = 5
 
 @dataclass(kw_only=True, frozen=True)
 class DetectorConfig:
-    """Thresholds of :class:`~spikeguard.respond.detector.SpikeDetector`.
+    """Thresholds of :class:`~spikeguard.detector.detector.SpikeDetector`.
 
     Every window counts detector updates (steps that reached ``update``), not step indices, so a
     stream that starts at step 50,000, or a log with gaps, works the same. Windows of histories

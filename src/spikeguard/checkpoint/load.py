@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from .. import _dist
-from . import _ckpt_io as io
-from ._ckpt_files import CheckpointDir, FileEntry, IntegrityError, IOStats, parse_manifest
+from . import io
+from .files import CheckpointDir, FileEntry, IntegrityError, IOStats, parse_manifest
 
 __all__ = ["INFO", "MANIFEST", "Refused", "load", "verify_checkpoint"]
 
@@ -38,7 +38,7 @@ def load(path: Path, step: int, healthy: bool, model: torch.nn.Module, optimizer
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    from ._safe_dcp import SafeLoadPlanner, SafeReader
+    from .safe_reader import SafeLoadPlanner, SafeReader
 
     local: str | None = None
     side: dict[str, Any] = {}

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .detect.probes import ProbeConfig
-from .respond._detector_config import DetectorConfig
+from ..detect.probes import ProbeConfig
+from ..detector.config import DetectorConfig
 
-__all__ = ["check_grads", "check_loss", "check_nested", "check_pair"]
+__all__ = ["check_grads", "check_loss", "check_nested", "check_pair", "check_states"]
 
 
 def check_pair(model: Any, optimizer: Any) -> None:
@@ -57,3 +57,17 @@ def check_nested(config: Any) -> None:
         if not isinstance(getattr(config, name), kind):
             raise TypeError(f"GuardConfig.{name} must be a {kind.__name__}, got "
                             f"{type(getattr(config, name)).__name__}")
+
+
+def check_states(config: Any, checkpoints: Any, extra_state: Any, keep_on_rollback: tuple) -> None:
+    """What the guard checkpoints: rollback needs a manager, ``guard`` is the guard's own key,
+    ``keep_on_rollback`` names only extra states."""
+    if config.tier2 == "rollback" and checkpoints is None:
+        raise ValueError("GuardConfig(tier2='rollback') needs checkpoints=CheckpointManager(...)"
+                         " to roll back to; pass one or use tier2='alert'")
+    if extra_state and "guard" in extra_state:
+        raise ValueError("extra_state key 'guard' is the guard's own; rename it")
+    unknown = set(keep_on_rollback) - set(extra_state or {})
+    if unknown:
+        raise ValueError(f"keep_on_rollback names {sorted(unknown)}, which are not in "
+                         f"extra_state ({sorted(extra_state or {})})")

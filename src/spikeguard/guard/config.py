@@ -1,0 +1,47 @@
+"""GuardConfig: what the guard does; every threshold of its decisions lives in ``detector``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .._validate import check_int, check_positive
+from ..detect.probes import ProbeConfig
+from ..detector.config import DetectorConfig
+from .attribution import AttributionConfig
+from .checks import check_nested
+
+__all__ = ["GuardConfig"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class GuardConfig:
+    """What the guard does; every threshold of its decisions lives in ``detector``."""
+
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
+    """Thresholds of every tier (DetectorConfig.for_run(total_steps) sizes them for short runs)."""
+    clip: float | None = 1.0
+    """Clip the global gradient norm to this value; None turns clipping off (never 0 or < 0)."""
+    tier2: Literal["alert", "rollback"] = "alert"
+    """Tier 2: alert (report and go on; a skip storm halts) or rollback (needs checkpoints)."""
+    max_rollbacks: int = 3
+    """Rollbacks (and reconfigured resumes) allowed in one run; the next one halts instead."""
+    probes: ProbeConfig = field(default_factory=ProbeConfig)
+    """Which probes run and how often, when the guard is built with probes=True."""
+    read_lag: int | None = None
+    """Steps between a step and the host reading its numbers: 0, 1, or None (1 on CUDA, else 0)."""
+    respond: bool = True
+    """Act on verdicts (skip, roll back, halt); False only measures and records (a baseline)."""
+    attribution: AttributionConfig = field(default_factory=AttributionConfig)
+    """After a skip: re-run it (data or transient?), quarantine outlier sequences, drop them."""
+
+    def __post_init__(self) -> None:
+        if self.clip is not None:
+            check_positive(self.clip, "GuardConfig.clip", default=1.0,
+                           hint="None turns clipping off; a negative value would ascend")
+        if self.tier2 not in ("alert", "rollback"):
+            raise ValueError(f"GuardConfig.tier2={self.tier2!r} must be 'alert' or 'rollback'")
+        check_int(self.max_rollbacks, "GuardConfig.max_rollbacks", minimum=0, default=3)
+        check_nested(self)
+        if self.read_lag not in (None, 0, 1):
+            raise ValueError(f"GuardConfig.read_lag={self.read_lag!r} must be 0, 1 or None (auto)")

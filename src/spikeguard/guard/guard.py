@@ -1,0 +1,395 @@
+"""The Guard: measure, decide, act in one call per optimizer step, identical on every rank.
+
+    guard = sg.Guard(model, optimizer, scheduler=scheduler, checkpoints=ckpt, data=stream,
+                     sinks=[sg.JsonlSink("metrics.jsonl")])
+    for x, y in stream:
+        out = model.loss(model(x), y)          # a LossOutput: loss, ce, log Z
+        out.loss.backward()
+        for verdict in guard.step(out):        # clip, gate, step or skip, decide, log, save
+            ...
+
+The Guard owns no decision itself: it builds its parts and passes each step through them
+(docs/design.md walks one step). The step part (``step.Updater``) measures, gates, clips and
+applies the update on the device; the ``SpikeDetector`` judges the step's host numbers; the
+attribution (``attribution.Attribution``) explains a skip and may ask for a re-run without
+some rows, which the step part applies; the responder (``responder.Responder``) carries out
+Tier 2 and Tier 3; the batch ledger (``ledger.BatchLedger``) knows which batches each step
+consumed; the recorder writes the record; the checkpoint manager saves at its interval.
+
+Host reads: with ``read_lag=0`` (the default off CUDA) the host reads step t's numbers at t, one
+small vector. With ``read_lag=1`` (the default on CUDA) they are copied to pinned memory behind an
+event and read at step t+1, so a healthy or skipped step never waits for the device; Tier 2 and
+Tier 3 actions, the record and the schedule then act one step late (the schedule still advances
+exactly once per applied update, before the next update). A Tier 1 skip is never late: the gate
+acts at step t on the device. ``step`` returns the verdicts the host read in that call (a tuple,
+on every device: step t's with read_lag 0; step t-1's, or none on the first call, with read_lag
+1), each with the step it belongs to; ``flush`` and ``close`` return the last one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..detect.precision import PrecisionPolicy, PrecisionRuntime
+from ..detect.probes import Probes
+from ..detector.detector import SpikeDetector, Verdict
+from ..detector.gate import DeviceGate
+from ..readback import Readback
+from ..record import Action, StepMetrics
+from ..sinks import Sinks
+from .attribution import Attribution, AttributionConfig, Finding, GradsAside
+from .checks import check_grads, check_loss, check_pair, check_states
+from .config import GuardConfig
+from .forensics import HaltReport, TrainingHalted
+from .ledger import BatchLedger
+from .recorder import Recorder
+from .responder import Responder
+from .step import Pending, ScalerState, Updater
+from .summary import History
+
+__all__ = ["AttributionConfig", "Guard", "GuardConfig", "TrainingHalted"]
+
+log = logging.getLogger("spikeguard")
+
+_STATE_VERSION = 1
+_N_NUMBERS = 7
+"""The step's numbers at the head of the read-back vector (see Updater.device_step)."""
+
+
+class Guard:
+    """One call per optimizer step: measure, clip, gate, step or skip, decide, act, log, save.
+
+    ``model`` and ``optimizer`` are the training pair (FSDP2, DDP or plain); ``scheduler`` an LR
+    scheduler that the guard steps once per applied update; ``precision`` a PrecisionPolicy (or
+    its runtime) whose loss scaler and autocast the guard owns; ``checkpoints`` a
+    CheckpointManager (the guard registers the model, optimizer, scheduler, scaler, data, its own
+    state and ``extra_state`` with it; saves at its interval, rollback, resume); ``data`` the
+    batch source (a TokenStream: its position is saved, and a rollback skips the poisoned range);
+    ``sinks`` where each step's record goes; ``probes`` True (built from ``config.probes``) or a
+    Probes object; ``on_alert(summary)`` is called on a Tier 2 alert; ``reconfigure(report)`` may
+    answer a halt with changes (``{"precision": "bf16-mixed", "lr_scale": 0.5, "z_loss": 1e-3}``)
+    to resume with from the last healthy checkpoint. ``extra_state`` names more objects with
+    ``state_dict``/``load_state_dict`` to checkpoint with the run; those named in
+    ``keep_on_rollback`` are restored on ``resume`` only, never by a rollback (state outside the
+    run's timeline, such as a fault injector). ``pp_group``/``tp_group`` go to ``grad_stats``.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 config: GuardConfig | None = None, scheduler: Any = None,
+                 precision: PrecisionPolicy | PrecisionRuntime | None = None,
+                 checkpoints: Any = None, data: Any = None, sinks: Iterable[Any] | None = None,
+                 probes: Probes | bool | None = None,
+                 on_alert: Callable[[dict[str, Any]], None] | None = None,
+                 reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None = None,
+                 extra_state: Mapping[str, Any] | None = None,
+                 keep_on_rollback: Iterable[str] = (),
+                 pp_group: Any = None, tp_group: Any = None) -> None:
+        self.config = cfg = config if config is not None else GuardConfig()
+        check_pair(model, optimizer)
+        self.keep_on_rollback = tuple(keep_on_rollback)
+        check_states(cfg, checkpoints, extra_state, self.keep_on_rollback)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.checkpoints, self.data = checkpoints, data
+        if not isinstance(precision, PrecisionRuntime):
+            precision = (precision or PrecisionPolicy(kind="fp32")).runtime(model)
+        self.recorder = Recorder(Sinks(sinks) if sinks is not None else None)
+        self.probes: Probes | None = (Probes(model, cfg.probes) if probes is True
+                                      else probes or None)
+        self.named_params = list(model.named_parameters())
+        self.params = [p for _, p in self.named_params]
+        lag = cfg.read_lag
+        self.read_lag = lag if lag is not None else int(precision.device.type == "cuda")
+        self.detector = SpikeDetector(cfg.detector)
+        self.history = History(cfg.detector.median_window)
+        self.ledger = BatchLedger(data)
+        self.updater = Updater(self.params, optimizer, precision,
+                               DeviceGate(cfg.detector, precision.device), clip=cfg.clip,
+                               respond=cfg.respond, scheduler=scheduler, pp_group=pp_group,
+                               tp_group=tp_group)
+        self.attribution = Attribution(cfg.attribution, measure=self.updater.measure_rerun,
+                                       ledger=self.ledger, sinks=self.recorder.sinks)
+        extra = dict(extra_state or {})
+        self.responder = Responder(
+            tier2=cfg.tier2, max_rollbacks=cfg.max_rollbacks, checkpoints=checkpoints,
+            ledger=self.ledger, history=self.history, attribution=self.attribution,
+            recorder=self.recorder, updater=self.updater, model=model,
+            named_params=self.named_params, optimizer=optimizer, scheduler=scheduler,
+            on_alert=on_alert, reconfigure=reconfigure,
+            keep_on_rollback={k: extra[k] for k in self.keep_on_rollback})
+        if checkpoints is not None:
+            checkpoints.register(model=model, optimizer=optimizer, scheduler=scheduler, data=data,
+                                 scaler=ScalerState(self.updater) if precision.scaler else None,
+                                 guard=self, **extra)
+        self.step_index = 0
+        self.last_skipped = False
+        """Whether the last resolved step's update was withheld (a skip or a halt); a framework
+        that steps the LR scheduler itself holds it then (integrations/)."""
+        self._window_alerts: list[str] = []
+        self._micro: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # loss, log Z, sequences
+        self._rerun_now: Callable[..., Any] | None = None
+        self._pending: Pending | None = None
+        self._warned_disagree = False
+        if self.probes is not None:
+            self.probes.start_step(self.step_index)
+
+    # -- the parts' numbers, by their old names ------------------------------------------------
+    @property
+    def precision(self) -> PrecisionRuntime:
+        return self.updater.precision
+
+    @property
+    def gate(self) -> DeviceGate:
+        return self.updater.gate
+
+    @property
+    def applied(self) -> int:
+        """Updates applied so far (the LR schedule's position)."""
+        return self.updater.applied
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks and reconfigured resumes so far."""
+        return self.responder.rollbacks
+
+    @property
+    def records(self) -> int:
+        """Records handed to the sinks so far (a checkpoint saves the count)."""
+        return self.recorder.records
+
+    @property
+    def sinks(self) -> Sinks | None:
+        return self.recorder.sinks
+
+    # -- the step -----------------------------------------------------------------------------
+    def autocast(self):
+        """The forward pass context of the precision policy (bf16/fp16 autocast, or nothing)."""
+        return self.precision.autocast()
+
+    def backward(self, loss: Any) -> None:
+        """``loss.backward()`` through the loss scaler under fp16 (``loss`` may be a LossOutput).
+        In attribution's re-run without quarantined rows it weighs this rank's loss so that the
+        update is the mean over the tokens kept on every rank."""
+        loss = loss.loss if hasattr(loss, "loss") and hasattr(loss, "log_z") else loss
+        self.updater.backward(loss)
+
+    def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None) -> None:
+        """Record one micro-batch's loss and log Z (detached) after its backward; ``step()`` then
+        uses their mean. ``out`` is a LossOutput (its ``ce`` and ``log_z``) or a 0-d loss."""
+        seq = getattr(out, "sequences", None)  # per-sequence values: attribution on a skip
+        if hasattr(out, "ce") and hasattr(out, "log_z"):
+            loss, log_z = out.ce, out.log_z if log_z is None else log_z
+        else:
+            loss = out
+        check_loss(loss, self.params[0].device)
+        loss = loss.detach().float().reshape(())
+        z = (torch.full_like(loss, float("nan")) if log_z is None
+             else log_z.detach().float().reshape(()).to(loss.device))
+        self._micro.append((loss, z, seq))
+
+    def step(self, out: Any = None, *, log_z: torch.Tensor | None = None,
+             rerun: Callable[[], Any] | None = None) -> tuple[Verdict, ...]:
+        """One optimizer step, after backward (see the module docstring). Returns the verdicts
+        the host read in this call, each with its ``step``: step t's with read_lag 0; step
+        t-1's (none on the first call) with read_lag 1. ``rerun()`` re-runs the batch's forward
+        and backward (``guard.backward``) and returns its LossOutput (Tier 3 forensics;
+        attribution of a skip, where ``rerun(keep=mask)`` keeps only the rows ``mask`` marks).
+        Raises TrainingHalted on a halt, after the record is written."""
+        if out is None and not self._micro:
+            raise ValueError("guard.step() needs the step's loss: pass step(out), or call "
+                             "guard.accumulate(out) after each micro-batch's backward")
+        check_grads(self.params)
+        if out is not None:
+            self.accumulate(out, log_z=log_z)
+        batches = self.ledger.consume(self.step_index)
+        self._rerun_now = rerun  # read_lag 1: attribution may redo this step's grads (a drop)
+        if self.read_lag == 0:
+            return (self._resolve(self._device_step(batches, rerun)),)
+        verdicts: tuple[Verdict, ...] = ()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            t = self.step_index
+            verdicts = (self._resolve(pending),)
+            if self.step_index != t:  # rolled back or reconfigured: this step's grads are stale
+                self._micro.clear()
+                self.optimizer.zero_grad(set_to_none=True)
+                return verdicts
+        self._pending = self._device_step(batches, rerun)
+        return verdicts
+
+    def flush(self) -> tuple[Verdict, ...]:
+        """Resolve a step still waiting for its host read (read_lag 1); returns its verdict."""
+        if self._pending is None:
+            return ()
+        pending, self._pending = self._pending, None
+        return (self._resolve(pending),)
+
+    def close(self) -> tuple[Verdict, ...]:
+        """Flush, close the sinks, commit a pending async checkpoint; returns what flush read."""
+        try:
+            return self.flush()
+        finally:
+            self.recorder.close()
+            if self.checkpoints is not None:
+                self.checkpoints.wait()
+
+    def _device_step(self, batches: tuple[int, int] | None,
+                     rerun: Callable[[], Any] | None) -> Pending:
+        t = self.step_index
+        losses, zs, seqs = zip(*self._micro)
+        self._micro.clear()
+        lr = self.updater.current_lr()  # before the update: the rate it used
+        stats, numbers = self.updater.device_step(torch.stack(losses).mean(),
+                                                  torch.stack(zs).mean())
+        dev = stats.norm.device
+        vec = torch.stack([x.detach().to(dev, torch.float64).reshape(()) for x in numbers])
+        probes = self.probes.gather() if self.probes is not None else None
+        if probes is not None and probes.vector is not None:
+            # the probes' readings ride in the same read-back vector (no host read of their own)
+            vec = torch.cat([vec, probes.vector.detach().to(dev, torch.float64)])
+            probes.vector = None
+        keep_grads = self.read_lag == 0
+        if not keep_grads:
+            self.optimizer.zero_grad(set_to_none=True)
+        data_state = self.ledger.snapshot() if self.read_lag else None
+        self.step_index = t + 1
+        if self.probes is not None:
+            self.probes.start_step(self.step_index)
+        return Pending(t, Readback([vec]), lr, batches, data_state, rerun, probes,
+                       stats if keep_grads else None,
+                       None if keep_grads else stats.finite_pieces(), seqs)
+
+    # -- the host side ------------------------------------------------------------------------
+    def _judge(self, p: Pending) -> tuple[StepMetrics, Verdict, dict[str, Any], bool]:
+        """Read the step's numbers and give them to the detector (and the history)."""
+        values = p.readback.values()
+        loss, log_z, norm, gate, armed, coef, scale = values[:_N_NUMBERS]
+        skipped = gate != 0.0
+        nan_frac: float | None = 0.0
+        if not (norm == norm and abs(norm) != float("inf")):
+            # the non-finite path of grad_stats: a host read, and a collective that every rank
+            # makes alike (the norm they branch on is bit-identical)
+            nan_frac = p.stats.nan_frac if p.grads_alive else None
+        m = StepMetrics(step=p.step, loss=loss, grad_norm=norm, log_z=log_z, nan_frac=nan_frac,
+                        lr=p.lr, grad_scale=scale if self.precision.scaler is not None else None)
+        verdict = self.detector.update(m)
+        m.loss_ema_ratio = verdict.evidence.get("loss_ema_ratio")
+        if (self.config.respond and verdict.tier <= 1 and verdict.skip != skipped
+                and not self._warned_disagree):
+            self._warned_disagree = True
+            log.warning("spikeguard: device gate (%s) and host verdict (%s) disagree at step %d",
+                        skipped, verdict.skip, p.step)
+        self.history.add(p.step, loss, norm, log_z)
+        extras: dict[str, Any] = {"armed": armed != 0.0, "skipped": skipped, "clip_coef": coef}
+        if p.probes is not None:
+            extras.update(p.probes.decode(values[_N_NUMBERS:]))
+        return m, verdict, extras, skipped
+
+    def _resolve(self, p: Pending) -> Verdict:
+        m, verdict, extras, skipped = self._judge(p)
+        self.last_skipped = skipped
+        self.updater.commit(skipped)
+        # a loss-scaler overflow (tier 0) is the scaler's own skip: nothing to attribute
+        if skipped and self.config.respond and 1 <= verdict.tier < 3:
+            verdict = self._attribute(p, verdict, extras, m)
+        action = verdict.action
+        if not self.config.respond:
+            extras["verdict"] = action.value  # what the guard would have done
+            action = Action.CONTINUE
+        try:
+            if self.config.respond and verdict.tier >= 2:
+                action = self.responder.respond(p, verdict, extras)
+        finally:
+            if p.grads_alive:
+                self.optimizer.zero_grad(set_to_none=True)
+        if action is Action.ROLLBACK:  # restored: nothing held of the steps rolled back stays
+            self._pending = None
+            self._micro.clear()
+        if action is Action.SKIP and extras["skipped"] is False:
+            action = Action.DROP  # the batch without its quarantined rows was applied
+        # a skipped update never reached the weights: only an applied anomaly taints the interval
+        if (verdict.tier >= 1 and action not in (Action.SKIP, Action.DROP)) or action is Action.ALERT:
+            self._window_alerts.append(f"{p.step}: {'; '.join(verdict.reasons)}")
+        self.recorder.log(m, verdict, action, extras)
+        if action not in (Action.ROLLBACK, Action.HALT):
+            self._maybe_save(p)
+        return verdict
+
+    def _attribute(self, p: Pending, verdict: Verdict, extras: dict[str, Any],
+                   m: StepMetrics) -> Verdict:
+        """A skipped step: attribution's finding, and its re-run without the quarantined rows
+        through the step part when the finding asks for one."""
+        aside, applied = GradsAside(self.params, self.precision, self.probes), False
+        finding = Finding()
+        try:
+            finding = self.attribution.judge(p, verdict.tier, m.loss, m.grad_norm)
+            if finding.keep is not None:
+                result, weighed = self.updater.apply_rerun(p.rerun, finding.keep, finding.weight)
+                self.attribution.dropped(finding, result, weighed)
+                applied = result.applied
+        finally:
+            stale = applied and not p.grads_alive
+            redo = self._redo_next if stale and self._rerun_now is not None else None
+            aside.restore(stale=stale, redo=redo)
+        extras.update(finding.extras)
+        if applied:
+            self.last_skipped = False
+            return verdict._replace(reasons=(*verdict.reasons, *finding.reasons), skip=False)
+        return verdict._replace(reasons=(*verdict.reasons, *finding.reasons))
+
+    def _redo_next(self) -> None:
+        """read_lag 1 after a drop was applied: the next step's gradients were taken at the old
+        weights; re-run it through its own closure at the new ones, when there is one."""
+        self._micro.clear()
+        out = self._rerun_now()
+        for o in out if isinstance(out, (list, tuple)) and not hasattr(out, "log_z") else [out]:
+            self.accumulate(o)
+
+    def _maybe_save(self, p: Pending) -> None:
+        ck = self.checkpoints
+        if ck is None or not ck.should_save(p.step):
+            return
+        self.recorder.flush()  # the saved record count must match what is in the files
+        snapshot = {"data": p.data_state} if p.data_state is not None else None
+        ck.save(p.step, alerts=list(self._window_alerts), snapshot=snapshot)
+        self._window_alerts.clear()
+
+    # -- resume and state ---------------------------------------------------------------------
+    def resume(self) -> Any:
+        """Restore the newest healthy checkpoint (model, optimizer, scheduler, scaler, data, the
+        guard's own state); returns its CheckpointInfo, or None when there is none."""
+        if self.checkpoints is None or not self.checkpoints.list():
+            return None
+        info = self.checkpoints.restore()
+        self.ledger.resync()
+        if self.probes is not None:
+            self.probes.start_step(self.step_index)
+        return info
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready: detector, device statistics, counters, recent batch ranges (syncs)."""
+        return {"version": _STATE_VERSION, "step_index": self.step_index,
+                "applied": self.applied, "rollbacks": self.rollbacks, "records": self.records,
+                "detector": self.detector.state_dict(), "gate": self.gate.state_dict(),
+                "history": self.history.state_dict(), "batches": self.ledger.state_dict(),
+                "attribution": self.attribution.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"guard state version {state.get('version')!r} is not "
+                             f"{_STATE_VERSION}; it was saved by another spikeguard version")
+        self.detector.load_state_dict(state["detector"])
+        self.gate.load_state_dict(state["gate"])
+        self.history.load_state_dict(state["history"])
+        self.attribution.load_state_dict(state.get("attribution"))
+        self.step_index = int(state["step_index"])
+        self.updater.applied = int(state["applied"])
+        self.recorder.records = int(state["records"])
+        # a rollback restores an older state: the budget already spent stays spent
+        self.responder.rollbacks = max(self.rollbacks, int(state["rollbacks"]))
+        self.ledger.load_state_dict(state["batches"])
+        self._window_alerts.clear()

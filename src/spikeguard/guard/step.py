@@ -1,0 +1,250 @@
+"""The step part: measure, gate, clip, apply. The one place an update is applied or withheld.
+
+``Updater.device_step`` takes the step's mean loss and log Z (device tensors) after backward:
+
+1. **measure**: unscale under fp16, then ``grad_stats``: the global norm with the loss and log Z
+   averaged over data ranks, in one all-reduce;
+2. **gate**: the DeviceGate's 0-d bool (non-finite, or the Tier 1 test once armed);
+3. **clip** with ``min(1, clip / (norm + 1e-6))``;
+4. **apply** through ``apply_update``: on fused AdamW the gate becomes ``found_inf`` for this
+   step (no host read); other optimizers read the gate once and are not called on a skip.
+
+No host read on a healthy or skipped step. ``commit(skipped)`` is the host side, once the step's
+numbers are read: it counts an applied update and steps the LR schedule for it. A re-run without
+some rows (attribution's drop) goes through ``apply_rerun``: the same measure, the same gate test
+(against the histories as they are), the same clip and ``apply_update``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..detect.gradnorm import GradStats, grad_stats
+from ..detect.precision import PrecisionRuntime
+from ..detector.gate import DeviceGate
+from ..readback import Readback
+
+__all__ = ["Pending", "RerunUpdate", "ScalerState", "Updater", "apply_update", "gated_step",
+           "loss_of"]
+
+
+def gated_step(optimizer: torch.optim.Optimizer, gate: torch.Tensor | bool) -> None:
+    """``optimizer.step()`` unless ``gate`` is true (1.0 / True = skip).
+
+    A 0-d tensor gate on an optimizer that takes ``found_inf`` (fused Adam/AdamW/SGD) goes in as
+    ``optimizer.found_inf`` for this step only: no host read, and the fused kernel leaves params,
+    moments and the step count untouched, NaN gradients included. Any other optimizer reads the
+    gate once on the host and is not called on a skip.
+    """
+    if not isinstance(gate, torch.Tensor):
+        if not gate:
+            optimizer.step()
+        return
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        if not bool(gate):  # the one host read of the generic path
+            optimizer.step()
+        return
+    # one tensor for every device: the fused kernels copy it to each param device themselves
+    optimizer.found_inf = gate.detach().to(torch.float32).reshape(())
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
+def apply_update(precision: PrecisionRuntime, optimizer: torch.optim.Optimizer, *,
+                 skip: torch.Tensor | bool = False) -> None:
+    """Apply the update unless ``skip``; under fp16 the scaler also skips on its own overflow,
+    and its scale is updated from the overflow alone (spikeguard.detect.precision)."""
+    scaler = precision.scaler
+    if scaler is None:
+        gated_step(optimizer, skip)
+        return
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        from torch.amp.grad_scaler import OptState
+
+        gate = precision.overflow(optimizer)
+        if isinstance(skip, torch.Tensor):
+            gate = torch.maximum(gate, skip.detach().to(gate.device, torch.float32).reshape(()))
+        elif skip:
+            gate = torch.ones_like(gate)
+        gated_step(optimizer, gate)
+        scaler._per_optimizer_states[id(optimizer)]["stage"] = OptState.STEPPED
+    else:
+        precision.unscale_(optimizer)  # update() needs the overflow check that unscale_ records
+        if not (bool(skip) if isinstance(skip, torch.Tensor) else skip):
+            scaler.step(optimizer)
+    scaler.update()
+
+
+def loss_of(out: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, log Z) as float32 0-d tensors from what a ``rerun`` closure returned, as
+    ``guard.accumulate`` takes them: a LossOutput, a 0-d loss, a list of either (micro-batches:
+    their mean) or None (NaN)."""
+    if isinstance(out, (list, tuple)) and not hasattr(out, "log_z"):
+        pairs = [loss_of(o, device) for o in out]
+        return (torch.stack([p[0] for p in pairs]).mean(), torch.stack([p[1] for p in pairs]).mean())
+    nan = torch.full((), math.nan, device=device)
+    if hasattr(out, "ce") and hasattr(out, "log_z"):
+        return out.ce.detach().float().reshape(()), out.log_z.detach().float().reshape(())
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        return out.detach().float().reshape(()), nan
+    return nan, nan
+
+
+@dataclass
+class Pending:
+    """One step on its way to the host: what the host side needs once its numbers are read."""
+
+    step: int
+    readback: Readback
+    """The step's numbers: loss, log Z, norm, gate, armed, clip coefficient, scale, probes."""
+    lr: float | None
+    batches: tuple[int, int] | None
+    """The stream indices of the batches the step consumed (the ledger's span)."""
+    data_state: dict[str, Any] | None
+    """read_lag 1: the data stream's state after this step (a checkpoint of it is written late)."""
+    rerun: Callable[..., Any] | None
+    probes: Any
+    """The step's ProbeValues (their numbers ride at the end of the read-back vector), or None."""
+    stats: GradStats | None
+    """The step's GradStats while its gradients are alive (read_lag 0), else None."""
+    finite: tuple[Any, list[int]] | None = None
+    """read_lag 1: per local gradient, whether its norm was finite (a device bool vector, read
+    only on the halt path) and its parameter's index: names the culprits after the grads are gone."""
+    rows: tuple[Any, ...] = ()
+    """Each micro-batch's per-sequence values (LossOutput.sequences, or None)."""
+
+    @property
+    def grads_alive(self) -> bool:
+        return self.stats is not None
+
+
+@dataclass
+class RerunUpdate:
+    """What ``apply_rerun`` did: the re-run's numbers and whether its update was applied."""
+
+    loss: float
+    grad_norm: float
+    applied: bool
+
+
+class Updater:
+    """The step part (module docstring). Owns the applied-update count and the LR schedule's
+    steps; ``loss_weight`` is what ``backward`` multiplies the loss by (1 except in a re-run
+    without quarantined rows), ``backwards`` counts its calls."""
+
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                 precision: PrecisionRuntime, gate: DeviceGate, *, clip: float | None,
+                 respond: bool, scheduler: Any = None, pp_group: Any = None,
+                 tp_group: Any = None) -> None:
+        self.params, self.optimizer, self.precision, self.gate = params, optimizer, precision, gate
+        self.clip, self.respond, self.scheduler = clip, respond, scheduler
+        self.pp_group, self.tp_group = pp_group, tp_group
+        self.applied = 0
+        self.loss_weight, self.backwards = 1.0, 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` through the loss scaler, weighted by ``loss_weight``."""
+        if self.loss_weight != 1.0:
+            loss = loss * self.loss_weight
+        self.backwards += 1
+        self.precision.scale(loss).backward()
+
+    def measure(self, loss: torch.Tensor, log_z: torch.Tensor) -> GradStats:
+        """Unscale (fp16), then one all-reduce: global norm, loss and log Z over data ranks."""
+        self.precision.unscale_(self.optimizer)
+        return grad_stats(self.params, extras=torch.stack([loss, log_z]),
+                          pp_group=self.pp_group, tp_group=self.tp_group)
+
+    def device_step(self, loss: torch.Tensor, log_z: torch.Tensor) -> tuple[GradStats, list]:
+        """Measure, gate, clip, apply (module docstring). Returns the GradStats and the step's
+        numbers as 0-d tensors: loss, log Z, norm, applied gate, armed, clip coefficient, scale."""
+        stats = self.measure(loss, log_z)
+        loss_g, log_z_g = stats.extras[0], stats.extras[1]
+        armed = self.gate.armed()
+        gate = self.gate(stats.norm, loss_g)
+        coef = stats.clip_(self.clip) if self.clip is not None else torch.ones_like(stats.norm)
+        skip = gate if self.respond else torch.zeros_like(gate)
+        apply_update(self.precision, self.optimizer, skip=skip if self.respond else False)
+        scale = self.precision.scale_tensor()
+        if scale is None:
+            scale = torch.full((), float("nan"), device=stats.norm.device)
+        return stats, [loss_g, log_z_g, stats.norm, skip, armed, coef, scale]
+
+    def commit(self, skipped: bool) -> None:
+        """The host side of a resolved step: an applied update counts and steps the schedule."""
+        if skipped:
+            return
+        self.applied += 1
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def current_lr(self) -> float | None:
+        groups = self.optimizer.param_groups
+        lr = groups[0].get("lr") if groups else None
+        return float(lr) if isinstance(lr, (int, float)) else None
+
+    def measure_rerun(self, out: Any, *, unscale: bool = False,
+                      weight: float = 1.0) -> tuple[float, float, float, GradStats]:
+        """(loss, log Z, grad norm, GradStats) of the gradients a re-run left (loss and log Z
+        times ``weight``), all-reduced as the step's own: one collective, then a host read.
+        Without ``unscale`` an fp16 norm is divided by the scale on the host instead."""
+        dev = self.precision.device
+        loss, log_z = (v * weight for v in loss_of(out, dev))
+        scale = 1.0
+        if unscale:
+            self.precision.unscale_(self.optimizer)
+        elif self.precision.scaler is not None:
+            scale = self.precision.grad_scale()
+        stats = grad_stats(self.params, extras=torch.stack([loss.to(dev), log_z.to(dev)]),
+                           pp_group=self.pp_group, tp_group=self.tp_group)
+        n, lo, lz = torch.stack([stats.norm.double(), stats.extras[0].double(),
+                                 stats.extras[1].double()]).tolist()
+        return lo, lz, n / scale, stats  # a power-of-two loss scale divides exactly
+
+    def apply_rerun(self, rerun: Callable[..., Any], keep: torch.Tensor,
+                    weight: float) -> tuple[RerunUpdate, bool]:
+        """Re-run the step with only the rows ``keep`` marks, each rank's loss weighted by
+        ``weight`` (through ``backward``); apply that update if it passes the gate's test, and
+        commit it. Returns what happened and whether ``backward`` weighed the loss (a closure
+        that calls ``loss.backward()`` itself bypasses it: then the loss is unweighted)."""
+        for p in self.params:  # the verifying re-run's gradients
+            p.grad = None
+        calls, self.loss_weight = self.backwards, weight
+        try:
+            out = rerun(keep=keep)
+        finally:
+            self.loss_weight = 1.0
+        weighed = self.backwards != calls
+        loss, _, norm, stats = self.measure_rerun(out, unscale=True, weight=weight if weighed else 1.0)
+        dev = stats.norm.device
+        gate = self.gate.test(torch.tensor(norm, dtype=torch.float64, device=dev),
+                              torch.tensor(loss, dtype=torch.float64, device=dev))
+        ok = not bool(gate)
+        if ok and self.clip is not None:
+            stats.clip_(self.clip)
+        apply_update(self.precision, self.optimizer, skip=not ok)
+        for p in self.params:
+            p.grad = None
+        self.commit(skipped=not ok)
+        return RerunUpdate(loss=loss, grad_norm=norm, applied=ok), weighed
+
+
+class ScalerState:
+    """The loss scaler as a checkpointed state: always the step part's current runtime (a
+    reconfigure may replace it)."""
+
+    def __init__(self, updater: Updater) -> None:
+        self.updater = updater
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.updater.precision.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.updater.precision.load_state_dict(state)

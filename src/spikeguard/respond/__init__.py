@@ -1,1 +1,0 @@
-"""Respond: decide and act on a step (continue, skip, roll back, halt); docs/design.md."""
