@@ -20,7 +20,14 @@ from .detect.gradnorm import GradStats, clip_grad_norm_, grad_stats
 from .detect.precision import PrecisionPolicy
 from .detect.probes import ProbeConfig, Probes
 from .detector import DetectorConfig, SpikeDetector, Verdict
-from .guard import AttributionConfig, Guard, GuardConfig, GuardedOptimizer, TrainingHalted
+from .guard import (
+    AttributionConfig,
+    Guard,
+    GuardConfig,
+    GuardedOptimizer,
+    HaltReport,
+    TrainingHalted,
+)
 from .model import GPT, GPTConfig
 from .prevent.attention import QKNorm, StackedLogitBoundsWarning, attention, softcap
 from .prevent.budget import MemoryBudget, memory_budget
@@ -62,6 +69,7 @@ __all__ = [
     "Guard",
     "GuardConfig",
     "GuardedOptimizer",
+    "HaltReport",
     "JsonlSink",
     "LossOutput",
     "MemoryBudget",
@@ -79,7 +87,6 @@ __all__ = [
     "TrainingHalted",
     "Verdict",
     "WandbSink",
-    "__version__",
     "attention",
     "clip_grad_norm_",
     "cross_entropy",

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .._validate import check_int
-
-if TYPE_CHECKING:
-    from .stream import TokenStream
 
 __all__ = ["StreamLoader"]
 
@@ -45,7 +42,7 @@ _OWNED = {
 class _Shard(torch.utils.data.IterableDataset):
     """What each worker iterates: a frozen copy of the stream from one position."""
 
-    def __init__(self, stream: TokenStream) -> None:
+    def __init__(self, stream: Any) -> None:
         self.stream = copy.copy(stream)  # its own permutation cache; the state is frozen here
         self.stream.skip_ranges = list(stream.skip_ranges)
 
@@ -75,7 +72,7 @@ class StreamLoader:
     stops the workers.
     """
 
-    def __init__(self, stream: TokenStream, *, num_workers: int = 0,
+    def __init__(self, stream: Any, *, num_workers: int = 0,
                  **dataloader_kwargs: Any) -> None:
         check_int(num_workers, "StreamLoader num_workers", minimum=0)
         for key in dataloader_kwargs.keys() & _OWNED.keys():

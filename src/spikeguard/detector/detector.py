@@ -18,8 +18,10 @@ I/O, host floats in and out; about 10 us an update. Tiers (every number a Detect
   is below 1 or after 10 consecutive overflows), or loss > 10 nats that the grad norm does not
   explain once the loss EMA is below 0.8 ln(vocab).
 
-Each rule is a small object in ``_rules.py`` / ``_rules_tier2.py``; this class feeds them in a
-fixed order, keeps flagged steps out of their histories and turns their events into a Verdict.
+Each rule is a small object in ``rules.py`` / ``rules_tier2.py`` with one interface
+(``update(StepInput) -> events``, a tier and a phase); this class loops over them in declared
+order within two phases (judge, then after the kept decision), keeps flagged steps out of their
+histories and turns their events into a Verdict.
 ``Verdict.reasons`` lists what fired and which other metrics are in an excursion, ordered by
 onset: the first names the metric that moved first. ``onset_step`` is the earliest of those
 onsets; the rollback target is the newest checkpoint at or before ``onset_step - 2``
@@ -35,7 +37,16 @@ from typing import Any, NamedTuple
 
 from ..record import Action, StepMetrics
 from .config import DetectorConfig
-from .rules import Event, GradSpike, LossHalt, LossRatio, NonFinite, Rule, ScalerOverflow
+from .rules import (
+    Event,
+    GradSpike,
+    LossHalt,
+    LossRatio,
+    NonFinite,
+    Rule,
+    ScalerOverflow,
+    StepInput,
+)
 from .rules_tier2 import LogZDrift, LogZRise, LossElevated, RatioHeld, Recovery, SkipStorm
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
@@ -129,9 +140,14 @@ class SpikeDetector:
 
     def _use(self, rules: dict[str, Rule]) -> None:
         self._rules = rules
-        self._grad, self._ratio, self._held, self._halt, self._storm, self._loss, \
-            self._zdrift, self._zrise, self._recovery, self._scaler, self._nonfinite_rule = \
-            rules.values()
+        self._judge = [r for r in rules.values() if r.phase == "judge"]
+        self._after = [r for r in rules.values() if r.phase == "after"]
+        # the rules whose numbers the verdict quotes (evidence and context)
+        self._grad, self._ratio = rules["grad_spike"], rules["loss_ratio"]
+        self._storm, self._loss = rules["skip_storm"], rules["loss_elevated"]
+        self._zdrift, self._zrise = rules["log_z_drift"], rules["log_z_rise"]
+        self._scaler, self._nonfinite_rule = rules["scaler"], rules["non_finite"]
+        self._x = StepInput()
 
     def reset(self) -> None:
         """Forget all history (same config)."""
@@ -174,89 +190,66 @@ class SpikeDetector:
         if not (nf <= 0.0 and _isfinite(loss) and _isfinite(g)):
             # before any history: a NaN in a median or an EMA would poison it for its window
             return self._nonfinite(m)
-        scaler = self._scaler
-        if scaler.run:
-            scaler.clear()
-        i = self._n_seen
-        self._n_seen = i + 1
-        j = self._n_clean
-        armed = j >= self._arm_after
-        if lz is None:
-            lz = _nan
-
-        # Tier 1 (and the Tier 3 loss rule) read the histories as they were before this step
-        grad, ratio_rule = self._grad, self._ratio
-        t1: list[Event] = []
-        t2: list[Event] = []
-        skip = False
-        e = grad.update(step, g, armed)
-        spike = e is not None
-        if spike:
-            t1.append(e)
-            skip = True
-        e = ratio_rule.update(step, loss, given, armed)
-        if e is not None:
-            t1.append(e)
-            skip = skip or ratio_rule.skip
-        ratio = ratio_rule.ratio
-        e = self._held.update(ratio, ratio_rule.onset, armed)
-        if e is not None:
-            t2.append(e)
-        halt = self._halt
-        t3 = halt.update(step, loss, ratio_rule.ema_prev, armed, spike) if halt.on else None
-        storm = self._storm
-        events = storm.update(step, i, skip)
-        if events is not None:
-            t2 += events
-
+        if self._scaler.run:
+            self._scaler.clear()
+        x = self._x  # one per detector, refilled: every field a rule reads is written first
+        x.step, x.loss, x.grad_norm, x.log_z, x.given_ratio = (
+            step, loss, g, _nan if lz is None else lz, given)
+        x.skip = x.spike = False
+        x.i, x.j = self._n_seen, self._n_clean
+        x.armed = x.j >= self._arm_after
+        self._n_seen += 1
+        events: tuple[list[Event], ...] = ([], [], [], [])  # by tier
+        self._phase(self._judge, x, events)
         # a flagged step stays out of every history: the next steps are judged against the
         # run as it was, not against a level the anomaly itself has moved
-        kept = not (skip or t3 is not None)
-        if kept:
-            grad.keep(g)
-            ratio_rule.keep(loss)
-            self._n_clean = j + 1
-        lx = self._loss
-        e = lx.update(step, loss, j, armed, kept)
-        if e is not None:
-            t2.append(e)
-        short = lx.short
-        zdrift, zrise = self._zdrift, self._zrise
-        e = zdrift.update(step, lz, armed, kept)
-        if e is not None:
-            t2.append(e)
-        e = zrise.update(step, lz, j, armed, kept, zdrift.onset)
-        if e is not None:
-            t2.append(e)
-        recovery = self._recovery
-        if skip or recovery.pending is not None:  # else it has nothing to judge
-            e = recovery.update(i, skip, t1[0][0] if skip else None, loss, short)
-            if e is not None:
-                t2.append(e)
+        x.kept = not (x.skip or events[3])
+        if x.kept:
+            for rule in self._judge:
+                rule.fold(x)
+            self._n_clean += 1
+        x.t1_onset = events[1][0][0] if x.skip else None
+        self._phase(self._after, x, events)
+        return self._decide(x, events)
 
-        advice = zdrift.advice
+    @staticmethod
+    def _phase(rules: list[Rule], x: StepInput, events: tuple[list[Event], ...]) -> None:
+        """Run one phase's rules in declared order, filing their events by tier."""
+        for rule in rules:
+            e = rule.update(x)
+            if e is None:
+                continue
+            if type(e) is list:
+                events[rule.tier].extend(e)
+            else:
+                events[rule.tier].append(e)
+
+    def _decide(self, x: StepInput, events: tuple[list[Event], ...]) -> Verdict:
+        """The tier and action from the events, with the evidence behind them."""
+        _, t1, t2, t3 = events
+        advice, storm, lx = self._zdrift.advice, self._storm, self._loss
         evidence = {
-            "grad_norm": g, "grad_median": grad.med, "loss": loss,
-            "loss_ema": ratio_rule.ema_prev, "loss_ema_ratio": ratio, "loss_ema50": short,
-            "log_z": lz, "log_z_median": zdrift.med, "log_z_rise": zrise.rise,
+            "grad_norm": x.grad_norm, "grad_median": self._grad.med, "loss": x.loss,
+            "loss_ema": x.ema_prev, "loss_ema_ratio": x.ratio, "loss_ema50": x.short,
+            "log_z": x.log_z, "log_z_median": self._zdrift.med, "log_z_rise": self._zrise.rise,
             "skips_in_window": storm.count,
         }
-        if t3 is not None:
+        if t3:
             tier, action = 3, Action.HALT
         elif t2:
             tier, action = 2, Action.ROLLBACK
         elif t1:
-            tier, action = 1, (Action.SKIP if skip else Action.ALERT)
+            tier, action = 1, (Action.SKIP if x.skip else Action.ALERT)
         elif advice:
             tier, action = 0, Action.ALERT
         else:
-            return _new_verdict(Verdict, (step, 0, _CONTINUE, (), None, evidence, False))
+            return _new_verdict(Verdict, (x.step, 0, _CONTINUE, (), None, evidence, False))
         if lx.onset is not None:
             evidence["pre_spike_loss"] = lx.pre
             evidence["loss_elevated_steps"] = lx.count
         evidence["skips_consecutive"] = storm.run
-        fired = ([t3] if t3 is not None else []) + t2 + t1
-        return self._verdict(step, tier, action, fired, advice, evidence, skip or tier == 3)
+        return self._verdict(x.step, tier, action, t3 + t2 + t1, advice, evidence,
+                             x.skip or tier == 3)
 
     def _verdict(self, step: int, tier: int, action: Action, fired: list[Event],
                  advice: bool, evidence: dict[str, float], skip: bool) -> Verdict:

@@ -1,16 +1,16 @@
 """The detector's rules, one small object each: the base class, Tier 1, Tier 3 and fp16 overflows.
 
-A rule holds its own state (running statistics, the onset of the run it watches, latches) and
-has ``update(...)``, which judges one step from host floats and returns an *event*, an
-``(onset_step, reason)`` tuple, or None when it does not fire (``SkipStorm`` and ``NonFinite``
-may return several, as a list). ``SpikeDetector`` calls the rules in a fixed order, sorts their
-events by onset and turns them into a Verdict; it also decides which steps are *kept*: a step
-that any rule flags (a Tier 1 skip, a Tier 3 halt) never enters a rule's history.
-
-Rules with a history of the values they judge against get the step after the decision, through
-``keep(...)`` (Tier 1 rules, which decide whether the step is flagged) or through the ``kept``
-argument of ``update`` (the rules that run after the decision). The Tier 2 rules are in
-``_rules_tier2.py``.
+Every rule has the same interface. ``update(x)`` takes the step's :class:`StepInput` (the host
+numbers, the update counters, ``armed``, and what earlier rules of the step published in it)
+and returns its *events*: None, one ``(onset_step, reason)`` tuple, or a list of them. A rule
+declares its ``tier`` (the tier of its events) and its ``phase``: "judge" rules run before the
+detector decides whether the step is *kept* (a step that a Tier 1 rule skips or a Tier 3 rule
+halts never enters any history), "after" rules run once ``x.kept`` is known. Judge rules with a
+history get the kept step through ``fold(x)``. ``SpikeDetector`` loops over its rules in
+declared order within each phase, sorts their events by onset and turns them into a Verdict.
+A rule may publish numbers for the rules after it (``x.ratio``, ``x.short``, ...): the fields
+of StepInput say who writes what. The Tier 2 rules are in ``rules_tier2.py``; the non-finite
+path (``NonFinite``, ``ScalerOverflow``) runs instead of the phases and takes the StepMetrics.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..record import StepMetrics
 from .config import DetectorConfig
 
 __all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "NonFinite", "Rule", "ScalerOverflow",
-           "grad_spike", "ratio_spike"]
+           "StepInput", "grad_spike", "ratio_spike"]
 
 Event = tuple[int, str]
 """(onset step, reason): where the anomaly a rule saw began, and a short text naming its metric."""
@@ -45,6 +45,38 @@ def ratio_spike(ratio: Any, c: DetectorConfig) -> Any:
     return ratio > c.skip_ratio
 
 
+class StepInput:
+    """One step as every rule sees it. The detector fills the first fields; rules publish the
+    rest for the rules after them (named with the rule that writes each)."""
+
+    __slots__ = ("armed", "ema_prev", "given_ratio", "grad_norm", "i", "j", "kept", "log_z",
+                 "log_z_onset", "loss", "ratio", "ratio_onset", "short", "skip", "spike", "step",
+                 "t1_onset")
+
+    def __init__(self) -> None:
+        self.step = self.i = self.j = 0
+        """The step; the updates seen before it (not non-finite); the updates kept before it."""
+        self.loss = self.grad_norm = self.log_z = _nan
+        self.given_ratio: float | None = None
+        """A loss_ema_ratio already in the StepMetrics (a replayed log), else None."""
+        self.armed = False
+        """Whether the statistical rules are on (arm_after kept updates before this one)."""
+        self.skip = self.spike = False
+        """Tier 1 asks for a skip (GradSpike, LossRatio); the grad-norm rule fired (GradSpike)."""
+        self.ratio = self.ema_prev = _nan
+        """loss / EMA_{t-1} and EMA_{t-1} (LossRatio)."""
+        self.ratio_onset: int | None = None
+        """Start of the current run of ratios above alert_ratio (LossRatio)."""
+        self.kept = False
+        """Whether the step entered the histories (the detector, between the phases)."""
+        self.t1_onset: int | None = None
+        """Onset of the first Tier 1 event of a skipped step (the detector)."""
+        self.short = _nan
+        """The short loss EMA after this step (LossElevated)."""
+        self.log_z_onset: int | None = None
+        """Start of the current log Z excursion above its median (LogZDrift)."""
+
+
 class Rule:
     """State round-trip shared by the rules: ``_scalars`` are plain attributes (JSON-ready),
     ``_stats`` are running statistics with their own ``state_dict``. Whatever is not listed is
@@ -56,6 +88,16 @@ class Rule:
     __slots__ = ()
     _scalars: ClassVar[tuple[str, ...]] = ()
     _stats: ClassVar[tuple[str, ...]] = ()
+    tier: ClassVar[int] = 2
+    """The tier of this rule's events."""
+    phase: ClassVar[str] = "after"
+    """"judge": before the kept decision (with ``fold``); "after": once ``x.kept`` is known."""
+
+    def update(self, x: StepInput) -> Event | list[Event] | None:
+        raise NotImplementedError
+
+    def fold(self, x: StepInput) -> None:
+        """A judge rule's history takes the kept step (judge rules with a history override it)."""
 
     def state_dict(self) -> dict[str, Any]:
         state = {name: getattr(self, name) for name in self._scalars}
@@ -81,36 +123,40 @@ class GradSpike(Rule):
     predate the climb, not its last step. The run also dates the "grad_norm elevated" context
     that the verdict lists when another rule fires.
 
-    ``keep(g)`` adds a kept step's norm to the median (it is the median's own ``update``, bound
-    once: no extra call per step). Only kept steps: an outlier in the median would raise the bar
+    ``fold(x)`` adds a kept step's norm to the median. Only kept steps: an outlier in the median would raise the bar
     for the next one, and a storm of them would drag the median up until the storm looks normal.
     """
 
-    __slots__ = ("c", "context", "elevated", "keep", "med", "median", "onset", "reason")
+    __slots__ = ("c", "context", "elevated", "med", "median", "onset", "reason")
     _scalars = ("onset",)
     _stats = ("median",)
+    tier, phase = 1, "judge"
 
     def __init__(self, c: DetectorConfig) -> None:
         self.c = c
         self.elevated = c.grad_elevated
         self.median = RunningMedian(c.median_window)
-        self.keep = self.median.update
         self.onset: int | None = None
         self.med = _nan
         """The median this step was judged against (the window before it); NaN while empty."""
         self.reason = f"grad_norm > {c.grad_k:g}x median"
         self.context = f"grad_norm > {c.grad_elevated:g}x median"
 
-    def update(self, step: int, g: float, armed: bool) -> Event | None:
+    def update(self, x: StepInput) -> Event | None:
+        g = x.grad_norm
         med = self.med = self.median.value
         if g > self.elevated * med:
             if self.onset is None:
-                self.onset = step
+                self.onset = x.step
         else:
             self.onset = None
-        if armed and grad_spike(g, med, self.c):
+        if x.armed and grad_spike(g, med, self.c):
+            x.skip = x.spike = True
             return (self.onset, self.reason)
         return None
+
+    def fold(self, x: StepInput) -> None:
+        self.median.update(x.grad_norm)
 
 
 
@@ -122,19 +168,18 @@ class LossRatio(Rule):
     already in the StepMetrics (a replayed log) is used as it is. ``onset`` is the first step of
     the current run of ratios above alert_ratio; ``RatioHeld`` dates its event by it too.
 
-    ``keep(loss)`` adds a kept step's loss to the EMA (the EMA's own ``update``, bound once). A
-    skipped loss stays out, so the steps after a spike are compared with the level before it
+    ``fold(x)`` adds a kept step's loss to the EMA. A skipped loss stays out, so the steps after a spike are compared with the level before it
     rather than with a mean the spike has pulled up.
     """
 
-    __slots__ = ("alert", "alert_reason", "c", "ema", "ema_prev", "keep", "onset", "ratio", "skip",
+    __slots__ = ("alert", "alert_reason", "c", "ema", "ema_prev", "onset", "ratio", "skip",
                  "skip_reason")
     _scalars = ("onset",)
     _stats = ("ema",)
+    tier, phase = 1, "judge"
 
     def __init__(self, c: DetectorConfig) -> None:
         self.ema = EMA(1.0 / c.loss_ema_steps)
-        self.keep = self.ema.update
         self.alert = c.alert_ratio
         self.c = c
         self.onset: int | None = None
@@ -147,28 +192,33 @@ class LossRatio(Rule):
         self.skip_reason = f"loss_ema_ratio > {c.skip_ratio:g}"
         self.alert_reason = f"loss_ema_ratio > {c.alert_ratio:g}"
 
-    def update(self, step: int, loss: float, given: float | None, armed: bool) -> Event | None:
-        ema_prev = self.ema_prev = self.ema.value
+    def update(self, x: StepInput) -> Event | None:
+        ema_prev = x.ema_prev = self.ema_prev = self.ema.value
+        given = x.given_ratio
         if given is not None:
             ratio = given
         else:
             # NaN (no history yet) and a non-positive EMA give NaN, which compares False
-            ratio = loss / ema_prev if ema_prev > 0.0 else _nan
-        self.ratio = ratio
+            ratio = x.loss / ema_prev if ema_prev > 0.0 else _nan
+        x.ratio = self.ratio = ratio
         if ratio > self.alert:
             if self.onset is None:
-                self.onset = step
+                self.onset = x.step
         else:
             self.onset = None
-        if not armed:
+        x.ratio_onset = self.onset
+        if not x.armed:
             return None
         if ratio_spike(ratio, self.c):
-            self.skip = True
+            self.skip = x.skip = True
             return (self.onset, self.skip_reason)
         if ratio > self.alert:
             self.skip = False
             return (self.onset, self.alert_reason)
         return None
+
+    def fold(self, x: StepInput) -> None:
+        self.ema.update(x.loss)
 
 
 
@@ -183,6 +233,7 @@ class LossHalt(Rule):
     """
 
     __slots__ = ("below", "nats", "on", "reason")
+    tier, phase = 3, "judge"
 
     def __init__(self, c: DetectorConfig) -> None:
         self.on = c.vocab_size is not None
@@ -192,10 +243,9 @@ class LossHalt(Rule):
                       if c.vocab_size is not None else -math.inf)
         self.reason = f"loss > {c.halt_loss_nats:g} nats, grad_norm <= {c.grad_k:g}x median"
 
-    def update(self, step: int, loss: float, ema_prev: float, armed: bool,
-               grad_spike: bool) -> Event | None:
-        if armed and loss > self.nats and ema_prev < self.below and not grad_spike:
-            return (step, self.reason)
+    def update(self, x: StepInput) -> Event | None:
+        if self.on and x.armed and x.loss > self.nats and x.ema_prev < self.below and not x.spike:
+            return (x.step, self.reason)
         return None
 
 
@@ -204,8 +254,9 @@ class NonFinite(Rule):
     (outside fp16 loss scaling, where ``ScalerOverflow`` judges it). Stateless."""
 
     __slots__ = ()
+    tier, phase = 3, "non-finite"
 
-    def update(self, m: StepMetrics) -> list[Event]:
+    def update(self, m: StepMetrics) -> list[Event]:  # type: ignore[override]
         events = []
         if not (m.nan_frac or 0.0) <= 0.0:  # `not <=` so that a NaN nan_frac counts too
             events.append((m.step, "nan_frac > 0"))
@@ -228,6 +279,7 @@ class ScalerOverflow(Rule):
 
     __slots__ = ("low_reason", "max_run", "min_scale", "onset", "run", "run_reason")
     _scalars = ("run", "onset")
+    tier, phase = 3, "non-finite"
 
     def __init__(self, c: DetectorConfig) -> None:
         self.min_scale = c.min_grad_scale
@@ -237,7 +289,7 @@ class ScalerOverflow(Rule):
         self.low_reason = f"grad_scale < {c.min_grad_scale:g} at overflow"
         self.run_reason = f"scaler overflows >= {c.max_scaler_skips} consecutive"
 
-    def update(self, step: int, grad_scale: float) -> Event | None:
+    def update(self, step: int, grad_scale: float) -> Event | None:  # type: ignore[override]
         if self.run == 0:
             self.onset = step
         self.run += 1

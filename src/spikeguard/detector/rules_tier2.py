@@ -11,7 +11,7 @@ import math
 
 from ..detect.stats import EMA, EventWindow, RunningMedian, SlidingMin
 from .config import DetectorConfig
-from .rules import Event, Rule
+from .rules import Event, Rule, StepInput
 
 __all__ = ["LogZDrift", "LogZRise", "LossElevated", "RatioHeld", "Recovery", "SkipStorm"]
 
@@ -26,6 +26,7 @@ class RatioHeld(Rule):
 
     __slots__ = ("above", "count", "reason", "steps")
     _scalars = ("count",)
+    phase = "judge"
 
     def __init__(self, c: DetectorConfig) -> None:
         self.above = c.tier2_ratio
@@ -33,14 +34,14 @@ class RatioHeld(Rule):
         self.count = 0
         self.reason = f"loss_ema_ratio > {c.tier2_ratio:g} for {c.tier2_ratio_steps} steps"
 
-    def update(self, ratio: float, onset: int | None, armed: bool) -> Event | None:
-        if not armed:
+    def update(self, x: StepInput) -> Event | None:
+        if not x.armed:
             return None
-        if ratio > self.above:
+        if x.ratio > self.above:
             self.count += 1
             # `==`, not `>=`: the event fires once per run
             if self.count == self.steps:
-                return (onset, self.reason)
+                return (x.ratio_onset, self.reason)
         else:
             self.count = 0
         return None
@@ -59,6 +60,7 @@ class SkipStorm(Rule):
                  "run_reason", "window")
     _scalars = ("run", "run_onset", "latched")
     _stats = ("window",)
+    phase = "judge"
 
     def __init__(self, c: DetectorConfig) -> None:
         self.max_run = c.max_consecutive_skips
@@ -72,7 +74,8 @@ class SkipStorm(Rule):
         self.run_reason = f"skips > {c.max_consecutive_skips} consecutive"
         self.frac_reason = f"skips > {c.max_skip_fraction:.0%} of last {c.skip_window}"
 
-    def update(self, step: int, i: int, skip: bool) -> list[Event] | None:
+    def update(self, x: StepInput) -> list[Event] | None:
+        step, i, skip = x.step, x.i, x.skip
         events = None
         if skip:
             if self.run == 0:
@@ -129,18 +132,20 @@ class LossElevated(Rule):
         self.reason = f"loss +{c.spike_nats:g} nats for > {c.elevated_steps} steps"
         self.context = f"loss +{c.loss_onset_nats:g} nats above its floor"
 
-    def update(self, step: int, loss: float, j: int, armed: bool, kept: bool) -> Event | None:
-        """``j``: the index of this update among the kept ones (the floor's window counts them)."""
-        if kept:
+    def update(self, x: StepInput) -> Event | None:
+        """``x.j``: the index of this update among the kept ones (the floor's window counts
+        them). Publishes ``x.short``."""
+        step, loss, j, armed = x.step, x.loss, x.j, x.armed
+        if x.kept:
             self.ema.update(loss)
-            short = self.short = self.ema.value
+            short = x.short = self.short = self.ema.value
             floor, _ = self.floor.min_before(j)
             self.floor.push(j, short, step)
             # an excursion starts on a kept step only: a flagged step is another rule's business
             if armed and self.onset is None and short > floor + self.onset_nats:
                 self.onset, self.pre, self.count = step, floor, 0
         else:
-            short = self.short = self.ema.value
+            short = x.short = self.short = self.ema.value
         if self.onset is None:
             return None
         if short <= self.pre + self.onset_nats:
@@ -187,10 +192,13 @@ class LogZDrift(Rule):
         self.reason = f"log_z > median + {c.log_z_drift:g}"
         self.context = f"log_z > median + {c.log_z_onset:g}"
 
-    def update(self, step: int, lz: float, armed: bool, kept: bool) -> Event | None:
+    def update(self, x: StepInput) -> Event | None:
+        """Publishes ``x.log_z_onset``."""
+        step, lz, armed = x.step, x.log_z, x.armed
         med = self.med = self.median.value
         self.advice = False
         if not _isfinite(lz):
+            x.log_z_onset = self.onset
             return None
         dev = lz - med
         if dev > self.onset_dev:
@@ -205,8 +213,9 @@ class LogZDrift(Rule):
                 event = (self.onset, self.reason)
                 self.fired = True
             self.advice = lz > self.advice_at and dev > self.onset_dev
-        if kept:
+        if x.kept:
             self.median.update(lz)
+        x.log_z_onset = self.onset
         return event
 
 
@@ -230,8 +239,8 @@ class LogZRise(Rule):
         """log Z minus the window's minimum at this update; NaN without a log Z."""
         self.reason = f"log_z +{c.log_z_rise:g} within {c.log_z_rise_steps} steps"
 
-    def update(self, step: int, lz: float, j: int, armed: bool, kept: bool,
-               onset: int | None) -> Event | None:
+    def update(self, x: StepInput) -> Event | None:
+        step, lz, j, armed, onset = x.step, x.log_z, x.j, x.armed, x.log_z_onset
         if not _isfinite(lz):
             self.rise = _nan
             return None
@@ -245,7 +254,7 @@ class LogZRise(Rule):
                     self.fired = True
             elif onset is None:
                 self.fired = False
-        if kept:
+        if x.kept:
             self.window.push(j, lz, step)
         return event
 
@@ -273,9 +282,12 @@ class Recovery(Rule):
         """[onset, update index of the skip, pre-spike short EMA, threshold], or None."""
         self.reason = f"loss not recovered within {c.recovery_steps} steps"
 
-    def update(self, i: int, skip: bool, onset: int | None, loss: float,
-               short: float) -> Event | None:
+    def update(self, x: StepInput) -> Event | None:
         p = self.pending
+        skip = x.skip
+        if not skip and p is None:  # nothing to judge
+            return None
+        i, onset, loss, short = x.i, x.t1_onset, x.loss, x.short
         if skip:
             if p is None:
                 self.pending = [onset, i, short, max(loss, short + self.spike_nats)]

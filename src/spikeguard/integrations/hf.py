@@ -87,21 +87,8 @@ class SpikeguardLoss:
         return out.loss / denom
 
 
-def guard_trainer(trainer: Any, *, config: GuardConfig | None = None,
-                  loss: Literal["spikeguard", "own"] = "spikeguard",
-                  sinks: Iterable[Any] | None = None, out_dir: str | Path | None = None,
-                  **guard_kwargs: Any) -> Any:
-    """Put a Guard into ``trainer`` (a ``transformers.Trainer``) before ``trainer.train()``.
-
-    Wraps the Trainer's optimizer (created now from its arguments when none was passed) in a
-    GuardedOptimizer and its LR scheduler in a held one, connects the ``SpikeguardLoss`` given
-    as ``compute_loss_func`` (``loss="own"``: your loss function or model calls
-    ``callback.guard.accumulate`` itself), and adds the callback it returns. ``config`` is the
-    GuardConfig (``read_lag`` is 0 here; ``tier2="rollback"`` is refused); ``sinks`` more
-    record sinks; the records also go to ``metrics.jsonl`` and a halt report to ``report.json``
-    and ``report.txt`` in ``out_dir`` (default: ``args.output_dir``). ``guard_kwargs`` go to
-    ``Guard`` (``on_alert``, ``probes``).
-    """
+def _check_trainer(trainer: Any, loss: str) -> None:
+    """What guard_trainer refuses or warns about in the Trainer's arguments."""
     args = trainer.args
     if args.max_grad_norm:
         raise ValueError(f"TrainingArguments.max_grad_norm={args.max_grad_norm} clips before the "
@@ -125,7 +112,26 @@ def guard_trainer(trainer: Any, *, config: GuardConfig | None = None,
         warnings.warn("TrainingArguments.logging_nan_inf_filter=True replaces a NaN or Inf loss "
                       "in the Trainer's logged 'loss' by the running average, hiding it; the "
                       "guard still sees it (spikeguard/loss); set logging_nan_inf_filter=False",
-                      UserWarning, stacklevel=2)
+                      UserWarning, stacklevel=3)
+
+
+def guard_trainer(trainer: Any, *, config: GuardConfig | None = None,
+                  loss: Literal["spikeguard", "own"] = "spikeguard",
+                  sinks: Iterable[Any] | None = None, out_dir: str | Path | None = None,
+                  **guard_kwargs: Any) -> Any:
+    """Put a Guard into ``trainer`` (a ``transformers.Trainer``) before ``trainer.train()``.
+
+    Wraps the Trainer's optimizer (created now from its arguments when none was passed) in a
+    GuardedOptimizer and its LR scheduler in a held one, connects the ``SpikeguardLoss`` given
+    as ``compute_loss_func`` (``loss="own"``: your loss function or model calls
+    ``callback.guard.accumulate`` itself), and adds the callback it returns. ``config`` is the
+    GuardConfig (``read_lag`` is 0 here; ``tier2="rollback"`` is refused); ``sinks`` more
+    record sinks; the records also go to ``metrics.jsonl`` and a halt report to ``report.json``
+    and ``report.txt`` in ``out_dir`` (default: ``args.output_dir``). ``guard_kwargs`` go to
+    ``Guard`` (``on_alert``, ``probes``).
+    """
+    _check_trainer(trainer, loss)
+    args, loss_func = trainer.args, trainer.compute_loss_func
     if trainer.optimizer is None:
         trainer.create_optimizer()
     if isinstance(trainer.optimizer, GuardedOptimizer):

@@ -262,6 +262,35 @@ def cross_entropy(
     return LossOutput(total * inv_n, ce * inv_n, z * inv_n, log_z, seq)
 
 
+def _check_linear(hidden: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> tuple[int, int]:
+    """linear_cross_entropy's tensors: floating, [V, H] and [..., H], one dtype and device;
+    returns (V, H)."""
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
+    v, h = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != h:
+        raise ValueError(f"hidden shape {tuple(hidden.shape)} must end in H={h} (weight is "
+                         f"{tuple(weight.shape)} = [V, H])")
+    others = [("weight", weight)] + ([("bias", bias)] if bias is not None else [])
+    for name, t in others:
+        if t.dtype != hidden.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} differs from hidden dtype {hidden.dtype}; "
+                             "cast them to one dtype (under torch.autocast the logits matmul "
+                             "inside already runs in the autocast dtype, so the inputs may stay "
+                             "in fp32)")
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}; "
+                             "move them to one device")
+    if bias is not None and tuple(bias.shape) != (v,):
+        raise ValueError(f"bias shape {tuple(bias.shape)} must be ({v},) to match weight [V, H]")
+    return v, h
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -293,28 +322,7 @@ def linear_cross_entropy(
     matmul runs in the autocast dtype, as any F.linear does (the result equals this loss on
     inputs cast to that dtype); the gradient matmuls are not autocast.
     """
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-            raise ValueError(f"{name} must be a floating-point tensor, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
-    v, h = weight.shape
-    if hidden.dim() < 1 or hidden.shape[-1] != h:
-        raise ValueError(f"hidden shape {tuple(hidden.shape)} must end in H={h} (weight is "
-                         f"{tuple(weight.shape)} = [V, H])")
-    others = [("weight", weight)] + ([("bias", bias)] if bias is not None else [])
-    for name, t in others:
-        if t.dtype != hidden.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} differs from hidden dtype {hidden.dtype}; "
-                             "cast them to one dtype (under torch.autocast the logits matmul "
-                             "inside already runs in the autocast dtype, so the inputs may stay "
-                             "in fp32)")
-        if t.device != hidden.device:
-            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}; "
-                             "move them to one device")
-    if bias is not None and tuple(bias.shape) != (v,):
-        raise ValueError(f"bias shape {tuple(bias.shape)} must be ({v},) to match weight [V, H]")
+    v, h = _check_linear(hidden, weight, bias)
     inv_norm = _check_reduction(reduction, normalizer, hidden.device, compute_dtype(hidden.dtype))
     alpha, cap = _check_z_loss(z_loss), _check_softcap(softcap)
     per_sequence = _check_flag(per_sequence, "per_sequence")
