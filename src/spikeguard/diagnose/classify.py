@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..record import ACTIONS, Action, StepMetrics
-from ..respond.checkpoint import rollback_target
-from ..respond.detector import DetectorConfig, SpikeDetector, Verdict
+from ._detector import DetectorConfig, SpikeDetector, Verdict, rollback_target
 from .readers import MetricsLog
 
 __all__ = ["Event", "Replay", "events", "recorded_whatif", "replay", "replay_config",

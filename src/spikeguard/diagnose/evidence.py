@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..respond.detector import DetectorConfig
+from ._detector import DetectorConfig
 from .readers import MetricsLog
 from .spikes import FindConfig, ffill, records_for, smooth
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..respond.detector import DetectorConfig
+from ._detector import DetectorConfig
 from .readers import MetricsLog
 
 __all__ = ["FindConfig", "Found", "find_spikes", "prior_min", "records_for", "smooth"]

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..record import Action
-from ..respond.detector import DetectorConfig
+from ._detector import DetectorConfig
 from .classify import (
     Event,
     Replay,
