@@ -62,7 +62,7 @@ class Spike:
     reasons: list[str]
     """The detector's reasons, in order of first appearance."""
     skipped: list[int]
-    """Steps the detector would skip in it."""
+    """Steps the detector would skip (Tier 1) in it; a rollback's own step is in its data range."""
     kinds: list[str]
     """How the search found it: persistent, grad_outlier, loss_outlier, nonfinite, detector."""
     evidence: dict[str, Any]
@@ -176,7 +176,7 @@ def spike_from_event(log: MetricsLog, ev: Event, rep: Replay, *, ckpt_every: int
     ratio = rep.trace.get("loss_ema_ratio")
     evd = evidence(log, i0, max(i0, i1), pre_level=pre, det=det, cfg=cfg, ratio=ratio)
     reasons = list(dict.fromkeys(r for v in [*vs, *ev.advice] for r in v.reasons))
-    skipped = [v.step for v in vs if v.skip]
+    skipped = sorted(v.step for v in vs if v.skip and v.action is Action.SKIP)
     z_led = (top is not None and bool(top.reasons) and _metric(top.reasons[0]) == "log_z") or \
         evd.get("moved_first") == ["log_z"]
     if top is None and ktier:  # the search's own tier: the first record of that kind
