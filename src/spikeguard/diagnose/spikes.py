@@ -214,13 +214,15 @@ def spike_threshold(det: DetectorConfig, sigma: float, n: int) -> float:
     return max(det.spike_nats, 3.0 * sigma * math.sqrt(2.0 / n))
 
 
-def _persistent(log: MetricsLog, det: DetectorConfig, cfg: FindConfig) -> list[Found]:
-    s = _series(log)
+_Series = tuple[np.ndarray, np.ndarray, np.ndarray, float]
+
+
+def _persistent(log: MetricsLog, det: DetectorConfig, cfg: FindConfig,
+                s: _Series | None) -> list[Found]:
     if s is None or len(s[0]) < 8:
         return []
-    lf, sm, ok = s
+    lf, sm, ok, sigma = s
     n = level_records(cfg, log.stride)
-    sigma = noise(lf, ok)
     thr = spike_threshold(det, sigma, n)
     before, after = levels(lf, sm, n, sigma, ok)
     with np.errstate(invalid="ignore"):
@@ -246,14 +248,14 @@ def _persistent(log: MetricsLog, det: DetectorConfig, cfg: FindConfig) -> list[F
     return out
 
 
-def _jumps(log: MetricsLog, det: DetectorConfig, cfg: FindConfig) -> list[Found]:
+def _jumps(log: MetricsLog, det: DetectorConfig, cfg: FindConfig,
+           s: _Series | None) -> list[Found]:
     """Jumps that stay (confirmed by a later record) and blow-ups, whatever the arming."""
-    s = _series(log)
     if s is None:
         return []
-    lf, sm, ok = s
+    lf, sm, ok, sigma = s
     n = level_records(cfg, log.stride)
-    before, _ = levels(lf, sm, n, noise(lf, ok), ok)
+    before, _ = levels(lf, sm, n, sigma, ok)
     b = np.where(np.isfinite(before) & (before > 0), before, np.nan)
     with np.errstate(invalid="ignore"):
         bar = np.minimum(cfg.jump_ratio * b, b + cfg.jump_nats)
@@ -292,7 +294,8 @@ def prior_median(x: np.ndarray, w: int) -> np.ndarray:
     return out
 
 
-def _outliers(log: MetricsLog, det: DetectorConfig, cfg: FindConfig) -> list[Found]:
+def _outliers(log: MetricsLog, det: DetectorConfig, cfg: FindConfig,
+              s: _Series | None) -> list[Found]:
     n = len(log)
     w = records_for(cfg.band_steps, log.stride)
     flags: dict[str, np.ndarray] = {}
@@ -309,9 +312,8 @@ def _outliers(log: MetricsLog, det: DetectorConfig, cfg: FindConfig) -> list[Fou
         gf = np.where(np.isfinite(g), g, np.nan)
         with np.errstate(invalid="ignore"):
             flags["grad_outlier"] = gf > det.grad_k * prior_median(gf, w)
-    s = _series(log)
     if s is not None:
-        lf, sm, ok = s
+        lf, sm, ok, _ = s
         resid = lf - sm
         scale = 1.4826 * float(np.median(np.abs(resid[ok]))) if ok.any() else 0.0
         floor = max(det.spike_nats, cfg.outlier_mads * scale)
@@ -330,8 +332,10 @@ def find_spikes(log: MetricsLog, detector: DetectorConfig | None = None,
     each gets its own tier and rollback step."""
     det = detector or DetectorConfig()
     cfg = config or FindConfig()
-    found = sorted(_persistent(log, det, cfg) + _jumps(log, det, cfg) + _outliers(log, det, cfg),
-                   key=lambda f: f.i0)
+    s = _series(log)
+    series = None if s is None else (*s, noise(s[0], s[2]))
+    found = sorted(_persistent(log, det, cfg, series) + _jumps(log, det, cfg, series)
+                   + _outliers(log, det, cfg, series), key=lambda f: f.i0)
     merged: list[Found] = []
     for f in found:
         last = merged[-1] if merged else None
