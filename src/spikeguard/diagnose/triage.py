@@ -107,7 +107,8 @@ def _cause(tier: int, reasons: list[str], ev: dict[str, Any], z_led: bool, kinds
     rose, rec = ev.get("loss_rose"), ev.get("recovery_steps")
     loss_txt = f"loss {_g(pre)} -> {_g(peak)}" if pre is not None and peak is not None else None
     ratio = ev.get("grad_ratio")
-    grad_txt = (f"grad norm {ratio:.3g}x its median" if ratio is not None and ratio > grad_k
+    grad_txt = (f"grad norm {ratio:,.0f}x its median" if ratio is not None and ratio >= 100
+                else f"grad norm {ratio:.3g}x its median" if ratio is not None and ratio > grad_k
                 else None)
     back = (f", back within {rec:,} step{'s' if rec != 1 else ''}" if rec is not None
             else ", not back by the end of the log" if rose else "")
