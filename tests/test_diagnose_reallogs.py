@@ -195,3 +195,20 @@ def test_diagnose_on_a_csv_does_not_import_torch(tmp_path):
                          env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["records"] == 6000
+
+
+def test_a_gap_in_the_steps_is_reported(tmp_path):
+    steps = [*range(0, 500, 10), *range(2000, 2500, 10)]
+    rows = ["step,loss"] + [f"{s},{3.0 + 0.01 * (s % 7)}" for s in steps]
+    d = diagnose(_write_text(tmp_path / "gap.csv", rows))
+    assert d.log.stride == 10
+    assert any("1 gap(s) in the steps (first: 490 -> 2000)" in w for w in d.log.warnings)
+    assert d.spikes == []
+
+
+def test_evaluation_rows_of_a_trainer_state_are_left_out(diagnosed):
+    d = diagnosed["hf_tinyllama_trainer_state.json"]
+    state = json.loads((REAL / "hf_tinyllama_trainer_state.json").read_text())
+    train = [e for e in state["log_history"] if "loss" in e]
+    assert len(d.log) == len(train)
+    assert d.log.columns["loss"].tolist() == [e["loss"] for e in train]
