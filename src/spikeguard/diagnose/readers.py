@@ -1,11 +1,12 @@
 """Read a run's metrics log, whatever wrote it, into one columnar ``MetricsLog``.
 
-Formats: spikeguard's ``metrics.jsonl``; Hugging Face Trainer's ``trainer_state.json``
-(``log_history``); Lightning's CSVLogger ``metrics.csv``; any CSV with common column names (or
+Formats: spikeguard's ``metrics.jsonl`` (read in run order, ``_runlog``); Hugging Face Trainer's
+``trainer_state.json`` (``log_history``); Lightning's CSVLogger ``metrics.csv``; any CSV with common column names (or
 ``--map col=metric``); a W&B history CSV export; TensorBoard event files (``pip install
 spikeguard[tb]``). A directory is searched for those files. Damaged input gives partial results
 and a warning per repair: a cut-off last line, unreadable lines, rows out of order, repeated steps,
-missing cells; an empty file or a log without loss and grad norm is a ValueError.
+missing cells (left missing, never filled in); an empty file or a log without loss and grad norm
+is a ValueError.
 
 A JSONL log of a million steps reads in seconds: only the needed keys are pulled from each line
 (``orjson`` when installed, ``pip install spikeguard[json]``), in chunks turned into numpy arrays.
@@ -228,10 +229,9 @@ def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
                      warnings, recorded, {m: missing[m] for m in METRICS if m in missing},
                      events, replays, read_run_config(found.parent) if fmt == "jsonl" else None)
     if log.stride > 1:
-        warnings.append(f"sparse log: one record every ~{log.stride} steps; the windows are "
-                        "in steps, so each spans 1/{log.stride} as many records; a bad step "
-                        "between two records cannot be seen".replace("{log.stride}",
-                                                                     str(log.stride)))
+        warnings.append(f"sparse log: one record every ~{log.stride} steps; the windows are in "
+                        f"steps, so a window holds 1/{log.stride} as many records, and a bad "
+                        "step between two records cannot be seen")
     gaps = np.flatnonzero(np.diff(log.steps) > 3 * log.stride) if len(log) > 1 else []
     if len(gaps):
         g = int(gaps[0])

@@ -327,8 +327,8 @@ def _outliers(log: MetricsLog, det: DetectorConfig, cfg: FindConfig,
 
 def find_spikes(log: MetricsLog, detector: DetectorConfig | None = None,
                 config: FindConfig | None = None) -> list[Found]:
-    """Every persistent spike and single-step outlier of ``log``, in step order; stretches that
-    overlap or touch (adjacent records) are one. Two faults apart are two spikes, however close:
+    """Every persistent spike, jump, blow-up and single-step outlier of ``log``, in step order;
+    stretches that overlap or touch (adjacent records) are one. Two faults apart are two spikes, however close:
     each gets its own tier and rollback step."""
     det = detector or DetectorConfig()
     cfg = config or FindConfig()
