@@ -70,6 +70,8 @@ def test_evidence_and_cause_agree(diagnosed, name):
             assert "back within" not in s.cause
         if ev.get("loss_rose") is False:
             assert "bad batch" not in s.cause, "a loss that did not move is no bad batch"
+        if ev.get("loss_rose"):
+            assert ev["loss_peak"] > ev["pre_spike_loss"], "a peak below its own pre-spike level"
         if "loss " in s.cause and " -> " in s.cause:  # it cites the numbers it was built from
             assert f"{ev['pre_spike_loss']:.4g} -> {ev['loss_peak']:.4g}" in s.cause
 

@@ -1,8 +1,8 @@
 """The evidence behind one spike, computed in a window around it (never over the whole log).
 
 * which metric moved first: each metric's band is its median +- ``band_mads`` MADs over the
-  ``band_steps`` before the spike's start; from the metric's largest excursion inside the spike,
-  walk back while it stays out of its band (gaps of up to 3 records in the band are bridged, and
+  ``band_steps`` before the spike's start (10 records at least); from the metric's largest
+  excursion inside the spike, walk back while it stays out of its band (gaps of up to 3 records in the band are bridged, and
   the walk may go back into the band's own window, as a slow drift starts there): where that
   excursion began is where the metric moved.
   An excursion counts only when it is large (2 x band_mads MADs) or lasts 5 records, so noise
@@ -94,7 +94,7 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: Detect
     ``ratio`` is the detector's own loss / EMA per record (from the replay), when known: its
     peak in the spike is reported.
     """
-    w = records_for(cfg.band_steps, log.stride)
+    w = max(10, records_for(cfg.band_steps, log.stride))  # a band of 10 records at least
     s0 = max(0, i0 - w)            # the band: the band_steps before the spike's start; the
     steps = log.steps              # walk back may enter it (the median and MAD are robust)
     series = log.columns
