@@ -123,6 +123,12 @@ def test_spikeguard_run_with_a_rollback(tmp_path):
     for want in ("151", "156", "rollback", "156 -> 125", "5: 151, 152, 153, 154, 155",
                  "replayed after a rollback", "steps 126-156", "checkpoints every 25 steps"):
         assert want in text, want
+    from spikeguard.diagnose import write_report
+
+    md = write_report(d, tmp_path / "report.md").read_text()
+    for want in ("| 1 | 151 | 156 | 2 | rollback | 125 |", "5: 151, 152, 153, 154, 155",
+                 "1: 156 -> 125", "skip the data of steps 151-156", "steps 126-156"):
+        assert want in md, want
 
 
 def test_spikeguard_run_that_halted_on_nan():
