@@ -4,7 +4,9 @@ Targets (issue "spikeguard diagnose"): the log parsed and searched in <= 10 s wi
 <= 1 GiB (measured in a fresh process: its peak RSS, beside its RSS after the imports, torch
 included); the detector replay <= 1.5x the bare detector's time for the same updates, measured in
 the same run the way benchmarks/bench_detector.py does (a prebuilt list of StepMetrics), the two
-arms alternated; the what-if replay (--compare) and the HTML report timed and printed.
+arms alternated; the what-if replay (--compare) and the HTML report timed and printed. And the
+command itself: ``spikeguard diagnose FILE --json`` on a 10,000-row CSV and trainer_state.json in
+a fresh process (< 1 s, without importing torch), beside ``python -c pass`` in the same run.
 
 The log is a healthy run with both worked scenarios spliced in, cycled to the length, steps
 renumbered 0..N-1, written by the JSONL sink's encoder.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import resource
 import statistics
 import subprocess
@@ -60,9 +63,54 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
+def _cli_files(folder: Path, stream: list) -> dict[str, Path]:
+    """A 10,000-row CSV and HF trainer_state.json of the stream's first records."""
+    import json
+
+    rows = stream[:10_000]
+    csv = folder / "metrics.csv"
+    csv.write_text("step,loss,grad_norm,learning_rate\n" + "".join(
+        f"{m.step},{m.loss:.6f},{m.grad_norm:.6f},3e-4\n" for m in rows))
+    hf = folder / "trainer_state.json"
+    hf.write_text(json.dumps({"global_step": len(rows), "log_history": [
+        {"step": m.step, "loss": round(m.loss, 4), "grad_norm": m.grad_norm,
+         "learning_rate": 3e-4, "epoch": m.step / len(rows)} for m in rows]}))
+    return {"CSV": csv, "trainer_state.json": hf}
+
+
+_PROBE = ("import sys, io, contextlib\nfrom spikeguard.cli import main\n"
+          "with contextlib.redirect_stdout(io.StringIO()):\n    rc = main(['diagnose', sys.argv[1], '--json'])\n"
+          "print(rc, 'torch' in sys.modules)")
+
+
+def _cli(files: dict[str, Path], reps: int) -> None:
+    """Wall time of a fresh ``spikeguard diagnose FILE --json`` (best of ``reps``) beside
+    ``python -c pass``; whether torch was imported."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+
+    def best(cmd: list[str]) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            subprocess.run(cmd, check=True, capture_output=True, env=env)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    base = best([sys.executable, "-c", "pass"])
+    parts = []
+    for name, path in files.items():
+        wall = best([sys.executable, "-m", "spikeguard", "diagnose", str(path), "--json"])
+        rc, torch = subprocess.run([sys.executable, "-c", _PROBE, str(path)], check=True,
+                                   capture_output=True, text=True, env=env).stdout.split()
+        parts.append(f"{name} {wall:.2f} s (torch imported: {'yes' if torch == 'True' else 'no'}"
+                     f", exit {rc})")
+    print(f"cli: spikeguard diagnose on 10,000 rows: {'; '.join(parts)}; python -c pass "
+          f"{base:.2f} s (target < 1 s, best of {reps})")
+
+
 def _search(path: str) -> int:
     """Child process: read + search only; prints seconds, records, RSS before and after."""
-    import spikeguard  # noqa: F401  (the imports count in the baseline, not in the search)
+    import spikeguard.diagnose  # noqa: F401  (the imports count in the baseline, not the search)
     from spikeguard.diagnose.classify import replay_config
     from spikeguard.diagnose.readers import read_log
     from spikeguard.diagnose.spikes import FindConfig, find_spikes
@@ -113,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{float(t_read):.2f} s, search {float(t_find):.2f} s; CPU {float(cpu):.2f} s; "
               f"target <= 10 s); {n_found} stretches found")
         print(f"peak RSS: {float(rss1):.0f} MiB (target <= 1024 MiB; {float(rss0):.0f} MiB after "
-              "importing spikeguard and torch)")
+              "the imports)")
+        _cli(_cli_files(Path(tmp), stream), 1 if args.smoke else 5)
 
         log = read_log(log_path)
         config = replay_config(log)

@@ -195,7 +195,8 @@ def test_whatif_flags_and_compare_replay_other_thresholds(scenario_logs, capsys)
     # the scenario's grad norm is ~9x its median: with grad_k 12 nothing is skipped
     out = cli_json(capsys, scenario_logs["s1"], "--grad-k", 12, "--compare", "grad_k=3,arm_after=10")
     assert out["detector"]["grad_k"] == 12.0 and out["whatif"]["skip"] == []
-    (s,) = out["spikes"]
+    assert out["spikes"] == []  # Tier 0 is listed apart
+    (s,) = out["below"]
     assert s["tier"] == 0 and s["action"] == "continue" and "persistent" in s["kinds"]
     assert out["compare"]["changes"] == {"grad_k": 3.0, "arm_after": 10}
     assert out["compare"]["skip"] == [42_100]
@@ -285,7 +286,8 @@ def test_fp16_overflow_in_a_log_with_grad_scale_is_no_halt(tmp_path, capsys):
     path.write_text("\n".join(rows) + "\n")
     out = cli_json(capsys, path)
     assert out["whatif"]["halt"] == [] and out["whatif"]["scaler_skips"] == 1
-    (s,) = out["spikes"]
+    assert out["spikes"] == []
+    (s,) = out["below"]
     assert s["tier"] == 0 and s["start"] == 200 and "GradScaler" in s["cause"]
 
 

@@ -142,8 +142,13 @@ def test_generic_csv_with_map_and_missing_cells(tmp_path):
     log = read_log(path, mapping=mapping)
     assert log.steps.tolist() == list(range(0, 150, 5)) and log.stride == 5
     assert log.columns["loss"][3] == pytest.approx(1.97)
-    assert log.columns["grad_norm"][7] == log.columns["grad_norm"][6] == pytest.approx(1.6)
+    # a blank cell is not filled in: NaN with its missing mask set, so it is never evidence
+    assert math.isnan(log.columns["grad_norm"][7]) and log.missing["grad_norm"].tolist() == \
+        [i == 7 for i in range(30)]
+    assert log.columns["grad_norm"][6] == pytest.approx(1.6)
+    assert not log.missing["loss"].any()
     assert any("grad_norm missing at 1 of 30 step(s) (first: 35)" in w for w in log.warnings)
+    assert not any("NaN or inf" in w for w in log.warnings)
     with pytest.raises(ValueError, match="metric 'accuracy' is not one of"):
         parse_map(["gn=accuracy"])
     with pytest.raises(ValueError, match=r"column\(s\) \['nope'\]"):

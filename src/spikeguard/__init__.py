@@ -6,49 +6,77 @@ init constants, the attention-logit probe) stay importable from their modules:
 ``spikeguard.detect.stats``, ``spikeguard.prevent.init``, ``spikeguard.prevent.attention``.
 """
 
-from . import schedules
-from .checkpoint import (
-    CheckpointError,
-    CheckpointInfo,
-    CheckpointManager,
-    CheckpointWarning,
-    verify_checkpoint,
-)
-from .data import Corpus, TokenStream, load_corpus
-from .detect.fp8 import AmaxMonitor
-from .detect.gradnorm import GradStats, clip_grad_norm_, grad_stats
-from .detect.precision import PrecisionPolicy
-from .detect.probes import ProbeConfig, Probes
-from .detector import DetectorConfig, SpikeDetector, Verdict
-from .guard import (
-    AttributionConfig,
-    Guard,
-    GuardConfig,
-    GuardedOptimizer,
-    HaltReport,
-    TrainingHalted,
-)
-from .model import GPT, GPTConfig
-from .prevent.attention import QKNorm, StackedLogitBoundsWarning, attention, softcap
-from .prevent.budget import MemoryBudget, memory_budget
-from .prevent.init import fan_in_init_, gpt2_residual_init_
-from .prevent.losses import (
-    LossOutput,
-    cross_entropy,
-    linear_cross_entropy,
-    router_z_loss,
-)
-from .prevent.mup import mup_param_groups
-from .record import Action, StepMetrics, metrics_record
-from .sinks import (
-    ConsoleSink,
-    JsonlSink,
-    SinkDisabledWarning,
-    Sinks,
-    TensorBoardSink,
-    WandbSink,
-    read_metrics,
-)
+import importlib
+from typing import Any
+
+# name -> the module that defines it; imported on first use (PEP 562), so that a command that
+# needs no torch (``spikeguard diagnose`` on a CSV) does not pay for importing it
+_EXPORTS = {
+    "Corpus": ".data",
+    "TokenStream": ".data",
+    "load_corpus": ".data",
+    "AmaxMonitor": ".detect.fp8",
+    "GradStats": ".detect.gradnorm",
+    "clip_grad_norm_": ".detect.gradnorm",
+    "grad_stats": ".detect.gradnorm",
+    "PrecisionPolicy": ".detect.precision",
+    "ProbeConfig": ".detect.probes",
+    "Probes": ".detect.probes",
+    "AttributionConfig": ".guard",
+    "Guard": ".guard",
+    "GuardConfig": ".guard",
+    "GuardedOptimizer": ".guard",
+    "HaltReport": ".guard",
+    "TrainingHalted": ".guard",
+    "GPT": ".model",
+    "GPTConfig": ".model",
+    "QKNorm": ".prevent.attention",
+    "StackedLogitBoundsWarning": ".prevent.attention",
+    "attention": ".prevent.attention",
+    "softcap": ".prevent.attention",
+    "MemoryBudget": ".prevent.budget",
+    "memory_budget": ".prevent.budget",
+    "fan_in_init_": ".prevent.init",
+    "gpt2_residual_init_": ".prevent.init",
+    "LossOutput": ".prevent.losses",
+    "cross_entropy": ".prevent.losses",
+    "linear_cross_entropy": ".prevent.losses",
+    "router_z_loss": ".prevent.losses",
+    "mup_param_groups": ".prevent.mup",
+    "Action": ".record",
+    "StepMetrics": ".record",
+    "metrics_record": ".record",
+    "CheckpointError": ".checkpoint",
+    "CheckpointInfo": ".checkpoint",
+    "CheckpointManager": ".checkpoint",
+    "CheckpointWarning": ".checkpoint",
+    "verify_checkpoint": ".checkpoint",
+    "DetectorConfig": ".detector.config",
+    "SpikeDetector": ".detector.detector",
+    "Verdict": ".detector.detector",
+    "schedules": ".schedules",
+    "ConsoleSink": ".sinks",
+    "JsonlSink": ".sinks",
+    "SinkDisabledWarning": ".sinks",
+    "Sinks": ".sinks",
+    "TensorBoardSink": ".sinks",
+    "WandbSink": ".sinks",
+    "read_metrics": ".sinks",
+}
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spikeguard' has no attribute {name!r}")
+    mod = importlib.import_module(module, __name__)
+    value = mod if module == "." + name else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __version__ = "0.1.0"
 

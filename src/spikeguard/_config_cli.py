@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import textwrap
 import types
@@ -23,6 +24,12 @@ __all__ = ["add_config_args", "config_from_args", "field_docs", "flag_message"]
 
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring line written under each field of a dataclass."""
+    return dict(_field_docs(cls))
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    # parsed once per class: a parser asks for every field, and each parse reads the source
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):

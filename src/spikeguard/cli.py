@@ -117,6 +117,19 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_diagnose(sub: argparse._SubParsersAction) -> None:
+    from .diagnose._cli import add_arguments
+
+    p = sub.add_parser("diagnose", help="triage a run's metrics log: spikes, tiers, what-if, report",
+                       description="Find the spikes in a run's metrics log, classify each by "
+                       "replaying the spike detector, and say what to do (skip, roll back to "
+                       "which checkpoint, add z-loss, change precision). Detector values left at "
+                       "their defaults are sized to the log (DetectorConfig.for_run; windows "
+                       "divided by the stride of a sparse log); window flags count log records.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_diagnose)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._config_cli import add_config_args
     from .train import TrainConfig
@@ -154,20 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port on 127.0.0.1 (default 8765; 0 picks a free one)")
     p.set_defaults(func=_cmd_sandbox)
 
-    from .diagnose._cli import add_arguments
-
-    p = sub.add_parser("diagnose", help="triage a run's metrics log: spikes, tiers, what-if, report",
-                       description="Find the spikes in a run's metrics log, classify each by "
-                       "replaying the spike detector, and say what to do (skip, roll back to "
-                       "which checkpoint, add z-loss, change precision). Detector values left at "
-                       "their defaults are sized to the log (DetectorConfig.for_run; windows "
-                       "divided by the stride of a sparse log); window flags count log records.")
-    add_arguments(p)
-    p.set_defaults(func=_cmd_diagnose)
+    _add_diagnose(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["diagnose"]:  # only its parser: the train parser imports torch, diagnose needs none
+        parser = _Parser(prog="spikeguard", description=__doc__)
+        _add_diagnose(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
+        args = parser.parse_args(argv)
+        return args.func(args)
     args = build_parser().parse_args(argv)
     return args.func(args)
 

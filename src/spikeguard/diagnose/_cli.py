@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._config_cli import add_config_args, config_from_args, flag_message
-from ..detector.detector import DetectorConfig
+from ._detector import DetectorConfig
 from .readers import FORMATS
 from .spikes import FindConfig
 

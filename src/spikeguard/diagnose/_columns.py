@@ -176,8 +176,11 @@ def _last_present(order: np.ndarray, starts: np.ndarray, missing: np.ndarray) ->
 
 
 def assemble(raw: dict[str, Column], *, mapping: dict[str, str], where: str,
-             warnings: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """(steps, {metric: float64 values}) from raw columns of equal length, in step order.
+             warnings: list[str]) -> tuple[np.ndarray, dict[str, np.ndarray],
+                                           dict[str, np.ndarray]]:
+    """(steps, {metric: float64 values}, {metric: missing mask}) from raw columns of equal
+    length, in step order. A missing cell is NaN in the values and True in its mask (a logged
+    NaN is False there): nothing is filled in.
 
     Appends a sentence to ``warnings`` for each repair. Raises ValueError when nothing usable
     remains (no rows with a loss or a grad norm).
@@ -246,20 +249,16 @@ def assemble(raw: dict[str, Column], *, mapping: dict[str, str], where: str,
         raise ValueError(f"{where}: no rows with a loss or a grad norm")
     for m in core:
         holes = ~present[m]
-        if holes.any():
-            idx = np.where(~holes, np.arange(len(s)), 0)
-            np.maximum.accumulate(idx, out=idx)
-            first = int(np.argmax(~holes))
-            idx[:first] = first
-            merged[m] = merged[m][idx]
+        if holes.any():  # never filled: a blank is no evidence (NaN, with its ``missing`` mask)
             warnings.append(f"{m} missing at {int(holes.sum())} of {len(s)} step(s) (first: "
-                            f"{int(s[np.argmax(holes)])}): filled with the previous value")
+                            f"{int(s[np.argmax(holes)])}): left out of the evidence there")
     for m in ("loss", "grad_norm"):
         if m in merged:
-            bad = ~np.isfinite(merged[m])
+            bad = ~np.isfinite(merged[m]) & present[m]
             if bad.any():
                 warnings.append(f"{m} is NaN or inf at {int(bad.sum())} step(s) (first: step "
                                 f"{int(s[np.argmax(bad)])}): each is a Tier 3 halt")
     for m in [m for m, p in present.items() if m not in core and not p.any()]:
         del merged[m]
-    return s, merged
+        del present[m]
+    return s, merged, {m: ~p for m, p in present.items()}

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.manager import rollback_target
-from ..detector.detector import DetectorConfig, SpikeDetector, Verdict
-from ..record import ACTIONS, Action, StepMetrics
+from ..record import Action, StepMetrics
+from ._detector import DetectorConfig, SpikeDetector, Verdict, rollback_target
+from ._runlog import recorded_summary
 from .readers import MetricsLog
 
 __all__ = ["Event", "Replay", "events", "recorded_whatif", "replay", "replay_config",
@@ -53,17 +53,46 @@ def _window_fields() -> tuple[str, ...]:
                  if (getattr(a, f.name), getattr(b, f.name)) == (1, 2))
 
 
+_MIN_EMA_RECORDS = 5  # a loss EMA over fewer records of a sparse log is one batch's loss
+
+
 def replay_config(log: MetricsLog, **overrides: Any) -> DetectorConfig:
-    """The detector configuration for replaying ``log``: ``DetectorConfig.for_run`` over its
-    record count, each window divided by the log's stride for a sparse log (windows count
-    updates, and a sparse log has one update per record; the arming delay counts samples and
-    stays), then ``overrides`` (explicit flags)."""
-    n = max(4, len(log))
-    cfg = DetectorConfig.for_run(n).to_dict()
-    if log.stride > 1:
-        full = DetectorConfig()
-        for name in _window_fields():
-            cfg[name] = max(1, min(round(getattr(full, name) / log.stride), n // 4))
+    """The detector configuration for replaying ``log``, windows in steps.
+
+    A spikeguard run's own thresholds when its ``config.json`` sits beside the log; otherwise
+    ``DetectorConfig.for_run`` over the steps the log covers, each window (which counts updates,
+    one per record here) divided by the stride of a sparse log, the loss EMAs kept at 5 records
+    at least. Where the log's record-to-record noise would make the short loss EMA move by more
+    than a sixth of ``spike_nats`` (single-batch losses a few hundred steps apart), ``spike_nats``
+    and ``loss_onset_nats`` are raised to 6 standard errors of that EMA: a rise smaller than that
+    cannot be told from noise in such a log (``Diagnosis.notes`` says so). Then ``overrides``
+    (explicit flags) are applied.
+    """
+    run = log.run_config or {}
+    if run.get("detector"):
+        known = {f.name for f in dataclasses.fields(DetectorConfig)}
+        cfg = {k: v for k, v in run["detector"].items() if k in known}
+        cfg = DetectorConfig(**cfg).to_dict()
+    else:
+        n = max(4, len(log))
+        cfg = DetectorConfig.for_run(n).to_dict()
+        if log.stride > 1:
+            full = DetectorConfig()
+            for name in _window_fields():
+                cfg[name] = max(1, min(round(getattr(full, name) / log.stride), n // 4))
+            for name in ("loss_ema_steps", "recovery_ema_steps"):
+                cfg[name] = max(cfg[name], min(_MIN_EMA_RECORDS, n // 4 or 1))
+        if run.get("vocab_size"):
+            cfg["vocab_size"] = run["vocab_size"]
+        if "loss" in log.columns and "spike_nats" not in overrides:
+            from .spikes import noise
+
+            span = cfg["recovery_ema_steps"]
+            nats = 6.0 * noise(log.columns["loss"]) / math.sqrt(2 * span - 1)
+            if nats > cfg["spike_nats"]:
+                scale = nats / cfg["spike_nats"]
+                cfg["spike_nats"] = round(nats, 3)
+                cfg["loss_onset_nats"] = round(cfg["loss_onset_nats"] * scale, 3)
     cfg.update(overrides)
     return DetectorConfig(**cfg)
 
@@ -102,13 +131,14 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
     """Feed every record of ``log`` to a fresh ``SpikeDetector(config)``.
 
     A missing loss or grad norm column is fed as a constant 1.0 (its rules stay silent), a
-    missing log Z as NaN and a missing nan_frac as 0.
+    missing log Z as NaN and a missing nan_frac as 0; a missing cell of the loss or grad norm
+    as the last finite value before it (never a logged NaN or inf: a blank is not a fault).
     """
     n = len(log)
     cols = log.columns
     ones = [1.0] * n
-    loss = cols["loss"].tolist() if "loss" in cols else ones
-    grad = cols["grad_norm"].tolist() if "grad_norm" in cols else ones
+    loss = _fed(log, "loss").tolist() if "loss" in cols else ones
+    grad = _fed(log, "grad_norm").tolist() if "grad_norm" in cols else ones
     log_z = cols["log_z"].tolist() if "log_z" in cols else [math.nan] * n
     nf = np.nan_to_num(cols["nan_frac"], nan=0.0).tolist() if "nan_frac" in cols else [0.0] * n
     scale = ([None if math.isnan(v) else v for v in cols["grad_scale"].tolist()]
@@ -142,6 +172,17 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
     return Replay(config, flagged, seconds, arrays)
 
 
+def _fed(log: MetricsLog, name: str) -> np.ndarray:
+    """The column as the detector is fed it: missing cells hold the last finite value."""
+    x = log.columns[name]
+    miss = log.missing.get(name)
+    if miss is None or not miss.any():
+        return x
+    from .spikes import ffill
+
+    return np.where(miss, ffill(np.where(np.isfinite(x) & ~miss, x, np.nan)), x)
+
+
 @dataclass
 class Event:
     """One stretch of trouble: found spikes and the detector's verdicts that overlap it."""
@@ -159,12 +200,15 @@ class Event:
 
 
 def events(log: MetricsLog, found: list[Any], rep: Replay) -> list[Event]:
-    """Merge found stretches and Tier >= 1 verdicts (each spanning its onset to its step) into
-    events where they overlap or touch (adjacent records); Tier 0 verdicts join the event whose
-    span holds them."""
+    """Merge found stretches and Tier >= 1 verdicts (a Tier 2 or 3 one spanning its onset to its
+    step) into events where they overlap or touch (adjacent records); Tier 0 verdicts join the
+    event whose span holds them."""
     items: list[tuple[int, int, Any]] = [(int(log.steps[f.i0]), int(log.steps[f.i1]), f)
                                          for f in found]
-    items += [(min(v.step, v.onset_step if v.onset_step is not None else v.step), v.step, v)
+    # a Tier 1 verdict decides one step: spanning it back to its onset would merge outliers that
+    # are apart (the loss back at its level between them); Tier 2 spans its onset
+    items += [((min(v.step, v.onset_step) if v.tier >= 2 and v.onset_step is not None
+                else v.step), v.step, v)
               for v in rep.flagged if v.tier >= 1]
     items.sort(key=lambda t: (t[0], t[1]))
     out: list[Event] = []
@@ -194,24 +238,13 @@ def whatif(rep: Replay, ckpt_every: int | None) -> dict[str, Any]:
     halt = [v.step for v in rep.flagged if v.action is Action.HALT]
     alerts = sum(1 for v in rep.flagged if v.action is Action.ALERT)
     scaler = sum(1 for v in rep.flagged if v.action is Action.SKIP and v.tier == 0)
-    return {"skip": skip, "rollback": rollback, "halt": halt, "alerts": alerts,
+    return {"skip": skip, "drop": [], "rollback": rollback, "halt": halt, "alerts": alerts,
             "scaler_skips": scaler, "seconds": rep.seconds}
 
 
 def recorded_whatif(log: MetricsLog) -> dict[str, Any] | None:
-    """What the run itself did, from a spikeguard log's ``action`` column; None if not logged."""
-    act = log.recorded.get("action")
-    if act is None:
+    """What the run itself did, counted from a spikeguard log's records in run order (replays
+    included; ``_runlog.recorded_summary``); None when the log has no ``action`` column."""
+    if log.recorded.get("action") is None and not log.events:
         return None
-    tier = log.recorded.get("tier")
-
-    def at(name: str) -> list[int]:
-        return log.steps[act == ACTIONS.index(name)].tolist()
-
-    skip = at("skip")
-    if tier is not None:
-        skip = log.steps[(act == ACTIONS.index("skip")) & (tier >= 1)].tolist()
-    return {"skip": skip, "rollback": [{"step": s, "onset": None, "to": None}
-                                       for s in at("rollback")],
-            "halt": at("halt"), "alerts": len(at("alert")), "scaler_skips": None, "seconds": None}
-
+    return recorded_summary(log.events)

@@ -1,15 +1,19 @@
 """The evidence behind one spike, computed in a window around it (never over the whole log).
 
 * which metric moved first: each metric's band is its median +- ``band_mads`` MADs over the
-  ``band_steps`` before the spike's start; from the metric's largest excursion inside the spike,
-  walk back while it stays out of its band (gaps of up to 3 records in the band are bridged, and
+  ``band_steps`` before the spike's start (10 records at least); from the metric's largest
+  excursion inside the spike, walk back while it stays out of its band (gaps of up to 3 records in the band are bridged, and
   the walk may go back into the band's own window, as a slow drift starts there): where that
   excursion began is where the metric moved.
   An excursion counts only when it is large (2 x band_mads MADs) or lasts 5 records, so noise
   touching a 3-MAD band does not. Equal steps are reported as a tie.
 * grad norm over its median, the log Z trend (least-squares slope per 1,000 steps over the window,
-  and the rise above the band's median), recovery time (steps until the loss is back within
-  ``spike_nats`` of its pre-spike level), and the first non-finite value.
+  and the rise above the band's median), whether the loss rose (its peak more than
+  ``spike_nats`` above the level just before), the recovery time (steps until the smoothed loss
+  is back within ``spike_nats`` of that level; ``recovered`` is None when the loss never rose),
+  and the first non-finite value.
+
+Only logged values are evidence: a missing cell is neither a move nor a NaN.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from ..detector.detector import DetectorConfig
+from ._detector import DetectorConfig
 from .readers import MetricsLog
-from .spikes import FindConfig, ffill, records_for, smooth
+from .spikes import FindConfig, level_records, records_for, smooth
 
 __all__ = ["MOVERS", "band", "evidence", "first_move"]
 
@@ -33,9 +37,9 @@ _LASTING = 5    # records out of the band that make an excursion real whatever i
 
 
 def band(x: np.ndarray) -> tuple[float, float]:
-    """(median, MAD) of the finite values of ``x``; (NaN, NaN) when there are fewer than 10."""
+    """(median, MAD) of the finite values of ``x``; (NaN, NaN) when there are fewer than 3."""
     x = x[np.isfinite(x)]
-    if len(x) < 10:
+    if len(x) < 3:
         return math.nan, math.nan
     med = float(np.median(x))
     return med, float(np.median(np.abs(x - med)))
@@ -90,7 +94,7 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: Detect
     ``ratio`` is the detector's own loss / EMA per record (from the replay), when known: its
     peak in the spike is reported.
     """
-    w = records_for(cfg.band_steps, log.stride)
+    w = max(10, records_for(cfg.band_steps, log.stride))  # a band of 10 records at least
     s0 = max(0, i0 - w)            # the band: the band_steps before the spike's start; the
     steps = log.steps              # walk back may enter it (the median and MAD are robust)
     series = log.columns
@@ -101,6 +105,10 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: Detect
         if x is None:
             continue
         med, mad = band(x[s0:i0])
+        miss = log.missing.get(m)
+        if miss is not None and miss[s0: i1 + 1].any():  # a blank is in the band, not out of it
+            x = x.copy()
+            x[s0: i1 + 1][miss[s0: i1 + 1]] = med if math.isfinite(med) else -np.inf
         bands[m] = [_num(med), _num(mad)]
         k = first_move(x[s0: i1 + 1], i0 - s0, i1 - s0, med, mad, cfg.band_mads)
         exits[m] = None if k is None else int(steps[s0 + k])
@@ -133,25 +141,31 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: Detect
         ev["log_z_rise"] = _num(zpeak - zmed) if zmed is not None else None
     loss = log.columns.get("loss")
     if loss is not None:
-        sm = smooth(ffill(loss[i0:]))
-        seg = sm[: i1 - i0 + 1]
-        peak_i = int(np.argmax(seg)) if len(seg) else 0
-        ev["loss_peak"] = _num(float(np.nanmax(loss[i0: i1 + 1]))) \
-            if np.isfinite(loss[i0: i1 + 1]).any() else None
-        if not math.isfinite(pre_level) and bands.get("loss", [None])[0] is not None:
-            pre_level = bands["loss"][0]  # no persistent spike: the band's median is the level
+        ok = np.isfinite(loss) & ~log.missing.get("loss", np.zeros(len(loss), dtype=bool))
+        inside = np.flatnonzero(ok[i0: i1 + 1]) + i0
+        ev["loss_peak"] = float(loss[inside].max()) if len(inside) else None
+        if not math.isfinite(pre_level):  # the level just before: it follows an early drop
+            prior = np.flatnonzero(ok[:i0])[-level_records(cfg, log.stride):]
+            pre_level = float(np.median(loss[prior])) if len(prior) else math.nan
         ev["pre_spike_loss"] = _num(pre_level)
+        moved = (ev["loss_peak"] is not None and math.isfinite(pre_level)
+                 and ev["loss_peak"] > pre_level + det.spike_nats)
+        ev["loss_rose"] = bool(moved)
         rec = None
-        if math.isfinite(pre_level):
-            back = np.flatnonzero(sm[peak_i:] <= pre_level + det.spike_nats)
+        if moved:  # steps from the start until the (smoothed, logged) loss is back near its level
+            after = np.flatnonzero(ok[i0:]) + i0
+            sm = smooth(loss[after])
+            peak = int(np.argmax(sm[: len(inside)])) if len(inside) else 0
+            back = np.flatnonzero(sm[peak:] <= pre_level + det.spike_nats)
             if len(back):
-                rec = int(steps[i0 + peak_i + int(back[0])] - steps[i0])
+                rec = int(steps[after[peak + int(back[0])]] - steps[i0])
         ev["recovery_steps"] = rec
-        ev["recovered"] = rec is not None if math.isfinite(pre_level) else None
+        ev["recovered"] = (rec is not None) if moved else None
     bad = np.zeros(i1 - i0 + 1, dtype=bool)
     for m in ("loss", "grad_norm"):
         if m in log.columns:
-            bad |= ~np.isfinite(log.columns[m][i0: i1 + 1])
+            logged = ~log.missing.get(m, np.zeros(len(log), dtype=bool))[i0: i1 + 1]
+            bad |= ~np.isfinite(log.columns[m][i0: i1 + 1]) & logged
     if "nan_frac" in log.columns:
         bad |= log.columns["nan_frac"][i0: i1 + 1] > 0
     ev["nan"] = bool(bad.any())

@@ -1,11 +1,12 @@
 """Read a run's metrics log, whatever wrote it, into one columnar ``MetricsLog``.
 
-Formats: spikeguard's ``metrics.jsonl``; Hugging Face Trainer's ``trainer_state.json``
-(``log_history``); Lightning's CSVLogger ``metrics.csv``; any CSV with common column names (or
+Formats: spikeguard's ``metrics.jsonl`` (read in run order, ``_runlog``); Hugging Face Trainer's
+``trainer_state.json`` (``log_history``); Lightning's CSVLogger ``metrics.csv``; any CSV with common column names (or
 ``--map col=metric``); a W&B history CSV export; TensorBoard event files (``pip install
 spikeguard[tb]``). A directory is searched for those files. Damaged input gives partial results
 and a warning per repair: a cut-off last line, unreadable lines, rows out of order, repeated steps,
-missing cells; an empty file or a log without loss and grad norm is a ValueError.
+missing cells (left missing, never filled in); an empty file or a log without loss and grad norm
+is a ValueError.
 
 A JSONL log of a million steps reads in seconds: only the needed keys are pulled from each line
 (``orjson`` when installed, ``pip install spikeguard[json]``), in chunks turned into numpy arrays.
@@ -14,29 +15,26 @@ A JSONL log of a million steps reads in seconds: only the needed keys are pulled
 from __future__ import annotations
 
 import csv
-import gc
 import io
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..record import ACTIONS, SCHEMA
-from ._columns import METRICS, Column, assemble, choose, column_len, read_column, to_floats
+from ._columns import METRICS, Column, assemble, choose, column_len, read_column
+from ._jsonl import read_jsonl as _read_jsonl
+from ._runlog import read_run_config, run_order
 
 __all__ = ["FORMATS", "MetricsLog", "read_log", "read_quarantine"]
 
 FORMATS = ("auto", "jsonl", "hf", "lightning", "csv", "wandb", "tensorboard")
 """Values of ``--format``."""
 
-_DISCOVER = 1000  # JSONL keys are learned from this many leading records
-_CHUNK = 65536
 
 
 @dataclass
@@ -60,6 +58,16 @@ class MetricsLog:
     """One sentence per repair made while reading."""
     recorded: dict[str, np.ndarray] = field(default_factory=dict)
     """The run's own verdicts, when logged."""
+    missing: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per metric, True where the log has no value (the value there is NaN and is no evidence;
+    a logged NaN is False here)."""
+    events: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    """A spikeguard log's records that did something (action not ``continue``), in run order,
+    replays included: (record number, the record's ``_runlog.EVENT_KEYS``)."""
+    replays: list[dict[str, Any]] = field(default_factory=list)
+    """The stretches replayed after a rollback (``_runlog.run_order``), left out of the series."""
+    run_config: dict[str, Any] | None = None
+    """What the run's ``config.json`` beside the log says (``_runlog.read_run_config``)."""
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -72,119 +80,12 @@ class MetricsLog:
         return max(1, int(np.median(np.diff(self.steps))))
 
 
-def _loads() -> Any:
-    try:
-        import orjson
-    except ImportError:
-        return json.loads
-    return orjson.loads
-
-
 def _lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
     """(line number, bytes, ends with a newline) for each non-blank line."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             if raw.strip():
                 yield n, raw, raw.endswith(b"\n")
-
-
-def _read_jsonl(path: Path, mapping: dict[str, str], warnings: list[str], *,
-                loads: Any = None) -> dict[str, Column]:
-    """Raw columns of a JSONL log: the metric columns read by ``to_floats`` chunk by chunk, and
-    the run's own ``tier`` / ``action`` (as ``ACTIONS`` indices) when present.
-
-    The hot loop is one parse and one ``itemgetter`` per line (records that lack a key take the
-    slower ``dict.get`` path); the cyclic garbage collector is paused meanwhile, since every
-    parsed record is garbage at once and a collection would only walk the rows kept so far.
-    """
-    loads = loads or _loads()
-    codes = {a: i for i, a in enumerate(ACTIONS)}
-    bad: list[int] = []
-    head: list[dict[str, Any]] = []
-    keys: tuple[str, ...] = ()
-    rows: list[tuple[Any, ...]] = []
-    parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-    exact: set[str | None] = set()
-    cut = False
-
-    def flush() -> None:
-        for k, col in zip(keys, zip(*rows)):
-            if k == "action":
-                vals = np.array([codes.get(v, -1) for v in col], dtype=np.float64)
-                parts[k].append((vals, vals < 0))
-            else:  # NaN vs missing matters for the loss, the grad norm and the step only
-                vals, miss, _ = to_floats(col, exact=k in exact)
-                parts[k].append((vals, miss))
-        rows.clear()
-
-    def start() -> tuple[str, ...]:
-        seen: dict[str, None] = {}
-        for rec in head:
-            seen.update(dict.fromkeys(rec))
-            schema = rec.get("schema", SCHEMA)
-            if not isinstance(schema, int) or schema > SCHEMA:
-                raise ValueError(f"{path}: schema={schema!r} is newer than this spikeguard reads "
-                                 f"(schema {SCHEMA}); upgrade spikeguard to read this log")
-        chosen, _ = choose(list(seen), mapping)
-        exact.update(chosen.get(m) for m in ("step", "loss", "grad_norm"))
-        ks = tuple(dict.fromkeys([*chosen.values(), "tier", "action", "schema"]))
-        for k in ks:
-            parts[k] = []
-        rows.extend(tuple(rec.get(k) for k in ks) for rec in head)
-        return ks
-
-    get: Any = None
-    gc_was_on = gc.isenabled()
-    gc.disable()
-    try:
-        with open(path, "rb") as f:
-            for n, line in enumerate(f, 1):
-                try:
-                    rec = loads(line)
-                    if get is not None:
-                        rows.append(get(rec))
-                        if len(rows) >= _CHUNK:
-                            flush()
-                        continue
-                except KeyError:
-                    rows.append(tuple(rec.get(k) for k in keys))
-                    continue
-                except (ValueError, TypeError):
-                    if not line.strip():
-                        continue
-                    if line.endswith(b"\n"):
-                        bad.append(n)
-                    else:
-                        cut = True  # only the last line can lack its newline
-                    continue
-                if not isinstance(rec, dict):
-                    bad.append(n)
-                    continue
-                head.append(rec)
-                if len(head) >= _DISCOVER:
-                    keys = start()
-                    get = itemgetter(*keys)
-        if get is None:
-            if not head:
-                raise ValueError(f"{path}: no JSON records"
-                                 + (f" ({len(bad)} unreadable line(s))" if bad else ""))
-            keys = start()
-        flush()
-    finally:
-        if gc_was_on:
-            gc.enable()
-    if cut:
-        warnings.append(f"{path.name}: the last line was cut off (a crash mid-write?): dropped")
-    if bad:
-        warnings.append(f"{path.name}: {len(bad)} line(s) are not JSON objects (first: line "
-                        f"{bad[0]}): skipped")
-    out = {k: (np.concatenate([v for v, _ in ps]), np.concatenate([m for _, m in ps]))
-           for k, ps in parts.items()}
-    schema = out.pop("schema")[0]
-    if np.nanmax(schema, initial=SCHEMA) > SCHEMA:
-        raise ValueError(f"{path}: schema={int(np.nanmax(schema))} is newer than this "
-                         f"spikeguard reads (schema {SCHEMA}); upgrade spikeguard to read this log")
-    return out
 
 
 def _read_hf(path: Path) -> dict[str, list]:
@@ -296,12 +197,18 @@ def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
     if found.is_file() and found.stat().st_size == 0:
         raise ValueError(f"{found}: the file is empty (the run wrote no records yet?)")
     recorded: dict[str, np.ndarray] = {}
+    events: list[tuple[int, dict[str, Any]]] = []
+    replays: list[dict[str, Any]] = []
     if fmt == "jsonl":
-        raw = _read_jsonl(found, mapping, warnings, loads=json_loads)
+        raw = _read_jsonl(found, mapping, warnings, loads=json_loads, events=events)
         for k in ("tier", "action"):
             col = raw.pop(k)
             if not col[1].all():
                 recorded[k] = col
+        step_key = choose(list(raw), mapping)[0].get("step")
+        if step_key is not None and (events or _goes_back(raw[step_key])):
+            raw, recorded, events, replays = _in_run_order(raw, recorded, events, step_key,
+                                                           warnings, found.name)
     elif fmt == "hf":
         raw = _read_hf(found)
     elif fmt == "tensorboard":
@@ -310,7 +217,7 @@ def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
         raw = _read_csv(found, warnings)
     if not raw or not column_len(next(iter(raw.values()))):
         raise ValueError(f"{found}: no records")
-    steps, cols = assemble(raw, mapping=mapping, where=str(found), warnings=warnings)
+    steps, cols, missing = assemble(raw, mapping=mapping, where=str(found), warnings=warnings)
     step_col = choose(list(raw), mapping)[0].get("step")
     recorded = _align(raw[step_col], recorded, steps) if recorded and step_col else {}
     for m in ("loss", "grad_norm", "log_z"):
@@ -319,11 +226,46 @@ def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
                     "log_z": "the log Z rules are off and log Z drift cannot be seen"}[m]
             warnings.append(f"no {m} column: {what}")
     log = MetricsLog(str(found), fmt, steps, {m: cols[m] for m in METRICS if m in cols},
-                     warnings, recorded)
+                     warnings, recorded, {m: missing[m] for m in METRICS if m in missing},
+                     events, replays, read_run_config(found.parent) if fmt == "jsonl" else None)
     if log.stride > 1:
-        warnings.append(f"sparse log: one record every ~{log.stride} steps; windows are scaled "
-                        "to records, and an outlier between records cannot be seen")
+        warnings.append(f"sparse log: one record every ~{log.stride} steps; the windows are in "
+                        f"steps, so a window holds 1/{log.stride} as many records, and a bad "
+                        "step between two records cannot be seen")
+    gaps = np.flatnonzero(np.diff(log.steps) > 3 * log.stride) if len(log) > 1 else []
+    if len(gaps):
+        g = int(gaps[0])
+        warnings.append(f"{len(gaps)} gap(s) in the steps (first: {int(log.steps[g])} -> "
+                        f"{int(log.steps[g + 1])}): nothing can be said about the steps between")
     return log
+
+
+def _goes_back(col: Column) -> bool:
+    vals, miss, _ = read_column(col)
+    v = vals[~miss]
+    return bool(len(v) > 1 and (np.diff(v) <= 0).any())
+
+
+def _in_run_order(raw: dict[str, Column], recorded: dict[str, Column],
+                  events: list[tuple[int, dict[str, Any]]], step_key: str, warnings: list[str],
+                  name: str) -> tuple[dict[str, Column], dict[str, Column],
+                                      list[tuple[int, dict[str, Any]]], list[dict[str, Any]]]:
+    """The raw columns without the replayed rows, restarts renumbered (``_runlog.run_order``);
+    the events' steps follow the renumbering."""
+    vals, miss, _ = read_column(raw[step_key])
+    keep, steps, replays = run_order(vals, miss, events, warnings, name)
+    events = [(r, {**e, "step": int(steps[r]) if not miss[r] else e.get("step")})
+              for r, e in events]
+    raw = {**raw, step_key: (steps, miss)}
+    if keep.all():
+        return raw, recorded, events, replays
+
+    def cut(col: Column) -> Column:
+        v, m, _ = read_column(col)
+        return v[keep], m[keep]
+
+    return ({k: cut(c) for k, c in raw.items()}, {k: cut(c) for k, c in recorded.items()},
+            events, replays)
 
 
 def _align(step_col: Column, recorded: dict[str, Column],

@@ -26,10 +26,10 @@ def _f(x: Any, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def spike_rows(diag: Diagnosis) -> list[list[str]]:
-    """One row of ``SPIKE_COLUMNS`` per spike."""
+def spike_rows(diag: Diagnosis, spikes: list[Spike] | None = None) -> list[list[str]]:
+    """One row of ``SPIKE_COLUMNS`` per spike (``diag.spikes`` unless given)."""
     rows = []
-    for k, s in enumerate(diag.spikes, 1):
+    for k, s in enumerate(diag.spikes if spikes is None else spikes, 1):
         ev = s.evidence
         moved = ev.get("moved_first") or []
         first = (" = ".join(moved) + f" @ {ev['moved_at']:,}") if moved else "-"
@@ -69,6 +69,8 @@ def whatif_rows(diag: Diagnosis) -> tuple[list[str], list[list[str]]]:
         cols.append(("recorded by the run", diag.recorded))
     header = ["", *[name for name, _ in cols]]
     rows = [["skipped", *[_steps(w["skip"]) for _, w in cols]],
+            ["dropped rows, update applied", *[_steps([d["step"] for d in w.get("drop", [])])
+                                               for _, w in cols]],
             ["rolled back (step -> checkpoint)", *[_rollbacks(w["rollback"]) for _, w in cols]],
             ["halted", *[_steps(w["halt"]) for _, w in cols]],
             ["alerts", *[str(w["alerts"]) for _, w in cols]]]
@@ -90,6 +92,8 @@ def print_summary(diag: Diagnosis, console: Any = None, *, advice: int = 10) -> 
               f"{int(log.steps[0]):,}-{int(log.steps[-1]):,}, metrics {', '.join(log.columns)}")
     for w in log.warnings:
         con.print(f"warning: {w}", style="yellow", markup=False)
+    for n in diag.notes:
+        con.print(f"note: {n}", markup=False)
     table = Table(title=f"{len(diag.spikes)} spike(s)", show_lines=False)
     for c in SPIKE_COLUMNS:
         table.add_column(c, overflow="fold")
@@ -105,6 +109,9 @@ def print_summary(diag: Diagnosis, console: Any = None, *, advice: int = 10) -> 
             con.print(f"spike {k} (Tier {s.tier}): " + "; ".join(s.advice))
         for q in s.quarantine[:5]:
             con.print(f"    quarantined: {_quarantine_text(q)}")
+    if diag.below:
+        con.print(f"{len(diag.below)} Tier 0 entr{'y' if len(diag.below) == 1 else 'ies'} (below "
+                  "every threshold, no action): " + _below_text(diag.below), markup=False)
     header, rows = whatif_rows(diag)
     wt = Table(title="what the detector would do")
     for c in header:
@@ -115,6 +122,15 @@ def print_summary(diag: Diagnosis, console: Any = None, *, advice: int = 10) -> 
     if diag.quarantine_unmatched:
         con.print(f"{len(diag.quarantine_unmatched)} quarantined sequence(s) outside any spike")
     con.print(_timing_line(diag))
+
+
+def _below_text(below: list[Spike], n: int = 8) -> str:
+    cut = "below the detector's thresholds: "
+    parts = []
+    for s in below[:n]:
+        span = f"{s.start:,}" + (f"-{s.end:,}" if s.end != s.start else "")
+        parts.append(f"{span} ({s.cause.removeprefix(cut)})")
+    return "; ".join(parts) + (f"; ... {len(below) - n} more in --json" if len(below) > n else "")
 
 
 def _quarantine_text(q: dict[str, Any]) -> str:
@@ -159,11 +175,16 @@ def _html(diag: Diagnosis, plots: dict[str, tuple[str, bytes]]) -> str:
     if log.warnings:
         parts.append("<ul>" + "".join(f"<li class='warn'>{html.escape(w)}</li>"
                                       for w in log.warnings) + "</ul>")
+    if diag.notes:
+        parts.append("<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in diag.notes) + "</ul>")
     parts.append(f"<h2>{len(diag.spikes)} spike(s)</h2>")
     parts.append(_html_table(list(SPIKE_COLUMNS), spike_rows(diag),
                              [f"t{s.tier}" for s in diag.spikes]))
     parts.append("<ul>" + "".join(f"<li>{html.escape(a)}</li>" for a in
                                   _advice_items(diag.spikes)) + "</ul>")
+    if diag.below:
+        parts.append(f"<h2>{len(diag.below)} Tier 0 entries (no action)</h2>"
+                     + _html_table(list(SPIKE_COLUMNS), spike_rows(diag, diag.below)))
     header, rows = whatif_rows(diag)
     parts.append("<h2>What the detector would do</h2>" + _html_table(header, rows))
     parts.append("<h2>Plots</h2>")
@@ -193,9 +214,13 @@ def _markdown(diag: Diagnosis, images: dict[str, tuple[str, str]]) -> str:
            f"{int(log.steps[-1]):,}, one every {log.stride} step(s); checkpoints every "
            f"{diag.ckpt_every or 'unknown'} steps.", ""]
     out += [f"- warning: {w}" for w in log.warnings] + ([""] if log.warnings else [])
+    out += [f"- note: {n}" for n in diag.notes] + ([""] if diag.notes else [])
     out += [f"## {len(diag.spikes)} spike(s)", "", _md_table(list(SPIKE_COLUMNS),
                                                              spike_rows(diag)), ""]
     out += [f"- {a}" for a in _advice_items(diag.spikes)] + [""]
+    if diag.below:
+        out += [f"## {len(diag.below)} Tier 0 entries (no action)", "",
+                _md_table(list(SPIKE_COLUMNS), spike_rows(diag, diag.below)), ""]
     header, rows = whatif_rows(diag)
     out += ["## What the detector would do", "", _md_table(header, rows), "", "## Plots", ""]
     for name, (caption, rel) in images.items():

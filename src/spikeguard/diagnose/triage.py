@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..detector.detector import DetectorConfig
 from ..record import Action
+from ._detector import DetectorConfig
 from .classify import (
     Event,
     Replay,
@@ -31,7 +31,7 @@ from .classify import (
 )
 from .evidence import evidence
 from .readers import MetricsLog, read_log, read_quarantine
-from .spikes import FindConfig, find_spikes
+from .spikes import FindConfig, find_spikes, level_records, noise
 
 __all__ = ["Diagnosis", "Spike", "diagnose", "spike_from_event"]
 
@@ -62,7 +62,7 @@ class Spike:
     reasons: list[str]
     """The detector's reasons, in order of first appearance."""
     skipped: list[int]
-    """Steps the detector would skip in it."""
+    """Steps the detector would skip (Tier 1) in it; a rollback's own step is in its data range."""
     kinds: list[str]
     """How the search found it: persistent, grad_outlier, loss_outlier, nonfinite, detector."""
     evidence: dict[str, Any]
@@ -90,35 +90,85 @@ def _metric(reason: str) -> str:
     return reason.split(" ", 1)[0]
 
 
-def _cause(tier: int, reasons: list[str], ev: dict[str, Any], z_led: bool) -> str:
+_KIND_TIER = {"blowup": 3, "jump": 2}
+"""Tiers the search gives by itself, whatever the detector's arming (a non-finite value is the
+detector's own Tier 3, or Tier 0 for an fp16 overflow the scaler handled)."""
+_KIND_ACTION = {3: Action.HALT.value, 2: Action.ROLLBACK.value}
+
+
+def _g(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _cause(tier: int, reasons: list[str], ev: dict[str, Any], z_led: bool, kinds: set[str],
+           grad_k: float) -> str:
+    """The likely cause, in a sentence built only from the numbers it cites."""
+    pre, peak = ev.get("pre_spike_loss"), ev.get("loss_peak")
+    rose, rec = ev.get("loss_rose"), ev.get("recovery_steps")
+    loss_txt = f"loss {_g(pre)} -> {_g(peak)}" if pre is not None and peak is not None else None
+    ratio = ev.get("grad_ratio")
+    grad_txt = (f"grad norm {ratio:,.0f}x its median" if ratio is not None and ratio >= 100
+                else f"grad norm {ratio:.3g}x its median" if ratio is not None and ratio > grad_k
+                else None)
+    back = (f", back within {rec:,} step{'s' if rec != 1 else ''}" if rec is not None
+            else ", not back by the end of the log" if rose else "")
     if tier == 3:
-        return ("numerical failure (NaN or inf)" if ev.get("nan")
-                else "loss far above the model's range without a grad-norm spike")
+        if ev.get("nan"):
+            return f"numerical failure: NaN/inf from step {ev['first_nonfinite_step']:,}"
+        if "blowup" in kinds and loss_txt and pre:
+            return f"blow-up: {loss_txt} ({peak / pre:.3g}x), far outside the model's range"
+        return f"{loss_txt or 'the loss'} far above the model's range without a grad-norm spike"
     if tier == 2:
         if z_led:
-            return "logit drift: log Z rose first"
+            rise = ev.get("log_z_rise")
+            return "logit drift: log Z rose first" + (f" ({rise:+.2f})" if rise is not None else "")
         if any(r.startswith("skips") for r in reasons):
-            return "skip storm: gradient explosion or a bad learning rate"
-        if "grad_norm" in ev.get("moved_first", []):
-            return "gradient explosion"
-        return "the loss did not recover: structural damage to the weights or optimizer state"
+            return "skip storm: " + (grad_txt or loss_txt or "repeated skips") + \
+                " (a gradient explosion or a bad learning rate)"
+        if "jump" in kinds and loss_txt:
+            return f"the loss jumped, {loss_txt}, and stayed up{back}"
+        if "grad_norm" in ev.get("moved_first", []) and grad_txt:
+            return f"gradient explosion: {grad_txt}, moving first" + (f"; {loss_txt}{back}"
+                                                                    if rose else "")
+        if rose and loss_txt:
+            return f"the loss rose and stayed up, {loss_txt}{back}: damage to the weights or " \
+                "optimizer state"
+        return "the detector's Tier 2 rule: " + ", ".join(reasons[:2])
     if tier == 1:
-        if ev.get("recovered") is False:
-            return "large step(s); the loss had not recovered by the end of the log"
-        return "data anomaly: a bad batch, the loss recovers"
+        if rose and loss_txt:
+            head = "a bad batch" if rec is not None else "large step(s)"
+            return f"{head}: {loss_txt}{back}" + (f"; {grad_txt}" if grad_txt else "")
+        if grad_txt:
+            return f"a grad-norm outlier with an ordinary loss: {grad_txt}"
+        return "the detector's Tier 1 rule: " + ", ".join(reasons[:2])
     if "scaler" in reasons:
         return "fp16 loss-scale overflow: GradScaler skipped the step"
-    return "below the detector's thresholds"
+    what = "; ".join(x for x in (f"{loss_txt}{back}" if rose and loss_txt else None, grad_txt)
+                     if x)
+    return "below the detector's thresholds" + (f": {what}" if what else "")
+
+
+def _precision_advice(precision: str | None) -> str:
+    if precision is None or ("16" in precision and "bf16" not in precision):
+        return ("change precision before resuming (fp16 -> bf16, or the failing layer from fp8 "
+                "back to bf16) and find the first non-finite tensor")
+    return (f"the run is {precision}, so not an fp16 overflow: find the first non-finite tensor "
+            "(the halt report names it) and lower the learning rate or clip harder before resuming")
 
 
 def spike_from_event(log: MetricsLog, ev: Event, rep: Replay, *, ckpt_every: int | None,
                      cfg: FindConfig) -> Spike:
-    """Classify one event: tier and action from its verdicts, evidence from the log around it."""
+    """Classify one event: tier and action from its verdicts and what the search found (a jump
+    that stays is Tier 2, a blow-up or a non-finite value Tier 3, whatever the arming),
+    evidence from the logged values around it."""
     det = rep.config
     vs = ev.verdicts
-    tier = max((v.tier for v in vs), default=0)
+    kinds = {k for f in ev.found for k in f.kinds}
+    vtier = max((v.tier for v in vs), default=0)
+    ktier = max((_KIND_TIER.get(k, 0) for k in kinds), default=0)
+    tier = max(vtier, ktier)
     top = next((v for v in vs if v.tier == tier), None)
-    onsets = [v.onset_step for v in vs if v.onset_step is not None]
+    onsets = [v.onset_step for v in vs if v.onset_step is not None and v.tier >= 2]
     found_start = min((int(log.steps[f.i0]) for f in ev.found), default=None)
     start = min([*onsets, *([found_start] if found_start is not None else []), ev.start])
     i0 = int(np.searchsorted(log.steps, start))
@@ -127,9 +177,18 @@ def spike_from_event(log: MetricsLog, ev: Event, rep: Replay, *, ckpt_every: int
     ratio = rep.trace.get("loss_ema_ratio")
     evd = evidence(log, i0, max(i0, i1), pre_level=pre, det=det, cfg=cfg, ratio=ratio)
     reasons = list(dict.fromkeys(r for v in [*vs, *ev.advice] for r in v.reasons))
-    skipped = [v.step for v in vs if v.skip]
+    skipped = sorted(v.step for v in vs if v.skip and v.action is Action.SKIP)
     z_led = (top is not None and bool(top.reasons) and _metric(top.reasons[0]) == "log_z") or \
         evd.get("moved_first") == ["log_z"]
+    if top is None and ktier:  # the search's own tier: the first record of that kind
+        first = min(int(log.steps[f.i0]) for f in ev.found
+                    if any(_KIND_TIER.get(k, 0) == ktier for k in f.kinds))
+        detected, action = first, _KIND_ACTION[ktier]
+        reasons = [*reasons, {"jump": "loss jumped and stayed", "blowup": "loss blow-up"}[
+            max((k for k in kinds if k in _KIND_TIER), key=_KIND_TIER.get)]]
+    else:
+        detected = top.step if top is not None else None
+        action = top.action.value if top is not None else Action.CONTINUE.value
     rb = rollback_step(start, ckpt_every) if tier >= 2 else None
     where = (f"the checkpoint at step {rb:,}" if ckpt_every is not None and rb is not None
              else f"a checkpoint at or before step {rb:,}" if rb is not None
@@ -142,22 +201,19 @@ def spike_from_event(log: MetricsLog, ev: Event, rep: Replay, *, ckpt_every: int
         advice.append("watch: the loss ratio passed the alert level; no skip needed")
     if tier >= 2:
         advice.append(f"roll back to {where}")
-        if top is not None:
-            span = f"step {start:,}" if top.step == start else f"steps {start:,}-{top.step:,}"
-            advice.append(f"skip the data of {span}")
+        end = detected if detected is not None else ev.end
+        span = f"step {start:,}" if end == start else f"steps {start:,}-{end:,}"
+        advice.append(f"skip the data of {span}")
     if tier == 2 and z_led:
         advice.append(f"add z-loss {Z_LOSS:g} (or raise it) before resuming")
     if tier == 3:
-        advice.append("change precision before resuming (fp16 -> bf16, or the failing layer "
-                      "from fp8 back to bf16) and find the first non-finite tensor")
+        advice.append(_precision_advice((log.run_config or {}).get("precision")))
     if "add or raise z-loss" in reasons and not any("z-loss" in a for a in advice):
         advice.append(f"add z-loss {Z_LOSS:g}: log Z is above 12 and rising")
-    kinds = sorted({k for f in ev.found for k in f.kinds} | ({"detector"} if vs else set()))
-    return Spike(start=start, end=ev.end, tier=tier,
-                 action=(top.action.value if top is not None else Action.CONTINUE.value),
-                 rollback_step=rb, detected=top.step if top is not None else None,
-                 cause=_cause(tier, reasons, evd, z_led), advice=advice, reasons=reasons,
-                 skipped=skipped, kinds=kinds, evidence=evd)
+    kinds_out = sorted(kinds | ({"detector"} if vs else set()))
+    return Spike(start=start, end=ev.end, tier=tier, action=action, rollback_step=rb,
+                 detected=detected, cause=_cause(tier, reasons, evd, z_led, kinds, det.grad_k),
+                 advice=advice, reasons=reasons, skipped=skipped, kinds=kinds_out, evidence=evd)
 
 
 @dataclass
@@ -166,32 +222,67 @@ class Diagnosis:
 
     log: MetricsLog
     spikes: list[Spike]
+    """Events the detector or the search gives Tier 1 or more: something to act on or watch."""
     replay: Replay
     whatif: dict[str, Any]
     """The primary configuration's skips, rollbacks and halts (``classify.whatif``)."""
     compare: dict[str, Any] | None
     """The same for the ``--compare`` configuration, with its ``changes``."""
     recorded: dict[str, Any] | None
-    """What the run itself did, when its log says."""
+    """What the run itself did, counted from its records (``_runlog.recorded_summary``)."""
     ckpt_every: int | None
     find: FindConfig
     quarantine_unmatched: list[dict[str, Any]]
     timings: dict[str, float]
     """Seconds: read, search, replay, classify, whatif (and report, once written)."""
+    below: list[Spike] = field(default_factory=list)
+    """Tier 0 entries, listed apart: outliers below every threshold, z-loss advice, fp16
+    overflows the scaler handled."""
+    notes: list[str] = field(default_factory=list)
+    """What the log let diagnose see and what not (sparse records, noise, the run's config)."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``--json`` object: a ``spikes`` list and the context to read it."""
+        """The ``--json`` object: a ``spikes`` list, the Tier 0 ``below`` list, and the context
+        to read them."""
         log = self.log
         return _jsonable({
             "path": log.path, "format": log.format, "records": len(log),
             "steps": [int(log.steps[0]), int(log.steps[-1])], "stride": log.stride,
-            "metrics": list(log.columns), "warnings": log.warnings,
+            "metrics": list(log.columns), "warnings": log.warnings, "notes": self.notes,
             "ckpt_every": self.ckpt_every, "detector": self.replay.config.to_dict(),
             "find": asdict(self.find),
             "spikes": [s.to_dict() for s in self.spikes],
+            "below": [s.to_dict() for s in self.below],
+            "replays": log.replays,
             "whatif": self.whatif, "compare": self.compare, "recorded": self.recorded,
             "quarantine_unmatched": self.quarantine_unmatched, "timings": self.timings,
         })
+
+
+def _notes(log: MetricsLog, config: DetectorConfig, find: FindConfig) -> list[str]:
+    out = []
+    run = log.run_config
+    if run:
+        out.append(f"read the run's {Path(run['path']).name}: checkpoints every "
+                   f"{run.get('ckpt_every')} steps, precision {run.get('precision')}, Tier 2 "
+                   f"{run.get('tier2')}; replayed with the run's own detector thresholds")
+    if log.stride > 1:
+        n = level_records(find, log.stride)
+        out.append(f"one record every {log.stride} steps: a persistent spike must last about "
+                   f"{n * log.stride:,} steps ({n} records) to be told from a single batch; a "
+                   "bad step between two records cannot be seen")
+    if config.spike_nats > DetectorConfig().spike_nats and not run:
+        sigma = noise(log.columns["loss"]) if "loss" in log.columns else math.nan
+        out.append(f"the loss moves {sigma:.3g} nats from record to record: rises under "
+                   f"{config.spike_nats:g} nats (6 standard errors of the "
+                   f"{config.recovery_ema_steps}-record loss EMA, instead of 0.1) cannot be told "
+                   "from noise here")
+    if log.replays:
+        out.append("replayed after a rollback (kept apart; the series shows the first "
+                   "attempt): " + ", ".join(f"steps {r['steps'][0]:,}-{r['steps'][1]:,} after "
+                                            f"the rollback at {r['rollback_at']}"
+                                            for r in log.replays))
+    return out
 
 
 def diagnose(path: str | os.PathLike[str], *, fmt: str = "auto",
@@ -203,15 +294,18 @@ def diagnose(path: str | os.PathLike[str], *, fmt: str = "auto",
 
     ``detector``: DetectorConfig fields to override (the rest sized to the log by
     ``replay_config``); ``compare``: fields changed on top of those for a second replay, side by
-    side; ``ckpt_every``: the run's checkpoint interval, for rollback steps; ``quarantine``: the
-    quarantine file (default ``quarantine.jsonl`` beside the log); ``trace`` keeps the detector's
-    running medians and loss ratio per step for the plots.
+    side; ``ckpt_every``: the run's checkpoint interval, for rollback steps (default: the run's
+    ``config.json``, when it sits beside a spikeguard log); ``quarantine``: the quarantine file
+    (default ``quarantine.jsonl`` beside the log); ``trace`` keeps the detector's running
+    medians and loss ratio per step for the plots.
     """
     if ckpt_every is not None:
         rollback_step(2, ckpt_every)  # validates it
     find = find or FindConfig()
     t = {"read": time.perf_counter()}
     log = read_log(path, fmt=fmt, mapping=mapping)
+    if ckpt_every is None and log.run_config and isinstance(log.run_config.get("ckpt_every"), int):
+        ckpt_every = log.run_config["ckpt_every"]
     t["search"] = time.perf_counter()
     config = replay_config(log, **(detector or {}))
     found = find_spikes(log, config, find)
@@ -219,7 +313,7 @@ def diagnose(path: str | os.PathLike[str], *, fmt: str = "auto",
     rep = replay(log, config, trace=trace)
     t["classify"] = time.perf_counter()
     evs = events(log, found, rep)
-    spikes = [spike_from_event(log, e, rep, ckpt_every=ckpt_every, cfg=find) for e in evs]
+    classified = [spike_from_event(log, e, rep, ckpt_every=ckpt_every, cfg=find) for e in evs]
     t["whatif"] = time.perf_counter()
     other = None
     if compare:
@@ -230,9 +324,11 @@ def diagnose(path: str | os.PathLike[str], *, fmt: str = "auto",
     names = list(t)
     timings = {names[i]: t[names[i + 1]] - t[names[i]] for i in range(len(names) - 1)}
     qpath = Path(quarantine) if quarantine else Path(log.path).parent / "quarantine.jsonl"
-    unmatched = _attach(spikes, read_quarantine(qpath, log.warnings))
+    spikes = [s for s in classified if s.tier >= 1]
+    below = [s for s in classified if s.tier == 0]
+    unmatched = _attach(spikes + below, read_quarantine(qpath, log.warnings))
     return Diagnosis(log, spikes, rep, whatif(rep, ckpt_every), other, recorded_whatif(log),
-                     ckpt_every, find, unmatched, timings)
+                     ckpt_every, find, unmatched, timings, below, _notes(log, config, find))
 
 
 def _attach(spikes: list[Spike], quarantined: list[dict[str, Any]]) -> list[dict[str, Any]]:
