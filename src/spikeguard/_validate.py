@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_int", "check_positive"]
+__all__ = ["check_int", "check_positive", "check_window"]
 
 
 def _tail(default: Any, hint: str) -> str:
@@ -31,3 +31,11 @@ def check_positive(value: Any, name: str, *, default: Any = None, hint: str = ""
             or value <= 0:
         raise ValueError(f"{name}={value!r} must be a finite number > 0{_tail(default, hint)}")
     return float(value)
+
+
+def check_window(obj: Any, state: dict[str, Any]) -> int:
+    """``obj.window``; ValueError if ``state`` was saved with another (never a silent resize)."""
+    if int(state["window"]) != obj.window:
+        raise ValueError(f"{type(obj).__name__} state has window={state['window']} but this one "
+                         f"has window={obj.window}: build it with the saved window to load it")
+    return obj.window

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from .._validate import check_int
-from .stats import _window
+from .._validate import check_int, check_window
 
 __all__ = ["DeviceEMA", "DeviceRunningMedian"]
 
@@ -102,7 +101,7 @@ class DeviceRunningMedian:
         return {"window": self.window, "values": self.values()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.__init__(_window(self, state), device=self.device)
+        self.__init__(check_window(self, state), device=self.device)
         vals = [float(v) for v in state["values"]][-self.window:]
         self._buf[: len(vals)] = torch.tensor(vals, dtype=torch.float64)
         self._pos.fill_(len(vals) % self.window)

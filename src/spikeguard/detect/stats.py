@@ -17,20 +17,12 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from .._validate import check_int
+from .._validate import check_int, check_window
 
 if TYPE_CHECKING:
     from ._device_stats import DeviceEMA, DeviceRunningMedian
 
 __all__ = ["EMA", "DeviceEMA", "DeviceRunningMedian", "EventWindow", "RunningMedian", "SlidingMin"]
-
-
-def _window(obj: Any, state: dict[str, Any]) -> int:
-    """``obj.window``; ValueError if ``state`` was saved with another (never a silent resize)."""
-    if int(state["window"]) != obj.window:
-        raise ValueError(f"{type(obj).__name__} state has window={state['window']} but this one "
-                         f"has window={obj.window}: build it with the saved window to load it")
-    return obj.window
 
 
 class RunningMedian:
@@ -131,7 +123,7 @@ class RunningMedian:
         return {"window": self.window, "values": self.values()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.__init__(_window(self, state))
+        self.__init__(check_window(self, state))
         for v in state["values"]:
             self.update(v)
 
@@ -213,7 +205,7 @@ class SlidingMin:
         return {"window": self.window, "entries": [list(e) for e in self._q]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _window(self, state)
+        check_window(self, state)
         self._q = deque((int(i), float(v), int(s)) for i, v, s in state["entries"])
 
 
@@ -247,7 +239,7 @@ class EventWindow:
         return {"window": self.window, "entries": [list(e) for e in self._q]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        _window(self, state)
+        check_window(self, state)
         self._q = deque((int(i), int(s)) for i, s in state["entries"])
 
 
