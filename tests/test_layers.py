@@ -141,7 +141,7 @@ LONG_FUNCTIONS = {
     # named exceptions: docs/design.md gives each reason
     "train/loop.py:train": "the training loop, read top to bottom",
     "sandbox/server.py:create_app": "the app's routes are closures over its state",
-    "diagnose/readers.py:_read_jsonl": "one pass over a metrics file, its fast path inline",
+    "diagnose/_jsonl.py:read_jsonl": "one pass over a metrics file, its fast path inline",
     "diagnose/_columns.py:assemble": "one pass that builds every column of a log",
     "diagnose/evidence.py:evidence": "a report builder: one section after another",
 }
