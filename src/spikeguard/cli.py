@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
+from typing import Any
 
-__all__ = ["main"]
+__all__ = ["EXIT_STATUS", "main"]
 
 
 def _parse_count(text: str) -> float:
@@ -72,11 +74,21 @@ def _cmd_budget(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_STATUS = {0: "done (or the run was already complete)",
+               1: "the machine failed the run (a full disk, a checkpoint that could not be "
+                  "saved); rerun the same command to resume once it is fixed",
+               2: "bad input: a flag, the data, --out, checkpoints that cannot be restored",
+               3: "the guard halted the run (Tier 3; the report names the tensor)",
+               130: "interrupted (Ctrl-C); rerun the same command to resume"}
+"""The exit statuses of ``spikeguard train`` (README's table)."""
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
 
     from ._config_cli import config_from_args, flag_message
-    from .train import TrainConfig, train
+    from .respond.checkpoint import CheckpointError
+    from .train import TrainConfig, TrainInterrupted, train
 
     try:
         cfg = config_from_args(TrainConfig, args)
@@ -87,6 +99,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"spikeguard train: {flag_message(exc, TrainConfig)}", file=sys.stderr)
         return 2
+    except TrainInterrupted as exc:
+        print(f"spikeguard train: {exc}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("spikeguard train: interrupted before training began; rerun the same command (it "
+              "resumes from the last checkpoint, if there is one)", file=sys.stderr)
+        return 130
+    except (CheckpointError, OSError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"spikeguard train: {type(exc).__name__}: {first}; the checkpoints written so far "
+              f"are intact: rerun the same command to resume once this is fixed", file=sys.stderr)
+        return 1
     if result.halted is not None:
         print(str(result.halted), file=sys.stderr)
         print(f"HALT at step {result.halted.step}: {'; '.join(result.halted.reasons)}")
@@ -114,7 +138,23 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from .diagnose._cli import run
 
-    return run(args)
+    try:
+        return run(args)
+    except OSError as exc:  # a report directory that cannot be written, a log that vanished
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"spikeguard diagnose: cannot write or read{where}: {exc.strerror or exc}; choose "
+              f"a writable --report directory (or check the log's path)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("spikeguard diagnose: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line_warning(message: Any, category: type[Warning], filename: str, lineno: int,
+                      file: Any = None, line: str | None = None) -> None:
+    """A warning as the command prints it: one line, no source path."""
+    text = " ".join(str(message).split())
+    print(f"spikeguard: {category.__name__}: {text}", file=file or sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    with warnings.catch_warnings():  # put back on return: main() may run inside a program
+        warnings.showwarning = _one_line_warning
+        return args.func(args)
 
 
 if __name__ == "__main__":

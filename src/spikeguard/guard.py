@@ -365,6 +365,8 @@ class Guard(_Responses):
         self._data_pos = self._position()
         if self.probes is not None:
             self.probes.start_step(self.step_index)
+        if self.sinks is not None:  # the metrics file continues after the restored step
+            self.sinks.resume(self.records)
         return info
 
     def state_dict(self) -> dict[str, Any]:

@@ -120,6 +120,25 @@ def _drop_partial_line(fd: int) -> None:
         os.ftruncate(fd, cut)
 
 
+def _line_end(fd: int, lines: int) -> int | None:
+    """The offset just after the file's ``lines``-th newline; None when it holds fewer."""
+    if lines <= 0:
+        return 0
+    pos, seen = 0, 0
+    while True:
+        chunk = os.pread(fd, 1 << 20, pos)
+        if not chunk:
+            return None
+        count = chunk.count(b"\n")
+        if seen + count >= lines:
+            at = -1
+            for _ in range(lines - seen):
+                at = chunk.index(b"\n", at + 1)
+            return pos + at + 1
+        seen += count
+        pos += len(chunk)
+
+
 class JsonlSink(Sink):
     """Writes each record as one JSON line (``encode_record``) to ``path`` (parents created).
 
@@ -181,6 +200,24 @@ class JsonlSink(Sink):
                               f"the file size limit; step {step} and later are not in it (the "
                               "lines before are whole)") from exc
             raise
+
+    def resume(self, records: int) -> None:
+        """Continue a resumed run: keep the first ``records`` lines (the records up to the
+        checkpoint restored, ``guard.records``) and drop the later ones, whose steps run again,
+        so each step keeps one line. ``Guard.resume()`` calls it; ``mode="w"`` starts over anyway."""
+        if not self.active or self.disabled or self.closed or self.mode != "a":
+            return
+        try:
+            self.flush()
+            if self._fd is None:
+                if not self.path.is_file():
+                    return
+                self._fd = self._open()
+            cut = _line_end(self._fd, records)
+            if cut is not None:
+                os.ftruncate(self._fd, cut)
+        except Exception as exc:
+            self._fail(exc)
 
     def _close(self) -> None:
         if self._fd is not None:
