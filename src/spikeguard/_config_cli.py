@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import textwrap
 import types
@@ -21,6 +22,7 @@ from typing import Any, Literal
 __all__ = ["add_config_args", "config_from_args", "field_docs", "flag_message"]
 
 
+@functools.cache  # reading the source is slow (tokenize): once per class, not once per flag
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring written under each field of a dataclass: its first paragraph, on one line."""
     docs: dict[str, str] = {}

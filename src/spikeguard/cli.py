@@ -4,6 +4,7 @@ join as they land)."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import warnings
@@ -44,7 +45,8 @@ def _cmd_budget(args: argparse.Namespace) -> int:
         budgets = [memory_budget(n_params, n_gpus=args.gpus, zero_stage=z, recipe=args.recipe,
                                  seq_len=seq if known else None, batch=args.batch,
                                  hidden=hidden if known else None, n_heads=heads if known else None,
-                                 n_layers=layers if known else None, recompute=args.recompute)
+                                 n_layers=layers if known else None, recompute=args.recompute,
+                                 attention=args.attention)
                    for z in range(4)]
     except ValueError as exc:
         print(f"spikeguard budget: {exc}", file=sys.stderr)
@@ -62,13 +64,18 @@ def _cmd_budget(args: argparse.Namespace) -> int:
     table.add_column("ZeRO stage")
     table.add_column("per GPU (GB)", justify="right")
     for b in budgets:
-        mark = " <-" if b.zero_stage == args.zero else ""
+        mark = " <- --zero" if b.zero_stage == args.zero else ""
         table.add_row(f"{b.zero_stage}{mark}", f"{b.per_gpu_bytes / 1e9:,.2f}")
     console.print(table)
     if chosen.activation_bytes is not None:
-        how = "full recompute" if args.recompute else "no recompute"
+        how = ("full recompute: the layer inputs only" if args.recompute else
+               "no recompute; attention " + ("flash (SDPA): no s x s scores stored, --attention "
+                                             "eager for a kernel that stores them"
+                                             if args.attention == "flash" else
+                                             "eager: the s x s scores, softmax and dropout mask "
+                                             "stored"))
         console.print(f"  activations: {chosen.activation_bytes / 1e9:,.2f} GB per micro-batch of "
-                      f"{args.batch} x {seq} tokens ({layers} layers, {how})")
+                      f"{args.batch} x {seq} tokens ({layers} layers, 16-bit, {how})")
     else:
         console.print("  activations: give --layers --hidden --heads --seq-len for an estimate")
     return 0
@@ -165,7 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="spikeguard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("budget", help="static memory per parameter, ZeRO stages, activations")
+    from .prevent.budget import ATTENTION, memory_budget
+
+    p = sub.add_parser("budget", help="static memory per parameter, ZeRO stages, activations",
+                       description="Static memory of AdamW training per parameter and per GPU at "
+                       "each ZeRO stage (the chosen --zero marked <-), and activations of one "
+                       "micro-batch when the shape is known.")
     p.add_argument("model", help="a named model (gpt2, gpt2-xl, 7b, 13b, 70b) or a count like 13e9")
     p.add_argument("--gpus", type=int, default=8, help="GPUs to shard over (default 8)")
     p.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
@@ -176,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, help="sequence length")
     p.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
     p.add_argument("--recompute", action="store_true", help="full activation recompute")
+    attention = inspect.signature(memory_budget).parameters["attention"].default
+    p.add_argument("--attention", choices=ATTENTION, default=attention,
+                   help="flash: SDPA/FlashAttention, which stores no attention scores; eager: "
+                   f"the s x s scores and softmax stored (default: {attention})")
     p.add_argument("--json", action="store_true", help="print the chosen stage as JSON")
     p.set_defaults(func=_cmd_budget)
 
