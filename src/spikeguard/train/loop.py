@@ -193,11 +193,11 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
     device = _init_distributed()
     rank, world = _dist.rank(), _dist.world_size()
     console = Console(quiet=not echo or rank != 0, highlight=False, soft_wrap=True)
+    out = Path(cfg.out)
+    check_out(out)
     data = load_train_data(corpus=cfg.corpus, data=cfg.data, tokenizer=cfg.tokenizer,
                            vocab_size=cfg.vocab_size)
     gcfg = cfg.gpt_config(data.vocab_size)
-    out = Path(cfg.out)
-    check_out(out)
     run_hash = cfg.run_hash(data.sha256)
     resume = prepare_out(cfg, out, run_hash, console)
     resumed_at: int | None = None
