@@ -197,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train the reference GPT through the Guard, every defense on",
                        description="Train the reference GPT on text that ships with Python (or "
-                       "--data) through the Guard. Exit status 3 when the guard halts the run.")
+                       "--data) through the Guard. Rerun the same command to resume.",
+                       epilog="exit status: " + " | ".join(f"{k}: {v}" for k, v in
+                                                          EXIT_STATUS.items()))
     # the model preset and the data decide these (spikeguard.train.config)
     skip = (*(f"gpt.{name}" for name in SHAPE_FIELDS), "guard.detector.vocab_size")
     add_config_args(p, TrainConfig, skip=skip)

@@ -145,7 +145,9 @@ class JsonlSink(Sink):
     Each line reaches the OS in a single unbuffered ``write`` as soon as the record is on the
     host, so a killed process loses at most the step still in flight (on a GPU the record of step
     t is written at t+1). ``mode="a"`` (default) appends, first dropping a line cut short by an
-    earlier crash; ``"w"`` starts a new file. ``fsync=True`` also forces every line to disk (a
+    earlier crash, and after ``Guard.resume()`` continues after the restored checkpoint's records
+    (:meth:`resume`: the steps that run again are not written twice); ``"w"`` starts a new
+    file. ``fsync=True`` also forces every line to disk (a
     machine crash, not only a process crash). The file opens at the first record, so a bad path
     is reported (``SinkDisabledWarning``) and never stops the run. A write that fails (a full
     disk: ENOSPC, EFBIG at the file size limit, EDQUOT) is cut back to the end of the last whole
