@@ -19,7 +19,8 @@ import spikeguard as sg
 
 def main(steps: int = 200, out: str = "runs/example", inject_at: int | None = None,
          seed: int = 0) -> list:
-    """Train for ``steps`` updates; returns the guard's verdict at every step."""
+    """Train for ``steps`` updates, resuming from ``out``'s newest checkpoint when it has one;
+    returns the guard's verdict at every step run."""
     torch.manual_seed(seed)
     cfg = sg.GPTConfig.tiny(z_loss=1e-4)                                 # sg: z-loss (PaLM)
     model = sg.GPT(cfg)
@@ -33,9 +34,10 @@ def main(steps: int = 200, out: str = "runs/example", inject_at: int | None = No
         config=sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps), clip=1.0),  # sg
         checkpoints=sg.CheckpointManager(Path(out) / "checkpoints", every=50, keep=3),  # sg
         sinks=[sg.JsonlSink(Path(out) / "metrics.jsonl")])              # sg
+    guard.resume()                  # sg: continue after a crash; the metrics file continues too
 
     verdicts = []
-    while guard.step_index < steps:
+    while guard.step_index < steps:                                      # a rollback replays steps
         x, y = next(data)
         if guard.step_index == inject_at:
             x = torch.randint(0, cfg.vocab_size, x.shape, generator=torch.Generator().manual_seed(1))

@@ -27,7 +27,11 @@ def test_recipes_and_components():
 def test_activation_formula_by_hand():
     s, b, h, a, L = 2048, 2, 1024, 16, 24
     expected = L * s * b * h * (34 + 5 * a * s / h)
-    assert activation_bytes(seq_len=s, batch=b, hidden=h, n_heads=a, n_layers=L) == expected
+    assert activation_bytes(seq_len=s, batch=b, hidden=h, n_heads=a, n_layers=L,
+                            attention="eager") == expected
+    # flash (the default): no s x s scores, only the fp32 log-sum-exp of each query row
+    assert activation_bytes(seq_len=s, batch=b, hidden=h, n_heads=a,
+                            n_layers=L) == L * (34 * s * b * h + 4 * a * s * b)
     assert activation_bytes(seq_len=s, batch=b, hidden=h, n_heads=a, n_layers=L,
                             recompute=True) == L * 2 * s * b * h
 
@@ -51,3 +55,18 @@ def test_cli_json_and_human(capsys):
     assert main(["budget", "350m", "--gpus", "1", "--zero", "0"]) == 0
     out = capsys.readouterr().out
     assert "6.30 GB static" in out  # 0.35e9 * 18
+
+
+def test_cli_budget_states_its_attention_assumption_and_takes_attention(capsys):
+    shape = dict(seq_len=4096, batch=1, hidden=5120, n_heads=40, n_layers=40)
+    for attention in ("flash", "eager"):
+        assert main(["budget", "13b", "--attention", attention]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        gb = activation_bytes(**shape, attention=attention) / 1e9
+        assert f"activations: {gb:,.2f} GB" in out and f"attention {attention}" in out
+        assert "3 <- --zero" in out  # the marker says what it marks
+    assert main(["budget", "13b", "--json"]) == 0  # the default is flash, as SDPA stores
+    assert json.loads(capsys.readouterr().out)["activation_bytes"] == pytest.approx(
+        activation_bytes(**shape))
+    with pytest.raises(ValueError, match="attention='sdpa'"):
+        activation_bytes(**shape, attention="sdpa")

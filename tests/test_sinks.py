@@ -340,3 +340,31 @@ def test_bench_sinks_smoke(sub_env, tmp_path):
     assert share and ratios, r.stdout
     values = [float(share.group(1)), float(ratios.group(1)), float(ratios.group(2))]
     assert all(math.isfinite(v) and v > 0 for v in values), r.stdout
+
+
+def test_jsonl_resume_keeps_the_records_up_to_the_checkpoint_and_continues(tmp_path):
+    path = tmp_path / "m.jsonl"
+    sink = JsonlSink(path, defer=False)
+    for t in range(10):
+        sink.log({"step": t, "loss": float(t)}, t)
+    sink.close()
+    with path.open("ab") as f:
+        f.write(b'{"step": 10, "lo')  # a line cut by a kill
+    resumed = JsonlSink(path, defer=False)
+    resumed.resume(6)  # the checkpoint had handed 6 records to the sinks: steps 0..5
+    assert [r["step"] for r in read_metrics(path)] == list(range(6))
+    for t in range(6, 8):
+        resumed.log({"step": t, "loss": -1.0}, t)
+    resumed.close()
+    records = read_metrics(path)
+    assert [r["step"] for r in records] == list(range(8)) and records[6]["loss"] == -1.0
+    short = JsonlSink(path, defer=False)
+    short.resume(50)  # more than the file holds (a metrics file lost its tail): keep it all
+    short.close()
+    assert len(read_metrics(path)) == 8
+    group = Sinks([JsonlSink(path, defer=False), object.__new__(type("Plain", (), {
+        "log": lambda self, record, step: None}))])
+    group.resume(3)  # passed on to the members that resume; a plain sink is left alone
+    group.close()
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2]
+    assert not group.failed

@@ -39,9 +39,9 @@ def test_an_outlier_is_skipped_and_the_run_dir_holds_config_record_checkpoints_p
     assert meta["config"]["guard"]["clip"] == 1.0 and len(meta["run_hash"]) == 64
     assert meta["config"]["guard"]["detector"]["median_window"] == 20  # for_run(80)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == \
-        ["step_00000020", "step_00000040", "step_00000060"]
-    assert (tmp_path / "run.png").stat().st_size > 10_000
+        ["step_00000020", "step_00000040", "step_00000060", "step_00000079"]  # + the last step
     assert "what the guard did" in r.stdout and "held-out loss" in r.stdout
+    _check_run_png(tmp_path, "outlier")
 
 
 def test_a_nan_halts_with_status_3_a_halt_line_and_the_parameter_named(tmp_path, sub_env):
@@ -53,6 +53,7 @@ def test_a_nan_halts_with_status_3_a_halt_line_and_the_parameter_named(tmp_path,
     last = sg.read_metrics(tmp_path / "metrics.jsonl")[-1]
     assert last["step"] == 30 and last["action"] == "halt"
     assert last["halt"]["nonfinite_params"] == ["blocks.0.mlp.fc.weight"]
+    _check_run_png(tmp_path, "nan")
 
 
 def test_kill_and_rerun_continues_the_metrics_with_nothing_lost_or_repeated(tmp_path, sub_env):
@@ -217,3 +218,59 @@ def test_an_lr_spike_with_rollback_rolls_back_once_and_the_fault_does_not_return
     # the replayed steps after the rollback run at the schedule's LR, not 200x it
     after = records[records.index(rollbacks[0]) + 1:]
     assert all(x["lr"] <= 1e-3 for x in after)
+    _check_run_png(tmp_path, "lr_rollback")
+
+
+def _check_run_png(out, name):
+    """run.png as the command wrote it, read pixel by pixel: each action that happened is its own
+    colour at its training step on every panel (above the curve), no other action's colour is
+    anywhere, the legend names only what happened, the unarmed steps are shaded and a rollback's
+    replayed steps too. Kept as screenshots/run_NAME.png."""
+    from spikeguard.train.plot import (
+        ABANDONED,
+        ACTION_STYLE,
+        LINE,
+        REPLAYED_COLOR,
+        UNARMED_COLOR,
+        draw_run,
+        final_path,
+    )
+    from tests import plot_check as pc
+
+    pc.keep(out / "run.png", f"run_{name}.png")
+    img = pc.pixels(out / "run.png")
+    records = sg.read_metrics(out / "metrics.jsonl")
+    fig = draw_run(records, title=name)  # the same layout, for matplotlib's own transforms
+    assert fig.canvas.get_width_height() == (img.shape[1], img.shape[0])
+    axes = fig.axes
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    for action, (color, _, label) in ACTION_STYLE.items():
+        at = [r["step"] for r in records if r["action"] == action]
+        assert any(lab.startswith(label) for lab in labels) == bool(at), (action, labels)
+        if not at:
+            assert not pc.mask(img, color).any(), f"{action}'s colour drawn, but none happened"
+            continue
+        for ax in axes:
+            for s in at:
+                assert pc.share_at(img, fig, ax, s, color) > 0.6, (action, s, ax.get_ylabel())
+        loss_ax = axes[0]  # the mark is drawn over the curve, not behind it
+        assert pc.share_at(img, fig, loss_ax, at[0], LINE, half=0) == 0.0, action
+    assert axes[-1].get_xlabel() == "training step"
+    top = max(r["step"] for r in records)
+    assert top < axes[-1].get_xlim()[1] < top + 3  # training steps, not run order
+    path = [r for r, k in zip(records, final_path(records)) if k]
+    armed_at = next(r["step"] for r in path if r["armed"])
+    assert armed_at > 1 and any(lab.startswith("unarmed") for lab in labels)
+    assert pc.share_at(img, fig, axes[0], armed_at // 2, UNARMED_COLOR) > 0.6
+    assert pc.share_at(img, fig, axes[0], armed_at + 3, UNARMED_COLOR) == 0.0
+    rollbacks = [r for r in records if r["action"] == "rollback"]
+    if not rollbacks:
+        assert not pc.mask(img, REPLAYED_COLOR).any() and len(records) == top + 1
+        return
+    rb = rollbacks[0]
+    lo, hi = rb["rollback_to"], rb["step"]
+    assert pc.share_at(img, fig, axes[0], (lo + hi) / 2, REPLAYED_COLOR) > 0.3
+    assert pc.share_at(img, fig, axes[0], hi + 5, REPLAYED_COLOR) == 0.0
+    dashed = pc.inside(img, fig, axes[0], ABANDONED)
+    assert len(dashed) and pc.column(fig, axes[0], lo) <= dashed.min() \
+        and dashed.max() <= pc.column(fig, axes[0], hi) + 1

@@ -23,13 +23,12 @@ __all__ = ["add_config_args", "config_from_args", "field_docs", "flag_message"]
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring line written under each field of a dataclass."""
-    return dict(_field_docs(cls))
+    """The docstring written under each field of a dataclass: its first paragraph, on one line."""
+    return dict(_field_docs(cls))  # a copy: the cached parse is never edited by a caller
 
 
-@functools.cache
+@functools.cache  # reading the source is slow (tokenize): once per class, not once per flag
 def _field_docs(cls: type) -> dict[str, str]:
-    # parsed once per class: a parser asks for every field, and each parse reads the source
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
@@ -40,7 +39,9 @@ def _field_docs(cls: type) -> dict[str, str]:
             if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                     and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                     and isinstance(nxt.value.value, str)):
-                docs[node.target.id] = nxt.value.value.strip().splitlines()[0]
+                # the first paragraph, joined: a help line never stops mid-sentence
+                para = inspect.cleandoc(nxt.value.value).split("\n\n")[0]
+                docs[node.target.id] = " ".join(para.split())
     return docs
 
 

@@ -4,10 +4,13 @@ join as they land)."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
+import warnings
+from typing import Any
 
-__all__ = ["main"]
+__all__ = ["EXIT_STATUS", "main"]
 
 
 def _parse_count(text: str) -> float:
@@ -42,7 +45,8 @@ def _cmd_budget(args: argparse.Namespace) -> int:
         budgets = [memory_budget(n_params, n_gpus=args.gpus, zero_stage=z, recipe=args.recipe,
                                  seq_len=seq if known else None, batch=args.batch,
                                  hidden=hidden if known else None, n_heads=heads if known else None,
-                                 n_layers=layers if known else None, recompute=args.recompute)
+                                 n_layers=layers if known else None, recompute=args.recompute,
+                                 attention=args.attention)
                    for z in range(4)]
     except ValueError as exc:
         print(f"spikeguard budget: {exc}", file=sys.stderr)
@@ -60,23 +64,38 @@ def _cmd_budget(args: argparse.Namespace) -> int:
     table.add_column("ZeRO stage")
     table.add_column("per GPU (GB)", justify="right")
     for b in budgets:
-        mark = " <-" if b.zero_stage == args.zero else ""
+        mark = " <- --zero" if b.zero_stage == args.zero else ""
         table.add_row(f"{b.zero_stage}{mark}", f"{b.per_gpu_bytes / 1e9:,.2f}")
     console.print(table)
     if chosen.activation_bytes is not None:
-        how = "full recompute" if args.recompute else "no recompute"
+        how = ("full recompute: the layer inputs only" if args.recompute else
+               "no recompute; attention " + ("flash (SDPA): no s x s scores stored, --attention "
+                                             "eager for a kernel that stores them"
+                                             if args.attention == "flash" else
+                                             "eager: the s x s scores, softmax and dropout mask "
+                                             "stored"))
         console.print(f"  activations: {chosen.activation_bytes / 1e9:,.2f} GB per micro-batch of "
-                      f"{args.batch} x {seq} tokens ({layers} layers, {how})")
+                      f"{args.batch} x {seq} tokens ({layers} layers, 16-bit, {how})")
     else:
         console.print("  activations: give --layers --hidden --heads --seq-len for an estimate")
     return 0
+
+
+EXIT_STATUS = {0: "done (or the run was already complete)",
+               1: "the machine failed the run (a full disk, a checkpoint that could not be "
+                  "saved); rerun the same command to resume once it is fixed",
+               2: "bad input: a flag, the data, --out, checkpoints that cannot be restored",
+               3: "the guard halted the run (Tier 3; the report names the tensor)",
+               130: "interrupted (Ctrl-C); rerun the same command to resume"}
+"""The exit statuses of ``spikeguard train`` (README's table)."""
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     import dataclasses
 
     from ._config_cli import config_from_args, flag_message
-    from .train import TrainConfig, train
+    from .checkpoint import CheckpointError
+    from .train import TrainConfig, TrainInterrupted, train
 
     try:
         cfg = config_from_args(TrainConfig, args)
@@ -87,6 +106,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"spikeguard train: {flag_message(exc, TrainConfig)}", file=sys.stderr)
         return 2
+    except TrainInterrupted as exc:
+        print(f"spikeguard train: {exc}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("spikeguard train: interrupted before training began; rerun the same command (it "
+              "resumes from the last checkpoint, if there is one)", file=sys.stderr)
+        return 130
+    except (CheckpointError, OSError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"spikeguard train: {type(exc).__name__}: {first}; the checkpoints written so far "
+              f"are intact: rerun the same command to resume once this is fixed", file=sys.stderr)
+        return 1
     if result.halted is not None:
         print(str(result.halted), file=sys.stderr)
         print(f"HALT at step {result.halted.step}: {'; '.join(result.halted.reasons)}")
@@ -114,7 +145,23 @@ def _cmd_sandbox(args: argparse.Namespace) -> int:
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from .diagnose._cli import run
 
-    return run(args)
+    try:
+        return run(args)
+    except OSError as exc:  # a report directory that cannot be written, a log that vanished
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"spikeguard diagnose: cannot write or read{where}: {exc.strerror or exc}; choose "
+              f"a writable --report directory (or check the log's path)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("spikeguard diagnose: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line_warning(message: Any, category: type[Warning], filename: str, lineno: int,
+                      file: Any = None, line: str | None = None) -> None:
+    """A warning as the command prints it: one line, no source path."""
+    text = " ".join(str(message).split())
+    print(f"spikeguard: {category.__name__}: {text}", file=file or sys.stderr)
 
 
 def _add_diagnose(sub: argparse._SubParsersAction) -> None:
@@ -138,7 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="spikeguard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("budget", help="static memory per parameter, ZeRO stages, activations")
+    from .prevent.budget import ATTENTION, memory_budget
+
+    p = sub.add_parser("budget", help="static memory per parameter, ZeRO stages, activations",
+                       description="Static memory of AdamW training per parameter and per GPU at "
+                       "each ZeRO stage (the chosen --zero marked <-), and activations of one "
+                       "micro-batch when the shape is known.")
     p.add_argument("model", help="a named model (gpt2, gpt2-xl, 7b, 13b, 70b) or a count like 13e9")
     p.add_argument("--gpus", type=int, default=8, help="GPUs to shard over (default 8)")
     p.add_argument("--zero", type=int, default=3, choices=(0, 1, 2, 3), help="ZeRO stage (default 3)")
@@ -149,12 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, help="sequence length")
     p.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
     p.add_argument("--recompute", action="store_true", help="full activation recompute")
+    attention = inspect.signature(memory_budget).parameters["attention"].default
+    p.add_argument("--attention", choices=ATTENTION, default=attention,
+                   help="flash: SDPA/FlashAttention, which stores no attention scores; eager: "
+                   f"the s x s scores and softmax stored (default: {attention})")
     p.add_argument("--json", action="store_true", help="print the chosen stage as JSON")
     p.set_defaults(func=_cmd_budget)
 
     p = sub.add_parser("train", help="train the reference GPT through the Guard, every defense on",
                        description="Train the reference GPT on text that ships with Python (or "
-                       "--data) through the Guard. Exit status 3 when the guard halts the run.")
+                       "--data) through the Guard. Rerun the same command to resume.",
+                       epilog="exit status: " + " | ".join(f"{k}: {v}" for k, v in
+                                                          EXIT_STATUS.items()))
     # the model preset and the data decide these (spikeguard.train.config)
     skip = (*(f"gpt.{name}" for name in SHAPE_FIELDS), "guard.detector.vocab_size")
     add_config_args(p, TrainConfig, skip=skip)
@@ -176,10 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["diagnose"]:  # only its parser: the train parser imports torch, diagnose needs none
         parser = _Parser(prog="spikeguard", description=__doc__)
         _add_diagnose(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
-        args = parser.parse_args(argv)
+    else:
+        parser = build_parser()
+    args = parser.parse_args(argv)
+    with warnings.catch_warnings():  # put back on return: main() may run inside a program
+        warnings.showwarning = _one_line_warning
         return args.func(args)
-    args = build_parser().parse_args(argv)
-    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TIER_COLORS", "figures"]
+__all__ = ["TIER_COLORS", "draw", "figures", "zoom_window"]
 
 TIER_COLORS = {0: "#9e9e9e", 1: "#f4b400", 2: "#e8710a", 3: "#d93025"}
 """Shading of a spike by tier: grey (no action), amber (skip), orange (rollback), red (halt)."""
@@ -64,8 +64,13 @@ def _nonfinite(ax: Any, steps: np.ndarray, y: np.ndarray) -> None:
 def _figure(title: str, rows: int = 1, height: float = 3.0) -> tuple[Any, Any]:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, height * rows), layout="constrained")
+    inches = height * rows
+    fig = Figure(figsize=(11, inches))
     axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+    # fixed margins (in inches), the legends in the right one: every plot of a report has its
+    # data area at the same place and width, so their step axes line up
+    fig.subplots_adjust(left=0.8 / 11, right=1 - 2.4 / 11, top=1 - 0.4 / inches,
+                        bottom=0.55 / inches, hspace=0.12)
     fig.suptitle(title, fontsize=11)
     return fig, axes
 
@@ -116,12 +121,31 @@ def _ratio_panel(ax: Any, diag: Any, sl: slice) -> None:
     ax.grid(alpha=0.3)
 
 
+def _legend(ax: Any, fontsize: float = 8) -> None:
+    """The legend beside the axes, never over the data."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0, fontsize=fontsize)
+
+
+def zoom_window(start: int, end: int, band: int, span: int) -> tuple[int, int]:
+    """Steps [lo, hi] of a spike's zoom: the spike with room before it (its evidence band) and
+    after, but at most 4x its own width and an eighth of the log's ``span`` each side (at least
+    10 steps), so the zoom of a short spike is a zoom, not the whole run."""
+    width = end - start + 1
+    pad = max(10, min(band, 4 * width, span // 8))
+    return start - pad, end + max(5, pad // 2)
+
+
 def figures(diag: Any, *, zooms: int = 6) -> dict[str, tuple[str, bytes]]:
     """{name: (caption, PNG bytes)}: loss, grad norm with its running-median band, log Z,
     loss / EMA, and a zoom on each of the first ``zooms`` spikes of the highest tiers."""
+    return {name: (caption, _png(fig)) for name, (caption, fig) in draw(diag, zooms=zooms).items()}
+
+
+def draw(diag: Any, *, zooms: int = 6) -> dict[str, tuple[str, Any]]:
+    """The figures of :func:`figures`, as matplotlib Figures."""
     log, spikes = diag.log, diag.spikes
     everything = slice(0, len(log))
-    out: dict[str, tuple[str, bytes]] = {}
+    out: dict[str, tuple[str, Any]] = {}
     names = [m for m in ("loss", "grad_norm", "log_z") if m in log.columns]
     captions = {
         "loss": "Training loss; spikes shaded by tier, dashed lines at rollback checkpoints.",
@@ -132,22 +156,22 @@ def figures(diag: Any, *, zooms: int = 6) -> dict[str, tuple[str, bytes]]:
         fig, (ax,) = _figure(name.replace("_", " "))
         _panel(ax, name, diag, everything)
         _shade(ax, spikes)
-        ax.legend(loc="upper left", fontsize=8)
+        _legend(ax)
         ax.set_xlabel("step")
-        out[name] = (captions[name], _png(fig))
+        out[name] = (captions[name], fig)
     if "loss_ema_ratio" in diag.replay.trace:
         fig, (ax,) = _figure("loss / EMA")
         _ratio_panel(ax, diag, everything)
         _shade(ax, spikes)
-        ax.legend(loc="upper left", fontsize=8)
+        _legend(ax)
         ax.set_xlabel("step")
         out["loss_ema_ratio"] = ("The loss over the detector's EMA, with the alert, skip and "
-                                 "Tier 2 levels.", _png(fig))
+                                 "Tier 2 levels.", fig)
     ranked = sorted(range(len(spikes)), key=lambda k: (-spikes[k].tier, k))[:zooms]
     band = diag.find.band_steps
     for k in sorted(ranked):
         s = spikes[k]
-        lo, hi = s.start - band, s.end + band // 2
+        lo, hi = zoom_window(s.start, s.end, band, int(log.steps[-1] - log.steps[0]))
         sl = slice(int(np.searchsorted(log.steps, lo)), int(np.searchsorted(log.steps, hi, "right")))
         fig, axes = _figure(f"spike {k + 1}: steps {s.start:,}-{s.end:,}, Tier {s.tier} "
                             f"({s.action})", rows=len(names), height=2.2)
@@ -157,7 +181,7 @@ def figures(diag: Any, *, zooms: int = 6) -> dict[str, tuple[str, bytes]]:
             moved = s.evidence.get("exits", {}).get(name)
             if moved is not None:
                 ax.axvline(moved, color="#202124", ls=":", lw=1, label=f"moved at {moved:,}")
-            ax.legend(loc="upper left", fontsize=7)
+            _legend(ax, fontsize=7)
         axes[-1].set_xlabel("step")
-        out[f"spike{k + 1}"] = (f"Spike {k + 1} up close: {s.cause}.", _png(fig))
+        out[f"spike{k + 1}"] = (f"Spike {k + 1} up close: {s.cause}.", fig)
     return out

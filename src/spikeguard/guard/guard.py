@@ -368,6 +368,8 @@ class Guard:
         self.ledger.resync()
         if self.probes is not None:
             self.probes.start_step(self.step_index)
+        if self.recorder.sinks is not None:  # the metrics file continues after the restored step
+            self.recorder.sinks.resume(self.records)
         return info
 
     def state_dict(self) -> dict[str, Any]:

@@ -103,16 +103,34 @@ class MemoryBudget:
         return asdict(self)
 
 
+Attention = Literal["flash", "eager"]
+ATTENTION = ("flash", "eager")
+
+
 def activation_bytes(
-    *, seq_len: int, batch: int, hidden: int, n_heads: int, n_layers: int, recompute: bool = False
+    *, seq_len: int, batch: int, hidden: int, n_heads: int, n_layers: int, recompute: bool = False,
+    attention: Attention = "flash",
 ) -> float:
-    """Activation bytes of one micro-batch: per layer s*b*h*(34 + 5*a*s/h) without recompute
-    (16-bit activations, Korthikanti et al.), 2*s*b*h with full recompute (the layer input only)."""
+    """Activation bytes of one micro-batch (16-bit activations, Korthikanti et al. 2022).
+
+    Per layer, without recompute: 34*s*b*h for the layer's matmul inputs, norms, GELU and
+    dropout masks, plus the attention's own: ``"eager"`` stores the a*s*s scores, their softmax
+    and its dropout mask (5*a*s*s*b bytes); ``"flash"`` (FlashAttention, torch's SDPA kernels)
+    stores none of them, only the fp32 log-sum-exp of each row (4*a*s*b bytes), and recomputes
+    the scores in the backward. Full recompute keeps the layer input only: 2*s*b*h."""
     for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden),
                         ("n_heads", n_heads), ("n_layers", n_layers)):
         check_int(value, name)
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r} must be 'flash' (SDPA/FlashAttention: no "
+                         f"scores stored) or 'eager' (the s x s scores stored)")
     s, b, h, a = seq_len, batch, hidden, n_heads
-    per_layer = 2.0 * s * b * h if recompute else s * b * h * (34.0 + 5.0 * a * s / h)
+    if recompute:
+        per_layer = 2.0 * s * b * h
+    elif attention == "eager":
+        per_layer = s * b * h * (34.0 + 5.0 * a * s / h)
+    else:
+        per_layer = 34.0 * s * b * h + 4.0 * a * s * b
     return per_layer * n_layers
 
 
@@ -128,6 +146,7 @@ def memory_budget(
     n_heads: int | None = None,
     n_layers: int | None = None,
     recompute: bool = False,
+    attention: Attention = "flash",
 ) -> MemoryBudget:
     """Static memory of AdamW training, and activations when the shape is given.
 
@@ -151,7 +170,7 @@ def memory_budget(
     shape = (seq_len, hidden, n_heads, n_layers)
     if all(v is not None for v in shape):
         act = activation_bytes(seq_len=seq_len, batch=batch, hidden=hidden, n_heads=n_heads,
-                               n_layers=n_layers, recompute=recompute)
+                               n_layers=n_layers, recompute=recompute, attention=attention)
     elif any(v is not None for v in shape):
         missing = [n for n, v in zip(("seq_len", "hidden", "n_heads", "n_layers"), shape) if v is None]
         raise ValueError(f"activation estimate needs seq_len, hidden, n_heads and n_layers; "

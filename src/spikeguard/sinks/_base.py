@@ -191,6 +191,10 @@ class Sink:
         except Exception as exc:
             self._fail(exc)
 
+    def resume(self, records: int) -> None:
+        """A resumed run continues after the ``records``-th record (``Guard.resume()`` calls
+        this): a sink whose output holds later records drops them (JsonlSink); others ignore it."""
+
     def flush(self) -> None:
         """Write the pending record now (waits for its device copy)."""
         if self._pending is None or self.disabled:
@@ -275,6 +279,17 @@ class Sinks(Sink):
                 continue
             try:
                 flush()
+            except Exception as exc:
+                self._drop(sink, exc)
+
+    def resume(self, records: int) -> None:
+        """Pass a resume on to every member that has ``resume(records)``."""
+        for sink in list(self.sinks):
+            resume = getattr(sink, "resume", None)
+            if resume is None:
+                continue
+            try:
+                resume(records)
             except Exception as exc:
                 self._drop(sink, exc)
 

@@ -120,13 +120,34 @@ def _drop_partial_line(fd: int) -> None:
         os.ftruncate(fd, cut)
 
 
+def _line_end(fd: int, lines: int) -> int | None:
+    """The offset just after the file's ``lines``-th newline; None when it holds fewer."""
+    if lines <= 0:
+        return 0
+    pos, seen = 0, 0
+    while True:
+        chunk = os.pread(fd, 1 << 20, pos)
+        if not chunk:
+            return None
+        count = chunk.count(b"\n")
+        if seen + count >= lines:
+            at = -1
+            for _ in range(lines - seen):
+                at = chunk.index(b"\n", at + 1)
+            return pos + at + 1
+        seen += count
+        pos += len(chunk)
+
+
 class JsonlSink(Sink):
     """Writes each record as one JSON line (``encode_record``) to ``path`` (parents created).
 
     Each line reaches the OS in a single unbuffered ``write`` as soon as the record is on the
     host, so a killed process loses at most the step still in flight (on a GPU the record of step
     t is written at t+1). ``mode="a"`` (default) appends, first dropping a line cut short by an
-    earlier crash; ``"w"`` starts a new file. ``fsync=True`` also forces every line to disk (a
+    earlier crash, and after ``Guard.resume()`` continues after the restored checkpoint's records
+    (:meth:`resume`: the steps that run again are not written twice); ``"w"`` starts a new
+    file. ``fsync=True`` also forces every line to disk (a
     machine crash, not only a process crash). The file opens at the first record, so a bad path
     is reported (``SinkDisabledWarning``) and never stops the run. A write that fails (a full
     disk: ENOSPC, EFBIG at the file size limit, EDQUOT) is cut back to the end of the last whole
@@ -181,6 +202,24 @@ class JsonlSink(Sink):
                               f"the file size limit; step {step} and later are not in it (the "
                               "lines before are whole)") from exc
             raise
+
+    def resume(self, records: int) -> None:
+        """Continue a resumed run: keep the first ``records`` lines (the records up to the
+        checkpoint restored, ``guard.records``) and drop the later ones, whose steps run again,
+        so each step keeps one line. ``Guard.resume()`` calls it; ``mode="w"`` starts over anyway."""
+        if not self.active or self.disabled or self.closed or self.mode != "a":
+            return
+        try:
+            self.flush()
+            if self._fd is None:
+                if not self.path.is_file():
+                    return
+                self._fd = self._open()
+            cut = _line_end(self._fd, records)
+            if cut is not None:
+                os.ftruncate(self._fd, cut)
+        except Exception as exc:
+            self._fail(exc)
 
     def _close(self) -> None:
         if self._fd is not None:

@@ -33,7 +33,8 @@ NO_DEFENSES = {"gpt.z_loss": 0.0, "gpt.qk_norm": False, "guard.clip": None,
 arms of a comparison differ only in the defenses."""
 
 # fields that may differ between a run and its resume (they do not change what is computed)
-_RESUMABLE = ("out", "fresh", "progress", "plot", "eval_batches", "print_every")
+# (threads: how many CPU threads compute it, which changes float rounding at most)
+_RESUMABLE = ("out", "fresh", "progress", "plot", "eval_batches", "print_every", "threads")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -98,6 +99,9 @@ class TrainConfig:
     """Write DIR/run.png at the end (needs matplotlib: the plot extra)."""
     print_every: int = 50
     """Print a line every this many steps when the progress bar is off."""
+    threads: int = 1
+    """CPU threads for torch's kernels; 0 keeps torch's default, one per core (slower on a
+    busy machine: BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "warmup_steps", "ckpt_every", "keep", "eval_batches",
@@ -120,8 +124,13 @@ class TrainConfig:
             check_int(self.vocab_size, "TrainConfig.vocab_size", minimum=2)
         if self.inject_rank is not None:
             check_int(self.inject_rank, "TrainConfig.inject_rank", minimum=0)
+        check_int(self.threads, "TrainConfig.threads", minimum=0)
         for spec in self.inject:
-            parse_fault(spec)  # a bad spec fails here, before anything is built
+            fault = parse_fault(spec)  # a bad spec fails here, before anything is built
+            if fault.step >= self.steps:
+                raise ValueError(f"--inject {spec}: step {fault.step} is past the run's last "
+                                 f"step {self.steps - 1} (--steps {self.steps}), so it would "
+                                 f"never fire; choose a step below {self.steps}")
 
     def resolved(self) -> TrainConfig:
         """The config as the run uses it: the ``--defenses`` overrides applied and the detector

@@ -16,7 +16,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import time
 import warnings
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from rich.console import Console
 
 from .. import _dist
 from .._crash import crash_point
-from ..checkpoint.manager import CheckpointManager
+from ..checkpoint import CheckpointError
 from ..data import TokenStream
 from ..detect.precision import PrecisionPolicy
 from ..guard import Guard
@@ -42,7 +41,16 @@ from ..sinks import JsonlSink, read_metrics
 from .config import TrainConfig
 from .data import load_train_data
 from .faults import Injector
-from .report import ProgressSink, plot_run, summary_table
+from .plot import plot_run
+from .report import ProgressSink, summary_table
+from .rundir import (
+    RunCheckpoints,
+    TrainInterrupted,
+    check_out,
+    cut_quarantine,
+    prepare_out,
+    resume_step,
+)
 
 __all__ = ["TrainResult", "evaluate", "train"]
 
@@ -62,6 +70,8 @@ class TrainResult:
     rollbacks: int = 0
     out: Path | None = None
     plot: Path | None = None
+    complete: bool = False
+    """True when the run directory already held the finished run (nothing was trained)."""
 
 
 @torch.no_grad()
@@ -110,51 +120,6 @@ def _init_distributed() -> torch.device:
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
-
-
-def _prepare_out(cfg: TrainConfig, out: Path, run_hash: str, console: Console) -> bool:
-    """Returns whether to resume. Refuses a directory holding another config's run."""
-    meta = out / "config.json"
-    ckpts = out / "checkpoints"
-    if cfg.fresh and _dist.rank() == 0:
-        shutil.rmtree(ckpts, ignore_errors=True)
-        for name in ("metrics.jsonl", "quarantine.jsonl", "config.json", "run.png"):
-            (out / name).unlink(missing_ok=True)
-    _dist.barrier()
-    if cfg.fresh or not meta.is_file():
-        return False
-    saved = json.loads(meta.read_text()).get("run_hash")
-    has_ckpt = any(ckpts.glob("step_*/MANIFEST.json")) if ckpts.is_dir() else False
-    if saved != run_hash and (has_ckpt or (out / "metrics.jsonl").exists()):
-        raise ValueError(f"--out {out} holds a run of another config or data (hash "
-                         f"{str(saved)[:12]} vs {run_hash[:12]}); pass --fresh to start over "
-                         f"there or choose another --out")
-    if not has_ckpt and _dist.rank() == 0:
-        # an earlier attempt died before its first checkpoint: its steps run again from 0
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-    return has_ckpt
-
-
-def _cut_metrics(path: Path, keep: int) -> None:
-    """Keep the first ``keep`` lines of the metrics file (the records up to the checkpoint being
-    resumed): the steps after it run again, and each finished step keeps exactly one line."""
-    if not path.exists():
-        return
-    lines = path.read_bytes().splitlines(keepends=True)[:keep]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_bytes(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines))
-    os.replace(tmp, path)
-
-
-def _cut_quarantine(path: Path, last_step: int) -> None:
-    """Keep the quarantine lines of steps up to ``last_step`` (the checkpoint being resumed)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", -1) <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
 
 
 def _optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -213,17 +178,28 @@ def _wrap(model: GPT, parallel: str, device: torch.device) -> torch.nn.Module:
 
 def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
     """Run ``cfg``: returns what it measured; a halt is reported in ``result.halted`` (the CLI
-    turns it into exit status 3)."""
-    cfg = cfg.resolved()
+    turns it into exit status 3); Ctrl-C raises :class:`TrainInterrupted`. torch's CPU thread
+    count is ``cfg.threads`` for the run and is put back afterwards."""
+    before = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _train(cfg.resolved(), echo=echo, torch_threads=before)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
     device = _init_distributed()
     rank, world = _dist.rank(), _dist.world_size()
     console = Console(quiet=not echo or rank != 0, highlight=False, soft_wrap=True)
+    out = Path(cfg.out)
+    check_out(out)
     data = load_train_data(corpus=cfg.corpus, data=cfg.data, tokenizer=cfg.tokenizer,
                            vocab_size=cfg.vocab_size)
     gcfg = cfg.gpt_config(data.vocab_size)
-    out = Path(cfg.out)
     run_hash = cfg.run_hash(data.sha256)
-    resume = _prepare_out(cfg, out, run_hash, console)
+    resume = prepare_out(cfg, out, run_hash, console)
     resumed_at: int | None = None
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg).to(device)
@@ -248,20 +224,35 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
                             bar=cfg.progress, print_every=cfg.print_every)
     sinks = [JsonlSink(out / "metrics.jsonl"), progress] if rank == 0 else []
     guard = Guard(model, optimizer, config=cfg.guard, scheduler=scheduler, precision=policy,
-                  checkpoints=CheckpointManager(out / "checkpoints", every=cfg.ckpt_every,
-                                                keep=cfg.keep),
+                  checkpoints=RunCheckpoints(out / "checkpoints", every=cfg.ckpt_every,
+                                             keep=cfg.keep, last_step=cfg.steps - 1),
                   data=stream, sinks=sinks, probes=True, extra_state={"faults": injector},
                   keep_on_rollback=("faults",))
+    threads = (f"--threads {cfg.threads}; torch's default here: {torch_threads}" if cfg.threads
+               else "torch's default, --threads 0")
     console.print(f"{data.describe}; model {cfg.model}: {model.num_params():,} params on "
-                  f"{device.type} x {world}, {policy.kind}; run dir {out}")
+                  f"{device.type} x {world}, {policy.kind}, {torch.get_num_threads()} CPU "
+                  f"thread(s) ({threads}); run dir {out}")
     if resume:
-        info = guard.resume()
+        try:
+            info = guard.resume()  # the metrics file is cut back to the checkpoint (JsonlSink)
+        except CheckpointError as exc:
+            raise ValueError(f"{str(exc).splitlines()[0]}: every checkpoint there was refused "
+                             f"(the warnings above say why); pass --fresh to start over in "
+                             f"{out} (it removes them) or choose another --out") from None
         if info is not None:
             result.resumed_from = info.step
             resumed_at = stream.position
             if rank == 0:
-                _cut_metrics(out / "metrics.jsonl", guard.records)
-                _cut_quarantine(out / "quarantine.jsonl", info.step)
+                cut_quarantine(out / "quarantine.jsonl", info.step)
+            if guard.step_index >= cfg.steps:
+                guard.close()
+                progress.close()
+                result.complete, result.applied = True, guard.applied
+                console.print(f"the run in {out} is complete: all {cfg.steps} steps done, the "
+                              f"last checkpoint at step {info.step}; nothing to train (--fresh "
+                              f"starts it over, a new --out runs beside it)")
+                return result
             console.print(f"resumed from the checkpoint at step {info.step}")
     start = time.perf_counter()
     skipped: list[int] = []
@@ -295,6 +286,8 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
         skipped += [v.step for v in guard.flush() if v.skip]
     except TrainingHalted as halt:
         result.halted = halt.report
+    except KeyboardInterrupt:
+        raise TrainInterrupted(guard.step_index, resume_step(guard.checkpoints)) from None
     finally:
         guard.close()
         progress.close()
@@ -316,7 +309,8 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
                                     seconds=result.seconds, halted=result.halted is not None))
         if cfg.plot and (out / "metrics.jsonl").exists():
             result.plot = plot_run(read_metrics(out / "metrics.jsonl"), out / "run.png",
-                                   title=f"spikeguard train: {cfg.model}, seed {cfg.seed}")
+                                   title=f"spikeguard train: {cfg.model}, seed {cfg.seed}",
+                                   skip_ratio=cfg.guard.detector.skip_ratio)
             if result.plot is not None:
                 console.print(f"plot: {result.plot}")
         if result.halted is None:

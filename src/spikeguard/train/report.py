@@ -1,20 +1,17 @@
-"""What ``spikeguard train`` shows: a progress bar while it runs, a summary of what the guard did,
-and a plot of the run (loss, grad norm with its median band, log Z, loss/EMA; skips, rollbacks
-and halts marked)."""
+"""What ``spikeguard train`` shows while it runs: a progress bar, then a summary of what the guard
+did (the picture of the run is ``plot.py``)."""
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import Counter, deque
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["ProgressSink", "plot_run", "summary_table"]
+__all__ = ["ProgressSink", "summary_table"]
 
 
 class ProgressSink:
@@ -81,54 +78,3 @@ def summary_table(progress: ProgressSink, *, steps: int, applied: int, rollbacks
     table.add_row("held-out loss (nats)", "halted" if halted else f"{val_loss:.4f}")
     table.add_row("seconds", f"{seconds:,.1f}")
     return table
-
-
-def plot_run(records: list[dict[str, Any]], png: Path, *, title: str) -> Path | None:
-    """Four panels from the run's records; None when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    steps = list(range(len(records)))  # record order: a rollback replays steps, time goes on
-    def col(key: str) -> list[float]:
-        return [r.get(key) if isinstance(r.get(key), (int, float)) else math.nan for r in records]
-
-    fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
-    axes[0].plot(steps, col("loss"), lw=0.8)
-    axes[0].set_ylabel("loss (nats)")
-    g = col("grad_norm")
-    axes[1].plot(steps, g, lw=0.8)
-    window, band = deque(maxlen=200), []
-    for v in g:
-        if math.isfinite(v):
-            window.append(v)
-        band.append(statistics.median(window) if window else math.nan)
-    axes[1].plot(steps, band, lw=1.0, color="black", label="running median")
-    axes[1].fill_between(steps, band, [3 * b for b in band], alpha=0.15, color="gray",
-                         label="median .. 3x median")
-    axes[1].set_yscale("log")
-    axes[1].set_ylabel("grad norm (pre-clip)")
-    axes[1].legend(loc="upper right", fontsize=8)
-    axes[2].plot(steps, col("log_z"), lw=0.8)
-    axes[2].set_ylabel("log Z")
-    axes[3].plot(steps, col("loss_ema_ratio"), lw=0.8)
-    axes[3].axhline(2.0, ls="--", color="gray", lw=0.8)
-    axes[3].set_ylabel("loss / EMA")
-    axes[3].set_xlabel("step (in run order)")
-    colors = {"skip": "orange", "rollback": "purple", "halt": "red", "alert": "gold"}
-    for i, r in enumerate(records):
-        c = colors.get(r.get("action"))
-        if c:
-            for ax in axes:
-                ax.axvline(i, color=c, alpha=0.5, lw=1.0)
-    handles = [plt.Line2D([], [], color=c, label=a) for a, c in colors.items()]
-    axes[0].legend(handles=handles, loc="upper right", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=90)
-    plt.close(fig)
-    return png
