@@ -81,7 +81,7 @@ class TrainConfig:
     seed: int = 0
     """Seed for weights and batch order."""
     inject: tuple[str, ...] = ()
-    """A fault: outlier@S, seq@S[:ROW], grad@S:MULT, nan@S, lr@S:MULT:LEN, logit-drift@S (see docs)."""
+    """A fault: outlier@S, storm@S:N, grad@S:MULT, nan@S, nan-data@S, lr@S:MULT:LEN, ... (docs)."""
     inject_rank: int | None = None
     """Inject faults on this rank only (default: every rank)."""
     parallel: Literal["none", "ddp", "fsdp"] = "none"
@@ -120,8 +120,10 @@ class TrainConfig:
             check_int(self.vocab_size, "TrainConfig.vocab_size", minimum=2)
         if self.inject_rank is not None:
             check_int(self.inject_rank, "TrainConfig.inject_rank", minimum=0)
-        for spec in self.inject:
-            parse_fault(spec)  # a bad spec fails here, before anything is built
+        for spec in self.inject:  # a bad spec fails here, before anything is built
+            if parse_fault(spec).kind == "overflow" and self.precision != "fp16-mixed":
+                raise ValueError(f"--inject {spec} overflows an fp16 gradient; it needs "
+                                 f"--precision fp16-mixed (not {self.precision})")
 
     def resolved(self) -> TrainConfig:
         """The config as the run uses it: the ``--defenses`` overrides applied and the detector

@@ -1,0 +1,268 @@
+"""Detection-quality scoring: a run's metrics records in, per-cell numbers and targets out.
+
+Pure Python (no torch), so ``benchmarks/detection.py``, ``spikeguard diagnose`` and the sandbox
+can score runs alike. Two stages:
+
+1. :func:`summarize_run` turns one run's records (the dicts of its ``metrics.jsonl``, in run
+   order: a rollback's replayed steps appear again) and its held-out loss into a small summary
+   dict (what a results file keeps per run).
+2. :func:`score` groups summaries by (cell, arm), pairs each guarded run with the unguarded run
+   of the same cell and seed (the same defenses, every response off) and with the clean
+   unguarded run of the same seed (``clean_ref``), and checks the targets.
+
+The rules (a defense is judged against doing nothing):
+
+- a clean run is **harmed** when it halted, rolled back, or ended with a held-out loss above
+  ``HARM_RATIO`` (1.005) times the unguarded arm's;
+- a **false skip** is any skip on a clean run (halt records excluded); the rate is per 1,000
+  *armed* steps (records whose ``armed`` key is true), so warmup steps do not dilute it;
+- a guarded faulted run is **worse than unguarded** when the unguarded run ended finite and the
+  guarded one halted or ended above ``HARM_RATIO`` times it, except where the target asks for a
+  halt (NaN faults; the sticky LR fault under rollback).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ALERT_WITHIN", "FAULT_KINDS", "HARM_RATIO", "MAX_FALSE_SKIPS_PER_1K", "CellScore",
+           "format_table", "overall", "score", "summarize_run"]
+
+HARM_RATIO = 1.005
+"""A guarded held-out loss above this times the unguarded arm's is harm."""
+MAX_FALSE_SKIPS_PER_1K = 1.0
+"""Target: false skips per 1,000 armed steps on clean runs."""
+ALERT_WITHIN = 10
+"""Target: a Tier 2 alert (with its summary) within this many steps of the first anomaly."""
+OUTLIER_FINAL = 1.002
+"""Target: after an outlier or a storm, the final loss within 0.2% of the clean run."""
+LR_ROLLBACK_FINAL = 1.02
+"""Target: after the LR transient under rollback, the final loss within 2% of the clean run."""
+
+FAULT_KINDS = ("outlier", "storm", "nan-grad", "nan-data", "lr", "lr-sticky", "logit-drift",
+               "grad-x10", "fp16-overflow")
+"""The faulted cells' names (the benchmark maps each to an ``--inject`` spec)."""
+_HALT_EXPECTED = {("nan-grad", "alert"), ("nan-grad", "rollback"), ("nan-data", "alert"),
+                  ("nan-data", "rollback"), ("lr-sticky", "rollback")}
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def summarize_run(records: Iterable[dict[str, Any]], *, val_loss: float | None,
+                  fault_step: int | None = None) -> dict[str, Any]:
+    """One run's summary from its metrics records (run order) and its held-out loss (None or
+    NaN when it halted). ``fault_step``: where a planted fault fires (first anomaly at or after
+    it, the first Tier 2 event after that)."""
+    n = armed = armed_skips = rollbacks = 0
+    skip_steps: list[int] = []
+    alerts: list[int] = []
+    causes: Counter[str] = Counter()
+    halt: dict[str, Any] | None = None
+    first_anomaly = first_tier2 = None
+    first_tier2_action = None
+    for r in records:
+        n += 1
+        step, action = int(r["step"]), r.get("action", "continue")
+        skipped = bool(r.get("skipped")) and action != "halt"
+        if r.get("armed"):
+            armed += 1
+            armed_skips += skipped
+        if skipped:
+            skip_steps.append(step)
+            causes[str(r.get("cause"))] += 1
+        if action == "rollback":
+            rollbacks += 1
+        if action == "alert" and r.get("summary") is not None:
+            alerts.append(step)
+        if action == "halt" and halt is None:
+            h = r.get("halt") or {}
+            named = list(h.get("nonfinite_params") or [])[:3]
+            named += [v for v in (h.get("first_forward"), h.get("first_backward")) if v]
+            halt = {"step": step, "reasons": list(r.get("reasons") or []), "named": named,
+                    "detail": h.get("detail", "")}
+        if fault_step is not None and step >= fault_step:
+            anomalous = (int(r.get("tier") or 0) >= 1 or skipped or action != "continue")
+            if first_anomaly is None and anomalous:
+                first_anomaly = step
+            tier2 = action in ("rollback", "halt") or (action == "alert"
+                                                        and r.get("summary") is not None)
+            if first_tier2 is None and tier2:
+                first_tier2, first_tier2_action = step, action
+    return {"records": n, "armed_steps": armed, "armed_skips": armed_skips,
+            "skip_steps": skip_steps, "alerts": alerts, "rollbacks": rollbacks,
+            "causes": dict(causes), "halted": halt is not None, "halt": halt,
+            "val_loss": val_loss if _finite(val_loss) else None,
+            "first_anomaly": first_anomaly, "first_tier2": first_tier2,
+            "first_tier2_action": first_tier2_action}
+
+
+def _caught(s: dict[str, Any], max_rollbacks: int) -> bool:
+    """Whether the guarded run ``s`` did what its fault asks for."""
+    kind, step, length = s["fault"], s["fault_step"], s.get("fault_len", 1)
+    skips = set(s["skip_steps"])
+    if kind in ("outlier", "storm"):
+        return all(t in skips for t in range(step, step + length)) and not s["halted"]
+    if kind in ("nan-grad", "nan-data"):
+        h = s["halt"]
+        return h is not None and h["step"] == step and bool(h["named"])
+    if kind == "lr-sticky" and s["arm"] == "rollback":
+        return s["halted"] and s["rollbacks"] >= max_rollbacks
+    if kind in ("lr", "lr-sticky"):
+        a, t2 = s["first_anomaly"], s["first_tier2"]
+        want = "rollback" if s["arm"] == "rollback" else "alert"
+        return (a is not None and t2 is not None and s["first_tier2_action"] == want
+                and t2 - a <= ALERT_WITHIN)
+    if kind == "logit-drift":
+        return s["first_tier2"] is not None
+    if kind in ("grad-x10", "fp16-overflow"):
+        return step in skips and not s["halted"]
+    raise ValueError(f"unknown fault {kind!r}; expected one of {FAULT_KINDS}")
+
+
+@dataclass
+class CellScore:
+    """One (cell, arm) of the matrix, over its seeds."""
+
+    cell: str
+    arm: str
+    kind: str
+    runs: int = 0
+    halts: int = 0
+    rollbacks: int = 0
+    harmed: int = 0
+    unpaired: int = 0
+    armed_steps: int = 0
+    false_skips: int = 0
+    caught: int = 0
+    worse: int = 0
+    final_over_clean: list[float] = field(default_factory=list)
+    over_unguarded: list[float] = field(default_factory=list)
+    targets: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def false_skips_per_1k(self) -> float:
+        return 1000.0 * self.false_skips / self.armed_steps if self.armed_steps else 0.0
+
+    @property
+    def met(self) -> bool | None:
+        """All targets met (None: the cell has none, e.g. the unguarded arm)."""
+        return all(self.targets.values()) if self.targets else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if _finite(a) and _finite(b) and b > 0 else None
+
+
+def score(summaries: Iterable[dict[str, Any]], *, max_rollbacks: int = 3) -> list[CellScore]:
+    """Score every (cell, arm). A summary carries ``cell``, ``kind`` (clean|fault), ``arm``
+    (alert|rollback|unguarded), ``seed``, ``clean_ref`` (the clean cell of the same model, LR
+    and length), for faults ``fault``/``fault_step``/``fault_len``, and summarize_run's keys.
+    A later summary of the same (cell, arm, seed) replaces an earlier one."""
+    runs: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for s in summaries:
+        runs[(s["cell"], s["arm"], int(s["seed"]))] = s
+    cells: dict[tuple[str, str], CellScore] = {}
+    for (cell, arm, seed), s in sorted(runs.items()):
+        c = cells.setdefault((cell, arm), CellScore(cell, arm, s["kind"]))
+        c.runs += 1
+        c.halts += s["halted"]
+        c.rollbacks += s["rollbacks"] > 0
+        base = runs.get((cell, "unguarded", seed))
+        clean = runs.get((s.get("clean_ref", cell), "unguarded", seed))
+        r = _ratio(s["val_loss"], clean["val_loss"] if clean else None)
+        if r is not None:
+            c.final_over_clean.append(r)
+        if arm == "unguarded":
+            continue
+        vs = _ratio(s["val_loss"], base["val_loss"] if base else None)
+        if vs is not None:
+            c.over_unguarded.append(vs)
+        base_finite = base is not None and _finite(base["val_loss"])
+        if s["kind"] == "clean":
+            c.armed_steps += s["armed_steps"]
+            c.false_skips += s["armed_skips"]
+            if s["halted"] or s["rollbacks"] > 0 or (vs is not None and vs > HARM_RATIO):
+                c.harmed += 1
+            elif base is None:
+                c.unpaired += 1
+            continue
+        c.caught += _caught(s, max_rollbacks)
+        if base is None:
+            c.unpaired += 1
+        elif (base_finite and (s["fault"], arm) not in _HALT_EXPECTED
+              and (s["halted"] or (vs is not None and vs > HARM_RATIO))):
+            c.worse += 1
+    for c in cells.values():
+        _targets(c)
+    return sorted(cells.values(), key=lambda c: (c.kind, c.cell, c.arm))
+
+
+def _targets(c: CellScore) -> None:
+    if c.arm == "unguarded":
+        return
+    t = c.targets
+    if c.kind == "clean":
+        t["no halt"] = c.halts == 0
+        t["no rollback"] = c.rollbacks == 0
+        t["none harmed"] = c.harmed == 0
+        t[f"false skips <= {MAX_FALSE_SKIPS_PER_1K:g}/1k"] = (
+            c.false_skips_per_1k <= MAX_FALSE_SKIPS_PER_1K)
+        return
+    fault = c.cell.rsplit("/", 1)[-1]
+    t["not worse than unguarded"] = c.worse == 0
+    all_caught = c.caught == c.runs
+    worst = max(c.final_over_clean, default=math.inf)
+    if fault in ("outlier", "storm"):
+        t["skipped on every seed"] = all_caught
+        t[f"final <= {OUTLIER_FINAL:g}x clean"] = worst <= OUTLIER_FINAL
+    elif fault in ("nan-grad", "nan-data"):
+        t["halts at the step, naming the tensor"] = all_caught
+    elif fault == "lr" and c.arm == "rollback":
+        t[f"final <= {LR_ROLLBACK_FINAL:g}x clean"] = worst <= LR_ROLLBACK_FINAL
+    elif fault == "lr":
+        t[f"tier 2 alert within {ALERT_WITHIN} steps"] = all_caught
+        t["goes on"] = c.halts == 0
+    elif fault == "lr-sticky" and c.arm == "rollback":
+        t["budget exhausted, halts"] = all_caught
+
+
+def overall(cells: Iterable[CellScore]) -> tuple[int, int]:
+    """(cells whose targets are all met, cells with targets)."""
+    judged = [c for c in cells if c.met is not None]
+    return sum(bool(c.met) for c in judged), len(judged)
+
+
+def _fmt(values: list[float]) -> str:
+    return f"{max(values):.4f}" if values else "-"
+
+
+def format_table(cells: list[CellScore], *, only_failed: bool = False) -> str:
+    """A Markdown table, one row per (cell, arm): worst ratios, counts and targets."""
+    head = ("| cell | arm | runs | halts | rollbacks | harmed | false skips/1k armed | caught "
+            "| final/clean (max) | vs unguarded (max) | targets |")
+    lines = [head, "|" + "---|" * 11]
+    for c in cells:
+        if only_failed and c.met is not False:
+            continue
+        failed = [k for k, v in c.targets.items() if not v]
+        verdict = ("-" if c.met is None else "met" if c.met
+                   else "NOT met: " + ", ".join(failed))
+        clean = c.kind == "clean" and c.arm != "unguarded"
+        lines.append(
+            f"| {c.cell} | {c.arm} | {c.runs} | {c.halts} | {c.rollbacks} | "
+            f"{c.harmed if clean else '-'} | "
+            f"{f'{c.false_skips_per_1k:.1f} ({c.false_skips}/{c.armed_steps})' if clean else '-'}"
+            f" | {f'{c.caught}/{c.runs}' if c.kind == 'fault' and c.arm != 'unguarded' else '-'}"
+            f" | {_fmt(c.final_over_clean)} | {_fmt(c.over_unguarded)} | {verdict} |")
+    met, judged = overall(cells)
+    lines.append("")
+    lines.append(f"overall: {met}/{judged} guarded cells meet every target"
+                 + (" (targets met)" if met == judged and judged else " (targets NOT met)"))
+    return "\n".join(lines)
+
