@@ -13,7 +13,7 @@ Cells (the matrix of issue "Do no harm", item 5):
 
 - clean, tiny (batch 8): peak LR 1e-3, 3e-3, 6e-3, 1e-2 x lengths 20, 60, 160, 300, 1000 x 10
   seeds; clean, demo (batch 16, the TrainConfig default): LR 3e-3, 6e-3 x lengths 20, 60, 160,
-  300 x 5 seeds (240 cells, 40 x 3 arms);
+  300 x 5 seeds (28 cells, 240 seeded runs per arm, 720 runs);
 - faulted at 300 steps, LR 3e-3, the fault at step 150 (tiny 5 seeds, demo 3): ``outlier@150``,
   ``storm@150:5``, ``nan@150`` (NaN gradient), ``nan-data@150`` (NaN from the data),
   ``lr@150:50:20`` and the sticky ``lr@150:50:20!``, ``logit-drift@150:0.05``, ``grad@150:10``,
@@ -23,18 +23,24 @@ Cells (the matrix of issue "Do no harm", item 5):
 
 Scoring and targets: ``spikeguard.testing.detection`` (pure, torch-free).
 
-Sizing (measured on the shared 2-core machine, one torch thread per run, load 2-4): tiny ~30 ms
-per step (300 steps ~9 s with checkpoints; fp16-mixed ~190 ms per step, ~5x, CPU autocast in
-fp16); demo at batch 16 ~370 ms per step (300 steps ~110 s). The whole matrix is about 1,700 runs
-and 330,000 steps: tiny clean 600 runs / 185k steps (~1.5 h on one worker), tiny faults 135 runs
-(~0.6 h), demo clean 120 runs / 16k steps (~1.7 h), demo faults 81 runs (~3.5 h, fp16 included):
-about 7 worker-hours, ~4 h of wall time with ``--workers 2`` on a quiet machine. ``--estimate``
-prints the estimate from the results file's own timings. Results: one JSON line per (cell, arm,
-seed), appended and fsynced by the parent; a rerun skips what is done, a torn last line is cut.
+Sizing. The matrix is 936 runs and 265,800 steps: tiny clean 600 runs / 184,800 steps, demo
+clean 120 / 16,200, tiny faults 135 / 40,500, demo faults 81 / 24,300. On a quiet 2-core
+machine, one torch thread per run: tiny (batch 8) ~30 ms a step plus ~1.5 s start-up (300 steps
+~9 s), fp16-mixed ~5x that (CPU autocast in fp16 is slow); demo (batch 16, the default, kept:
+batch 8 would halve demo's share) ~370 ms a step (300 steps ~110 s). That is ~7.8 worker-hours,
+~3.9 h of wall time with ``--workers 2`` (tiny ~2.4 worker-hours, demo ~5.4). On the machine
+shared with other jobs (load 8-12) tiny ran 4-8x slower: see BENCHMARKS.md for the measured
+wall times; ``--estimate`` prints the estimate of a selection from the results file's own
+timings (a fit of start-up + per-step seconds per model and precision).
+
+Results: one JSON line per (cell, arm, seed), a summary (no records), appended and fsynced by
+the parent process; a rerun skips what is done, a crashed run is written as an ``error`` line
+and retried, and a torn last line (a crash mid-write) is cut before appending.
 
     PYTHONPATH=src:. nice -n 5 python benchmarks/detection.py --matrix all --workers 2 \\
         --results benchmarks/results/detection.jsonl
-    PYTHONPATH=src:. python benchmarks/detection.py --table --results benchmarks/results/detection_before.jsonl
+    PYTHONPATH=src:. python benchmarks/detection.py --table \\
+        --results benchmarks/results/detection_before.jsonl
     PYTHONPATH=src:. python benchmarks/detection.py --matrix clean --models tiny --lrs 3e-3 \\
         --lengths 300 --seeds 0 1 2 --arms alert unguarded --workers 2
 """
@@ -53,11 +59,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from spikeguard.testing.detection import FAULT_KINDS, format_table, score, summarize_run
+from spikeguard.testing.detection import ARMS, FAULT_KINDS, format_table, score, summarize_run
 
 __all__ = ["ARMS", "FAULT_SPECS", "load_results", "main", "matrix", "run_jobs", "run_one"]
 
-ARMS = ("alert", "rollback", "unguarded")
 BATCH = {"tiny": 8, "demo": 16}
 CLEAN = {"tiny": ((1e-3, 3e-3, 6e-3, 1e-2), (20, 60, 160, 300, 1000), 10),
          "demo": ((3e-3, 6e-3), (20, 60, 160, 300), 5)}
@@ -285,20 +290,34 @@ def _select(jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[s
     return [j for j in jobs if keep(j)]
 
 
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares wall = a + b * steps (a: start-up, data, evaluation; b: per step)."""
+    n = len(points)
+    mx = sum(t for t, _ in points) / n
+    my = sum(w for _, w in points) / n
+    var = sum((t - mx) ** 2 for t, _ in points)
+    if var == 0:
+        return 0.0, my / mx
+    b = sum((t - mx) * (w - my) for t, w in points) / var
+    return max(0.0, my - b * mx), b
+
+
 def estimate(jobs: list[dict[str, Any]], lines: list[dict[str, Any]], workers: int) -> str:
-    """Wall time of ``jobs`` from the seconds per step the results file measured."""
-    rate: dict[tuple[str, str], list[float]] = {}
+    """Wall time of ``jobs`` from the timings in the results file: per (model, precision) a
+    fit of wall = start-up + steps x per-step (the quiet-machine sizing where none is there)."""
+    points: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for d in lines:
-        rate.setdefault((d["model"], d["precision"]), []).append(d["wall_s"] / d["steps"])
-    fallback = {"tiny": 0.03, "demo": 0.37}
+        points.setdefault((d["model"], d["precision"]), []).append((d["steps"], d["wall_s"]))
+    quiet = {"tiny": (1.5, 0.03), "demo": (3.0, 0.37)}
     total = 0.0
     for j in jobs:
-        r = rate.get((j["model"], j["precision"]))
-        per = sorted(r)[len(r) // 2] if r else fallback[j["model"]] * (
-            5 if j["precision"] == "fp16-mixed" else 1)
-        total += per * j["steps"]
+        pts = points.get((j["model"], j["precision"]))
+        a, b = _fit(pts) if pts else (quiet[j["model"]][0], quiet[j["model"]][1] * (
+            5 if j["precision"] == "fp16-mixed" else 1))
+        total += a + b * j["steps"]
     return (f"{len(jobs)} runs, {sum(j['steps'] for j in jobs):,} steps: ~{total / 3600:.2f} "
-            f"worker-hours, ~{total / 3600 / max(1, workers):.2f} h on {workers} worker(s)")
+            f"worker-hours, ~{total / 3600 / max(1, workers):.2f} h of wall time on {workers} "
+            f"worker(s)")
 
 
 def main(argv: list[str] | None = None) -> int:

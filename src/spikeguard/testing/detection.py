@@ -24,12 +24,13 @@ The rules (a defense is judged against doing nothing):
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ALERT_WITHIN", "FAULT_KINDS", "HARM_RATIO", "MAX_FALSE_SKIPS_PER_1K", "CellScore",
+__all__ = ["ALERT_WITHIN", "ARMS", "FAULT_KINDS", "HARM_RATIO", "MAX_FALSE_SKIPS_PER_1K", "CellScore",
            "format_table", "overall", "score", "summarize_run"]
 
 HARM_RATIO = 1.005
@@ -43,6 +44,8 @@ OUTLIER_FINAL = 1.002
 LR_ROLLBACK_FINAL = 1.02
 """Target: after the LR transient under rollback, the final loss within 2% of the clean run."""
 
+ARMS = ("alert", "rollback", "unguarded")
+"""The arms: the default policy, tier2="rollback", and every response off (respond=False)."""
 FAULT_KINDS = ("outlier", "storm", "nan-grad", "nan-data", "lr", "lr-sticky", "logit-drift",
                "grad-x10", "fp16-overflow")
 """The faulted cells' names (the benchmark maps each to an ``--inject`` spec)."""
@@ -143,6 +146,7 @@ class CellScore:
     worse: int = 0
     final_over_clean: list[float] = field(default_factory=list)
     over_unguarded: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
     targets: dict[str, bool] = field(default_factory=dict)
 
     @property
@@ -168,9 +172,16 @@ def score(summaries: Iterable[dict[str, Any]], *, max_rollbacks: int = 3) -> lis
     for s in summaries:
         runs[(s["cell"], s["arm"], int(s["seed"]))] = s
     cells: dict[tuple[str, str], CellScore] = {}
+    order: dict[str, tuple] = {}
     for (cell, arm, seed), s in sorted(runs.items()):
         c = cells.setdefault((cell, arm), CellScore(cell, arm, s["kind"]))
+        fault = s.get("fault")
+        order[cell] = (s["kind"] != "clean", s.get("model", ""), float(s.get("lr", 0)),
+                       int(s.get("steps", 0)), FAULT_KINDS.index(fault) if fault in FAULT_KINDS
+                       else -1, cell)
         c.runs += 1
+        if _finite(s.get("wall_s")):
+            c.wall_s.append(float(s["wall_s"]))
         c.halts += s["halted"]
         c.rollbacks += s["rollbacks"] > 0
         base = runs.get((cell, "unguarded", seed))
@@ -200,7 +211,8 @@ def score(summaries: Iterable[dict[str, Any]], *, max_rollbacks: int = 3) -> lis
             c.worse += 1
     for c in cells.values():
         _targets(c)
-    return sorted(cells.values(), key=lambda c: (c.kind, c.cell, c.arm))
+    return sorted(cells.values(), key=lambda c: (order[c.cell], ARMS.index(c.arm)
+                                                 if c.arm in ARMS else len(ARMS), c.arm))
 
 
 def _targets(c: CellScore) -> None:
@@ -245,8 +257,8 @@ def _fmt(values: list[float]) -> str:
 def format_table(cells: list[CellScore], *, only_failed: bool = False) -> str:
     """A Markdown table, one row per (cell, arm): worst ratios, counts and targets."""
     head = ("| cell | arm | runs | halts | rollbacks | harmed | false skips/1k armed | caught "
-            "| final/clean (max) | vs unguarded (max) | targets |")
-    lines = [head, "|" + "---|" * 11]
+            "| final/clean (max) | vs unguarded (max) | wall/run s | targets |")
+    lines = [head, "|" + "---|" * 12]
     for c in cells:
         if only_failed and c.met is not False:
             continue
@@ -259,7 +271,8 @@ def format_table(cells: list[CellScore], *, only_failed: bool = False) -> str:
             f"{c.harmed if clean else '-'} | "
             f"{f'{c.false_skips_per_1k:.1f} ({c.false_skips}/{c.armed_steps})' if clean else '-'}"
             f" | {f'{c.caught}/{c.runs}' if c.kind == 'fault' and c.arm != 'unguarded' else '-'}"
-            f" | {_fmt(c.final_over_clean)} | {_fmt(c.over_unguarded)} | {verdict} |")
+            f" | {_fmt(c.final_over_clean)} | {_fmt(c.over_unguarded)} | "
+            f"{f'{statistics.median(c.wall_s):.1f}' if c.wall_s else '-'} | {verdict} |")
     met, judged = overall(cells)
     lines.append("")
     lines.append(f"overall: {met}/{judged} guarded cells meet every target"
