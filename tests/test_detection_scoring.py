@@ -64,6 +64,15 @@ def test_summary_counts_armed_steps_and_skips_but_not_the_halt():
     assert s["val_loss"] is None  # NaN becomes None (JSON has no NaN)
 
 
+def test_a_drop_counts_as_a_skip_and_its_cause_is_kept():
+    recs = _clean(30)
+    recs[20] = _rec(20, action="drop", tier=1, skipped=False, cause="data")
+    recs[25] = _rec(25, action="skip", tier=1, cause="weights")
+    s = summarize_run(recs, val_loss=2.0)
+    assert s["armed_skips"] == 2 and s["skip_steps"] == [20, 25]
+    assert s["causes"] == {"data": 1, "weights": 1}
+
+
 @pytest.mark.parametrize("ratio, harmed", [(1.006, True), (1.004, False), (1.0, False),
                                            (0.9, False)])
 def test_a_clean_run_is_harmed_above_1_005x_the_unguarded_loss(ratio, harmed):

@@ -14,8 +14,8 @@ The rules (a defense is judged against doing nothing):
 
 - a clean run is **harmed** when it halted, rolled back, or ended with a held-out loss above
   ``HARM_RATIO`` (1.005) times the unguarded arm's;
-- a **false skip** is any skip on a clean run (halt records excluded); the rate is per 1,000
-  *armed* steps (records whose ``armed`` key is true), so warmup steps do not dilute it;
+- a **false skip** is any skip or drop on a clean run (halt records excluded); the rate is per
+  1,000 *armed* steps (records whose ``armed`` key is true), so warmup steps do not dilute it;
 - a guarded faulted run is **worse than unguarded** when the unguarded run ended finite and the
   guarded one halted or ended above ``HARM_RATIO`` times it, except where the target asks for a
   halt (NaN faults; the sticky LR fault under rollback).
@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ALERT_WITHIN", "ARMS", "FAULT_KINDS", "HARM_RATIO", "MAX_FALSE_SKIPS_PER_1K", "CellScore",
-           "format_table", "overall", "score", "summarize_run"]
+__all__ = ["ALERT_WITHIN", "ARMS", "FAULT_KINDS", "HARM_RATIO", "MAX_FALSE_SKIPS_PER_1K",
+           "CellScore", "format_table", "overall", "score", "summarize_run"]
 
 HARM_RATIO = 1.005
 """A guarded held-out loss above this times the unguarded arm's is harm."""
@@ -72,7 +72,8 @@ def summarize_run(records: Iterable[dict[str, Any]], *, val_loss: float | None,
     for r in records:
         n += 1
         step, action = int(r["step"]), r.get("action", "continue")
-        skipped = bool(r.get("skipped")) and action != "halt"
+        # a drop (the step applied without some rows) withholds data as a skip does
+        skipped = (bool(r.get("skipped")) or action == "drop") and action != "halt"
         if r.get("armed"):
             armed += 1
             armed_skips += skipped
