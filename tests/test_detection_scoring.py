@@ -227,3 +227,16 @@ def test_the_scoring_module_needs_no_torch():
             "val_loss=1.0)['armed_skips'])")
     r = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert r.stdout.strip() == "1"
+
+
+def test_without_its_clean_run_the_final_target_is_not_judged_rather_than_failed():
+    lines = [_fault("outlier", "unguarded", 0, _clean(300), 2.0),
+             _fault("outlier", "alert", 0, _clean(300, skips=(150,)), 2.0)]
+    cells = score(lines)
+    c = _cell(cells, "fault/tiny/outlier", "alert")
+    assert c.targets["final <= 1.002x clean"] is None and c.met is None
+    assert "not judged yet: final <= 1.002x clean (no clean run)" in format_table(cells)
+    assert overall(cells) == (0, 1)
+    lines.append(_line("clean/tiny/lr0.003/T300", "unguarded", 0, _clean(300), 2.0))
+    c = _cell(score(lines), "fault/tiny/outlier", "alert")
+    assert c.met is True and c.final_over_clean == [1.0]

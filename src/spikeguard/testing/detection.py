@@ -79,7 +79,7 @@ def summarize_run(records: Iterable[dict[str, Any]], *, val_loss: float | None,
             armed_skips += skipped
         if skipped:
             skip_steps.append(step)
-            causes[str(r.get("cause"))] += 1
+            causes[str(r.get("cause") or "none")] += 1
         if action == "rollback":
             rollbacks += 1
         if action == "alert" and r.get("summary") is not None:
@@ -148,7 +148,8 @@ class CellScore:
     final_over_clean: list[float] = field(default_factory=list)
     over_unguarded: list[float] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)
-    targets: dict[str, bool] = field(default_factory=dict)
+    targets: dict[str, bool | None] = field(default_factory=dict)
+    """Target -> met; None where it cannot be judged yet (no clean reference run)."""
 
     @property
     def false_skips_per_1k(self) -> float:
@@ -156,8 +157,11 @@ class CellScore:
 
     @property
     def met(self) -> bool | None:
-        """All targets met (None: the cell has none, e.g. the unguarded arm)."""
-        return all(self.targets.values()) if self.targets else None
+        """False when a target is not met, True when all are; None when the cell has none (the
+        unguarded arm) or one cannot be judged yet."""
+        if any(v is False for v in self.targets.values()):
+            return False
+        return True if self.targets and all(self.targets.values()) else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -230,14 +234,17 @@ def _targets(c: CellScore) -> None:
     fault = c.cell.rsplit("/", 1)[-1]
     t["not worse than unguarded"] = c.worse == 0
     all_caught = c.caught == c.runs
-    worst = max(c.final_over_clean, default=math.inf)
+    worst = max(c.final_over_clean) if c.final_over_clean else None
+
+    def within(limit: float) -> bool | None:
+        return None if worst is None or len(c.final_over_clean) < c.runs else worst <= limit
     if fault in ("outlier", "storm"):
         t["skipped on every seed"] = all_caught
-        t[f"final <= {OUTLIER_FINAL:g}x clean"] = worst <= OUTLIER_FINAL
+        t[f"final <= {OUTLIER_FINAL:g}x clean"] = within(OUTLIER_FINAL)
     elif fault in ("nan-grad", "nan-data"):
         t["halts at the step, naming the tensor"] = all_caught
     elif fault == "lr" and c.arm == "rollback":
-        t[f"final <= {LR_ROLLBACK_FINAL:g}x clean"] = worst <= LR_ROLLBACK_FINAL
+        t[f"final <= {LR_ROLLBACK_FINAL:g}x clean"] = within(LR_ROLLBACK_FINAL)
     elif fault == "lr":
         t[f"tier 2 alert within {ALERT_WITHIN} steps"] = all_caught
         t["goes on"] = c.halts == 0
@@ -246,9 +253,9 @@ def _targets(c: CellScore) -> None:
 
 
 def overall(cells: Iterable[CellScore]) -> tuple[int, int]:
-    """(cells whose targets are all met, cells with targets)."""
-    judged = [c for c in cells if c.met is not None]
-    return sum(bool(c.met) for c in judged), len(judged)
+    """(guarded cells whose targets are all met, guarded cells with targets)."""
+    judged = [c for c in cells if c.targets]
+    return sum(c.met is True for c in judged), len(judged)
 
 
 def _fmt(values: list[float]) -> str:
@@ -263,9 +270,11 @@ def format_table(cells: list[CellScore], *, only_failed: bool = False) -> str:
     for c in cells:
         if only_failed and c.met is not False:
             continue
-        failed = [k for k, v in c.targets.items() if not v]
-        verdict = ("-" if c.met is None else "met" if c.met
-                   else "NOT met: " + ", ".join(failed))
+        failed = [k for k, v in c.targets.items() if v is False]
+        unknown = [k for k, v in c.targets.items() if v is None]
+        verdict = ("-" if not c.targets else "met" if c.met
+                   else "NOT met: " + ", ".join(failed) if failed
+                   else "not judged yet: " + ", ".join(unknown) + " (no clean run)")
         clean = c.kind == "clean" and c.arm != "unguarded"
         lines.append(
             f"| {c.cell} | {c.arm} | {c.runs} | {c.halts} | {c.rollbacks} | "
@@ -275,8 +284,10 @@ def format_table(cells: list[CellScore], *, only_failed: bool = False) -> str:
             f" | {_fmt(c.final_over_clean)} | {_fmt(c.over_unguarded)} | "
             f"{f'{statistics.median(c.wall_s):.1f}' if c.wall_s else '-'} | {verdict} |")
     met, judged = overall(cells)
+    failed = sum(c.met is False for c in cells)
     lines.append("")
-    lines.append(f"overall: {met}/{judged} guarded cells meet every target"
-                 + (" (targets met)" if met == judged and judged else " (targets NOT met)"))
+    lines.append(f"overall: {met}/{judged} guarded cells meet every target, {failed} do not, "
+                 f"{judged - met - failed} not judged yet: targets "
+                 + ("met" if met == judged and judged else "NOT met"))
     return "\n".join(lines)
 
