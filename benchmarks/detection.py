@@ -322,6 +322,26 @@ def estimate(jobs: list[dict[str, Any]], lines: list[dict[str, Any]], workers: i
             f"worker(s)")
 
 
+def compare(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
+    """Per (cell, arm) measured in both: halts, harmed, false skips/1k, caught, targets, before
+    -> after (a Markdown table)."""
+    old = {(c.cell, c.arm): c for c in score(before)}
+    met = {True: "met", False: "NOT met", None: "?"}
+    lines = ["| cell | arm | halts | harmed | false skips/1k | caught | targets |",
+             "|---|---|---|---|---|---|---|"]
+    for c in score(after):
+        b = old.get((c.cell, c.arm))
+        if b is None or c.arm == "unguarded":
+            continue
+        clean = c.kind == "clean"
+        lines.append(f"| {c.cell} | {c.arm} | {b.halts}/{b.runs} -> {c.halts}/{c.runs} | "
+                     + (f"{b.harmed} -> {c.harmed} | {b.false_skips_per_1k:.1f} -> "
+                        f"{c.false_skips_per_1k:.1f} | - |" if clean else
+                        f"- | - | {b.caught}/{b.runs} -> {c.caught}/{c.runs} |")
+                     + f" {met[b.met]} -> {met[c.met]} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--matrix", default="smoke", choices=("clean", "faults", "smoke", "all"))
@@ -336,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", action="store_true", help="print the table of the results file")
     p.add_argument("--failed", action="store_true", help="the table shows failed cells only")
     p.add_argument("--estimate", action="store_true", help="print the selection's wall time")
+    p.add_argument("--compare", type=Path, metavar="BEFORE",
+                   help="with --table: each cell of --results beside the same cell in BEFORE")
     args = p.parse_args(argv)
     jobs = _select(matrix(args.matrix), args)
     if args.estimate:
@@ -343,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     lines = load_results(args.results) if args.table else run_jobs(jobs, args.results,
                                                                    workers=args.workers)
+    if args.compare is not None:
+        print(compare(load_results(args.compare), lines))
+        return 0
     print(format_table(score(lines), only_failed=args.failed))
     return 0
 

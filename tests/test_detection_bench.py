@@ -82,3 +82,12 @@ def test_the_matrix_has_the_issue_s_cells():
     assert everything[0]["cell"] == "clean/tiny/lr0.003/T20"  # the first priority first
     fp16 = [d for d in everything if d.get("fault") == "fp16-overflow"]
     assert {d["precision"] for d in fp16} == {"fp16-mixed"}
+
+
+def test_compare_puts_each_cell_beside_itself_in_another_file(smoke):
+    _, lines, _ = smoke
+    halted = [dict(d, halted=True, val_loss=None) if d["arm"] == "alert" else d for d in lines]
+    table = bench.compare(halted, lines)
+    assert table.count("\n| clean/tiny/") == 4  # two cells x two guarded arms
+    assert "| clean/tiny/lr0.001/T20 | alert | 1/1 -> 0/1 | 1 -> 0 |" in table
+    assert "NOT met -> met" in table
