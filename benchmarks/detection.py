@@ -99,27 +99,30 @@ def _job(kind: str, model: str, lr: float, steps: int, seed: int, arm: str,
     return job
 
 
-def matrix(which: str) -> list[dict[str, Any]]:
+def matrix(which: str, seeds: list[int] | None = None) -> list[dict[str, Any]]:
     """Every job of ``which`` (clean|faults|smoke|all), in the order they are worth running:
     tiny clean at 3e-3/6e-3 up to 300 steps, tiny faults (seed by seed; fp16, the slowest,
-    last), the rest of tiny clean, then demo."""
+    last), the rest of tiny clean, then demo. ``seeds``: these seeds in every cell instead of
+    the matrix's own (e.g. more seeds of one cell)."""
     jobs: list[tuple[tuple, dict[str, Any]]] = []
+    chosen = sorted(set(seeds)) if seeds else None
     if which == "smoke":
-        return [_job("clean", m, lr, t, 0, arm) for m, lr, t in SMOKE for arm in ARMS]
+        return [_job("clean", m, lr, t, seed, arm) for m, lr, t in SMOKE
+                for seed in chosen or [0] for arm in ARMS]
     if which in ("clean", "all"):
         for model, (lrs, lengths, seeds) in CLEAN.items():
             for lr in lrs:
                 for t in lengths:
                     first = model == "tiny" and lr in (3e-3, 6e-3) and t <= 300
                     group = (0 if first else 2) if model == "tiny" else 3
-                    for seed in range(seeds):
+                    for seed in range(seeds) if chosen is None else chosen:
                         for arm in ARMS:
                             jobs.append(((group, t > 300, t, lr, seed), _job(
                                 "clean", model, lr, t, seed, arm)))
     if which in ("faults", "all"):
         for model, seeds in FAULT_SEEDS.items():
             for fault in FAULT_SPECS:
-                for seed in range(seeds):
+                for seed in range(seeds) if chosen is None else chosen:
                     for arm in ARMS:
                         # seed-major: every fault gets its first seeds before any its fifth
                         jobs.append(((1 if model == "tiny" else 4, fault == "fp16-overflow",
@@ -348,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="*", choices=tuple(BATCH))
     p.add_argument("--lrs", nargs="*", type=float)
     p.add_argument("--lengths", nargs="*", type=int)
-    p.add_argument("--seeds", nargs="*", type=int, help="seed numbers (default: the matrix's)")
+    p.add_argument("--seeds", nargs="*", type=int,
+                   help="seed numbers, in every selected cell (default: the matrix's)")
     p.add_argument("--faults", nargs="*", choices=("clean", *FAULT_KINDS))
     p.add_argument("--arms", nargs="*", choices=ARMS)
     p.add_argument("--results", type=Path, default=Path("benchmarks/results/detection.jsonl"))
@@ -359,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", type=Path, metavar="BEFORE",
                    help="with --table: each cell of --results beside the same cell in BEFORE")
     args = p.parse_args(argv)
-    jobs = _select(matrix(args.matrix), args)
+    jobs = _select(matrix(args.matrix, args.seeds), args)
     if args.estimate:
         print(estimate(jobs, load_results(args.results), args.workers))
         return 0
