@@ -121,6 +121,7 @@ def test_the_unguarded_arm_is_never_judged_and_pairs_with_itself():
 def test_an_unpaired_guarded_run_is_counted_not_judged_harmless_by_default():
     c = _cell(score([_line("c", "alert", 0, _clean(50), 2.0)]), "c", "alert")
     assert (c.harmed, c.unpaired, c.over_unguarded) == (0, 1, [])
+    assert c.targets["none harmed"] is None and c.met is None
 
 
 def _fault(fault, arm, seed, records, val, *, step=150, length=1):
@@ -235,7 +236,7 @@ def test_without_its_clean_run_the_final_target_is_not_judged_rather_than_failed
     cells = score(lines)
     c = _cell(cells, "fault/tiny/outlier", "alert")
     assert c.targets["final <= 1.002x clean"] is None and c.met is None
-    assert "not judged yet: final <= 1.002x clean (no clean run)" in format_table(cells)
+    assert "not judged yet: final <= 1.002x clean (a reference run missing)" in format_table(cells)
     assert overall(cells) == (0, 1)
     lines.append(_line("clean/tiny/lr0.003/T300", "unguarded", 0, _clean(300), 2.0))
     c = _cell(score(lines), "fault/tiny/outlier", "alert")

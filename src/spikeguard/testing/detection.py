@@ -227,7 +227,8 @@ def _targets(c: CellScore) -> None:
     if c.kind == "clean":
         t["no halt"] = c.halts == 0
         t["no rollback"] = c.rollbacks == 0
-        t["none harmed"] = c.harmed == 0
+        # a run without its unguarded pair cannot be judged harmless
+        t["none harmed"] = False if c.harmed else None if c.unpaired else True
         t[f"false skips <= {MAX_FALSE_SKIPS_PER_1K:g}/1k"] = (
             c.false_skips_per_1k <= MAX_FALSE_SKIPS_PER_1K)
         return
@@ -274,7 +275,7 @@ def format_table(cells: list[CellScore], *, only_failed: bool = False) -> str:
         unknown = [k for k, v in c.targets.items() if v is None]
         verdict = ("-" if not c.targets else "met" if c.met
                    else "NOT met: " + ", ".join(failed) if failed
-                   else "not judged yet: " + ", ".join(unknown) + " (no clean run)")
+                   else "not judged yet: " + ", ".join(unknown) + " (a reference run missing)")
         clean = c.kind == "clean" and c.arm != "unguarded"
         lines.append(
             f"| {c.cell} | {c.arm} | {c.runs} | {c.halts} | {c.rollbacks} | "
