@@ -82,7 +82,7 @@ class TrainConfig:
     seed: int = 0
     """Seed for weights and batch order."""
     inject: tuple[str, ...] = ()
-    """A fault: outlier@S, seq@S[:ROW], grad@S:MULT, nan@S, lr@S:MULT:LEN, logit-drift@S (see docs)."""
+    """A fault: outlier@S, storm@S:N, grad@S:MULT, nan@S, nan-data@S, lr@S:MULT:LEN, ... (docs)."""
     inject_rank: int | None = None
     """Inject faults on this rank only (default: every rank)."""
     parallel: Literal["none", "ddp", "fsdp"] = "none"
@@ -131,6 +131,9 @@ class TrainConfig:
                 raise ValueError(f"--inject {spec}: step {fault.step} is past the run's last "
                                  f"step {self.steps - 1} (--steps {self.steps}), so it would "
                                  f"never fire; choose a step below {self.steps}")
+            if fault.kind == "overflow" and self.precision != "fp16-mixed":
+                raise ValueError(f"--inject {spec} overflows an fp16 gradient; it needs "
+                                 f"--precision fp16-mixed (not {self.precision})")
 
     def resolved(self) -> TrainConfig:
         """The config as the run uses it: the ``--defenses`` overrides applied and the detector

@@ -3,11 +3,19 @@
 Specs (several may be given; a trailing ``!`` makes a fault sticky):
 
 - ``outlier@S``: batch S is garbage (random bytes; ``outlier@S:repeat`` repeats one byte);
+- ``storm@S:N[:repeat]``: batches S to S+N-1 are garbage (a storm of N outliers, each drawn anew);
 - ``seq@S[:ROW[:repeat]]``: one sequence of batch S (row ROW, default 0) is garbage (random
   bytes, or one byte repeated): what the guard's attribution should trace to that row;
 - ``grad@S:MULT``: every gradient of step S times MULT after the backward (a transient numeric
   fault, not the data: a re-run of the step does not reproduce it);
 - ``nan@S[:PARAM]``: a NaN in one element of PARAM's gradient (default: the first weight matrix);
+- ``nan-data@S[:ROW]``: row ROW (default 0) of batch S makes the forward non-finite: the token
+  embedding of that sequence is NaN, keyed to its tokens through a forward hook, so every re-run
+  of the step that includes the row reproduces it and one without the row does not (the data's
+  fault, as a corrupt sample would be);
+- ``overflow@S``: an fp16 overflow in the backward of step S: the gradient reaching the first
+  MLP's output (an fp16 tensor under ``--precision fp16-mixed``) is multiplied by 65504, the
+  largest fp16 value, so it overflows and the loss scaler skips the step and halves the scale;
 - ``lr@S:MULT:LEN``: the learning rate times MULT for LEN training steps from S;
 - ``logit-drift@S[:EPS]``: from S on, the head's input is scaled by (1 + EPS (t - S)) through a
   forward hook on the final norm (the reference GPT ties its embeddings, so scaling the weights
@@ -33,7 +41,9 @@ from .._dist import local_tensor
 
 __all__ = ["Fault", "Injector", "parse_fault"]
 
-_SPEC = re.compile(r"^(outlier|seq|grad|nan|lr|logit-drift)@(\d+)(?::([^!]*))?(!?)$")
+_SPEC = re.compile(r"^(outlier|storm|seq|grad|nan-data|nan|lr|logit-drift|overflow)@(\d+)"
+                   r"(?::([^!]*))?(!?)$")
+_FP16_MAX = 65504.0
 
 
 @dataclass(frozen=True)
@@ -47,17 +57,21 @@ class Fault:
 
     @property
     def length(self) -> int:
-        """Training steps the fault lasts (lr: LEN; logit-drift: to the end; others: 1)."""
+        """Training steps the fault lasts (lr: LEN; storm: N; logit-drift: to the end; others:
+        1)."""
         if self.kind == "lr":
             return int(self.args[1])
+        if self.kind == "storm":
+            return int(self.args[0])
         return 1 << 62 if self.kind == "logit-drift" else 1
 
 
 def parse_fault(spec: str) -> Fault:
     """Parse one spec; ValueError with the accepted forms on anything else."""
     m = _SPEC.match(spec.strip())
-    forms = ("outlier@S[:repeat], seq@S[:ROW[:repeat]], grad@S:MULT, nan@S[:PARAM], lr@S:MULT:LEN, "
-             "logit-drift@S[:EPS] (add ! to repeat)")
+    forms = ("outlier@S[:repeat], storm@S:N[:repeat], seq@S[:ROW[:repeat]], grad@S:MULT, "
+             "nan@S[:PARAM], nan-data@S[:ROW], lr@S:MULT:LEN, logit-drift@S[:EPS], overflow@S "
+             "(add ! to repeat)")
     if m is None:
         raise ValueError(f"--inject {spec!r} is not a fault spec; use {forms}")
     kind, step, rest, bang = m.group(1), int(m.group(2)), m.group(3), m.group(4)
@@ -70,6 +84,13 @@ def parse_fault(spec: str) -> Fault:
             if len(args) > 1 or (args and not float(args[0]) > 0):
                 raise ValueError
         elif kind == "outlier" and args not in ((), ("repeat",)):
+            raise ValueError
+        elif kind == "storm" and (not args or int(args[0]) < 1
+                                  or args[1:] not in ((), ("repeat",))):
+            raise ValueError
+        elif kind == "nan-data" and (len(args) > 1 or (args and int(args[0]) < 0)):
+            raise ValueError
+        elif kind == "overflow" and args:
             raise ValueError
         elif kind == "seq" and (len(args) > 2 or (args and int(args[0]) < 0)
                                 or args[1:] not in ((), ("repeat",))):
@@ -97,6 +118,9 @@ class Injector:
         self._lr_saved: list[float] | None = None
         self._drift: tuple[float, int] | None = None
         self._hook = None
+        self._poison: list[tuple[int, torch.Tensor]] = []  # nan-data: (step, the row's tokens)
+        self._overflow = False
+        self._data_hook = self._grad_hook = None
 
     def _is_active(self, i: int, f: Fault, t: int) -> bool:
         if f.sticky:
@@ -122,9 +146,22 @@ class Injector:
         self._drift = (float(drift.args[0]) if drift.args else 2e-3, t - drift.step) if drift else None
         if drift is not None and self._hook is None:
             self._hook = model.ln_f.register_forward_hook(self._scale_hidden)
+        # a poisoned row stays poisoned through its step's re-runs (read one step late on a GPU)
+        self._poison = [(s, row) for s, row in self._poison if t - 1 <= s <= t]
+        self._overflow = any(f.kind == "overflow" for f in self._active)
+        if self._overflow and self._grad_hook is None:
+            self._grad_hook = model.blocks[0].mlp.fc.register_forward_hook(self._overflow_grad)
         for f in self._active:
-            if f.kind == "outlier":
-                if f.args == ("repeat",):
+            if f.kind == "nan-data":
+                row = int(f.args[0]) if f.args else 0
+                if not 0 <= row < x.shape[0]:
+                    raise ValueError(f"--inject nan-data@{f.step}:{row}: the batch has rows 0.."
+                                     f"{x.shape[0] - 1}")
+                self._poison.append((t, x[row].clone()))
+                if self._data_hook is None:
+                    self._data_hook = model.wte.register_forward_hook(self._poison_rows)
+            if f.kind in ("outlier", "storm"):
+                if f.args[-1:] == ("repeat",):
                     x = torch.full_like(x, int(torch.randint(0, self.vocab_size, (1,),
                                                              generator=self._gen)))
                 else:
@@ -147,6 +184,26 @@ class Injector:
             return output
         eps, k = self._drift
         return output * (1.0 + eps * k)
+
+    def _poison_rows(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        """nan-data: the embedding of every row equal to a poisoned sequence becomes NaN."""
+        idx = args[0]
+        for _, row in self._poison:
+            if idx.dim() == 2 and idx.shape[1] == row.numel():
+                hit = (idx == row.to(idx.device)).all(dim=1)
+                output = output.masked_fill(hit[:, None, None], float("nan"))
+        return output
+
+    def _overflow_grad(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        """overflow: the (scaled, fp16) gradient of the first MLP's output overflows."""
+        if not self._overflow or not output.requires_grad:
+            return
+        if output.dtype != torch.float16:
+            raise ValueError(f"--inject overflow@S overflows an fp16 gradient, but the MLP's "
+                             f"output is {output.dtype}; run it with --precision fp16-mixed")
+        # twice the largest fp16 value: every nonzero element overflows to +-inf, as a real
+        # overflow does, and zeros stay zero
+        output.register_hook(lambda g: g * _FP16_MAX * _FP16_MAX)
 
     def after_backward(self, model: nn.Module) -> None:
         """NaN faults: plant one NaN in the named parameter's (local) gradient; grad faults:
