@@ -51,14 +51,27 @@ from .recorder import Recorder
 from .responder import Responder
 from .step import Pending, ScalerState, Updater
 from .summary import History
+from .weights import WeightsCheck, WeightsProbe
 
 __all__ = ["AttributionConfig", "Guard", "GuardConfig", "TrainingHalted"]
 
 log = logging.getLogger("spikeguard")
 
-_STATE_VERSION = 1
-_N_NUMBERS = 7
+_INF = float("inf")
+
+_STATE_VERSION = 2
+_N_NUMBERS = 8
 """The step's numbers at the head of the read-back vector (see Updater.device_step)."""
+
+
+def _weights_reason(check: dict[str, Any]) -> str:
+    ref = check["reference_step"]
+    if check["weights"] is None:
+        return "weights: not checked (no kept batch to test with)"
+    verdict = "the weights" if check["weights"] else "the batch"
+    return (f"weights check: the batch of step {ref} {'fails' if check['weights'] else 'passes'}"
+            f" the gate (grad norm {check['grad_norm']:.4g}, loss {check['loss']:.4g}): "
+            f"{verdict}")
 
 
 class Guard:
@@ -113,9 +126,15 @@ class Guard:
                                tp_group=tp_group)
         self.attribution = Attribution(cfg.attribution, measure=self.updater.measure_rerun,
                                        ledger=self.ledger, sinks=self.recorder.sinks)
+        self.weights = (WeightsProbe(measure=self.updater.measure_rerun,
+                                     test=self.updater.gate.test,
+                                     reference_age=cfg.reference_age,
+                                     max_blind_skips=cfg.detector.max_consecutive_skips)
+                        if cfg.weights_check and cfg.respond else None)
         extra = dict(extra_state or {})
         self.responder = Responder(
-            tier2=cfg.tier2, max_rollbacks=cfg.max_rollbacks, checkpoints=checkpoints,
+            tier2=cfg.tier2, max_rollbacks=cfg.max_rollbacks, lr_scale=cfg.rollback_lr_scale,
+            checkpoints=checkpoints,
             ledger=self.ledger, history=self.history, attribution=self.attribution,
             recorder=self.recorder, updater=self.updater, model=model,
             named_params=self.named_params, optimizer=optimizer, scheduler=scheduler,
@@ -242,9 +261,11 @@ class Guard:
         t = self.step_index
         losses, zs, seqs = zip(*self._micro)
         self._micro.clear()
+        factor = self.updater.lr_factor(t)
         lr = self.updater.current_lr()  # before the update: the rate it used
+        lr = lr * factor if lr is not None else None
         stats, numbers = self.updater.device_step(torch.stack(losses).mean(),
-                                                  torch.stack(zs).mean())
+                                                  torch.stack(zs).mean(), factor)
         dev = stats.norm.device
         vec = torch.stack([x.detach().to(dev, torch.float64).reshape(()) for x in numbers])
         probes = self.probes.gather() if self.probes is not None else None
@@ -264,11 +285,42 @@ class Guard:
                        None if keep_grads else stats.finite_pieces(), seqs)
 
     # -- the host side ------------------------------------------------------------------------
+    def _weigh(self, p: Pending, values: list[float]) -> tuple[bool, WeightsCheck | None]:
+        """Weights or batch for a step the gate flagged on finite numbers (guard/weights.py):
+        returns whether the step was withheld after all, and the check. At read_lag 0 a step
+        whose weights are at fault is applied now; at read_lag 1 its gradients are gone, so
+        the steps after it go through instead, until a check finds the weights healthy."""
+        loss, norm, skip, flag = values[0], values[2], values[3] != 0.0, values[7] != 0.0
+        probe = self.weights
+        finite = loss == loss and norm == norm and abs(loss) != _INF and abs(norm) != _INF
+        if probe is None or not finite:
+            return skip, None
+        if not flag:
+            if not skip:
+                probe.remember(p.step, p.rerun)
+                self.updater.release_next = False
+            return skip, None
+        if probe.has_reference:
+            aside = GradsAside(self.params, self.precision, self.probes)
+            try:
+                check = probe.check()
+            finally:
+                aside.restore(stale=False)
+        else:
+            check = WeightsCheck(weights=None)
+        fault = check.weights if check.weights is not None else (skip and probe.blind_release())
+        if fault and skip and p.grads_alive:
+            self.updater.release()
+            skip = False
+        self.updater.release_next = bool(fault) and self.read_lag > 0
+        return skip, check
+
     def _judge(self, p: Pending) -> tuple[StepMetrics, Verdict, dict[str, Any], bool]:
-        """Read the step's numbers and give them to the detector (and the history)."""
+        """Read the step's numbers, weigh a flagged one (``_weigh``) and give them to the
+        detector (and the history)."""
         values = p.readback.values()
-        loss, log_z, norm, gate, armed, coef, scale = values[:_N_NUMBERS]
-        skipped = gate != 0.0
+        loss, log_z, norm, _, armed, coef, scale, flag = values[:_N_NUMBERS]
+        skipped, check = self._weigh(p, values)
         nan_frac: float | None = 0.0
         if not (norm == norm and abs(norm) != float("inf")):
             # the non-finite path of grad_stats: a host read, and a collective that every rank
@@ -276,7 +328,7 @@ class Guard:
             nan_frac = p.stats.nan_frac if p.grads_alive else None
         m = StepMetrics(step=p.step, loss=loss, grad_norm=norm, log_z=log_z, nan_frac=nan_frac,
                         lr=p.lr, grad_scale=scale if self.precision.scaler is not None else None)
-        verdict = self.detector.update(m)
+        verdict = self.detector.update(m, released=flag != 0.0 and not skipped)
         m.loss_ema_ratio = verdict.evidence.get("loss_ema_ratio")
         if (self.config.respond and verdict.tier <= 1 and verdict.skip != skipped
                 and not self._warned_disagree):
@@ -285,6 +337,10 @@ class Guard:
                         skipped, verdict.skip, p.step)
         self.history.add(p.step, loss, norm, log_z)
         extras: dict[str, Any] = {"armed": armed != 0.0, "skipped": skipped, "clip_coef": coef}
+        if check is not None:
+            extras["weights_check"] = check.record()
+            if check.weights or not skipped:
+                extras["cause"] = "weights" if check.weights else "unknown"
         if p.probes is not None:
             extras.update(p.probes.decode(values[_N_NUMBERS:]))
         return m, verdict, extras, skipped
@@ -293,9 +349,18 @@ class Guard:
         m, verdict, extras, skipped = self._judge(p)
         self.last_skipped = skipped
         self.updater.commit(skipped)
-        # a loss-scaler overflow (tier 0) is the scaler's own skip: nothing to attribute
-        if skipped and self.config.respond and 1 <= verdict.tier < 3:
+        check = extras.get("weights_check")
+        if check is not None:
+            verdict = verdict._replace(reasons=(*verdict.reasons, _weights_reason(check)))
+        # a loss-scaler overflow (tier 0) is the scaler's own skip: nothing to attribute; a
+        # step whose weights were at fault has its cause
+        if (skipped and self.config.respond and 1 <= verdict.tier < 3
+                and "cause" not in extras):
             verdict = self._attribute(p, verdict, extras, m)
+            if extras.get("cause") == "data" and not (check and check["weights"] is False):
+                # the same batch on the same weights reproduces whichever is at fault: without
+                # a weights check that cleared the weights, the re-run cannot say "data"
+                extras["cause"] = "unknown"
         action = verdict.action
         if not self.config.respond:
             extras["verdict"] = action.value  # what the guard would have done
@@ -336,6 +401,7 @@ class Guard:
             redo = self._redo_next if stale and self._rerun_now is not None else None
             aside.restore(stale=stale, redo=redo)
         extras.update(finding.extras)
+        extras.setdefault("cause", finding.cause)
         if applied:
             self.last_skipped = False
             return verdict._replace(reasons=(*verdict.reasons, *finding.reasons), skip=False)
@@ -376,7 +442,8 @@ class Guard:
                 "applied": self.applied, "rollbacks": self.rollbacks, "records": self.records,
                 "detector": self.detector.state_dict(), "gate": self.gate.state_dict(),
                 "history": self.history.state_dict(), "batches": self.ledger.state_dict(),
-                "attribution": self.attribution.state_dict()}
+                "attribution": self.attribution.state_dict(),
+                "lr_ramp": self.updater.lr_ramp, "replay": self.responder.replay}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
@@ -392,4 +459,9 @@ class Guard:
         # a rollback restores an older state: the budget already spent stays spent
         self.responder.rollbacks = max(self.rollbacks, int(state["rollbacks"]))
         self.ledger.load_state_dict(state["batches"])
+        ramp = state.get("lr_ramp")
+        self.updater.lr_ramp = tuple(ramp) if ramp else None
+        # like the budget, the last replay is outside the timeline a rollback restores
+        if self.responder.replay is None and state.get("replay"):
+            self.responder.replay = tuple(state["replay"])
         self._window_alerts.clear()
