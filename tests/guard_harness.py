@@ -103,7 +103,13 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                     g["lr"] *= mult
             run.lrs[t] = opt.param_groups[0]["lr"]
             run.losses[t] = float(out_.ce)
-            run.verdicts += guard.step(out_)
+
+            def rerun(x: torch.Tensor = x, y: torch.Tensor = y) -> Any:
+                o = model.loss(model(x), y)
+                guard.backward(o)
+                return o
+
+            run.verdicts += guard.step(out_, rerun=rerun)
             if saved is not None:  # the fault lasts one step; a scheduler step already reset it
                 for g, base in zip(opt.param_groups, saved):
                     if g["lr"] == base * mult:

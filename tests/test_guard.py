@@ -185,15 +185,21 @@ def lr_fault_runs(tmp_path_factory, one_thread_module):
             for policy in ("alert", "rollback")}
 
 
-def test_a_transient_lr_spike_under_the_default_policy_halts_at_the_storm(lr_fault_runs):
+def test_a_transient_lr_spike_under_the_default_policy_alerts_and_goes_on(lr_fault_runs):
+    """The LR fault damages the weights: the weights check finds the reference batch failing
+    the gate too, so the updates go through (no storm of skips holding the weights where they
+    are), Tier 2 pages with its summary within 10 steps of the first anomaly, and the run
+    finishes (only Tier 3 halts under the default policy)."""
     run = lr_fault_runs["alert"]
-    skips = [v.step for v in run.verdicts if v.skip]
-    assert run.halted is not None and skips
-    report = run.halted.report
-    assert report.step - skips[0] <= 10  # Tier 2 within 10 steps of the first skip
-    assert any(r.startswith("skips") for r in report.reasons)
-    assert report.summary is not None and report.summary["rollback_checkpoint"] == 125
-    assert report.summary["onset_step"] >= 150
+    assert run.halted is None and max(run.losses) == STEPS - 1
+    records = sg.read_metrics(run.guard.checkpoints.directory.parent / "metrics.jsonl")
+    first = next(r for r in records if r["tier"] >= 1)
+    weights = [r for r in records if r.get("cause") == "weights"]
+    assert weights and all(not r["skipped"] and r["action"] == "alert" for r in weights)
+    alert = next(r for r in records if r["tier"] == 2)
+    assert alert["action"] == "alert" and alert["step"] - first["step"] <= 10
+    assert alert["summary"]["rollback_checkpoint"] == 125
+    assert alert["summary"]["onset_step"] >= 150
 
 
 def test_a_transient_lr_spike_with_rollback_recovers_within_2pct(lr_fault_runs, clean, tmp_path):
