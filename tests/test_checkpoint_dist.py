@@ -65,14 +65,15 @@ def _save_restore(rank: int, world_size: int, directory: str) -> dict:
     model2, opt2 = _fsdp_model_and_optimizer(seed=7)
     data2 = TokenStream.from_corpus("pydoc", batch_size=2, seq_len=32, seed=1, rank=rank,
                                     world_size=world_size)
-    info = CheckpointManager(directory, model=model2, optimizer=opt2, data=data2).restore()
+    reader = CheckpointManager(directory, model=model2, optimizer=opt2, data=data2)
+    info = reader.restore()
     got = _local(model2, opt2)
     sizes = {p.name: p.stat().st_size for p in info.path.iterdir()}
     return {"step": info.step, "same": want.keys() == got.keys()
             and all(torch.equal(want[k], got[k]) for k in want),
             "n": len(want), "rng": torch.equal(torch.get_rng_state(), want_rng),
             "position": data2.position, "sizes": sizes, "saved": saved,
-            "read": dict(mgr.io_stats.opened), "hashed": dict(mgr.io_stats.hashed),
+            "read": dict(reader.io_stats.opened), "hashed": dict(reader.io_stats.hashed),
             "listed": [(c.step, c.healthy) for c in mgr.list()]}
 
 

@@ -169,3 +169,29 @@ def test_the_named_long_functions_still_exist_and_are_long():
         nodes = [n for n in ast.walk(ast.parse((PKG / rel).read_text()))
                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
         assert nodes and max(n.end_lineno - n.lineno + 1 for n in nodes) > MAX_LINES, key
+
+
+# -- no private module of another package ------------------------------------------------------
+PRIVATE_IMPORTS_ALLOWED = {
+    # the `spikeguard diagnose` subcommand's flags and entry point (diagnose/ is reworked apart)
+    ("cli.py", "spikeguard.diagnose._cli"),
+}
+
+
+def test_no_module_imports_another_packages_private_module():
+    """A subpackage's ``_``-prefixed modules are its own; the top-level ones (``_dist``,
+    ``_validate``, ...) are shared by the whole library."""
+    graph = _module_graph()
+    bad = []
+    for name, edges in graph.items():
+        rel = str(Path(*name.split(".")[1:])) + ".py" if "." in name else "__init__.py"
+        path = PKG / rel if (PKG / rel).exists() else PKG / Path(*name.split(".")[1:]) / "__init__.py"
+        own = name.split(".")[1] if name.count(".") >= 1 else None
+        for target in edges:
+            parts = target.split(".")
+            private = [i for i, p in enumerate(parts) if p.startswith("_") and i >= 2]
+            if private and parts[1] != own:
+                key = (str(path.relative_to(PKG)), target)
+                if key not in PRIVATE_IMPORTS_ALLOWED:
+                    bad.append(f"{key[0]} imports {target}")
+    assert not bad, "\n".join(sorted(bad))

@@ -7,6 +7,7 @@ import torch
 import spikeguard as sg
 from spikeguard.detect.fp8 import AmaxMonitor, Fp8HeadroomWarning, fp8_eligible
 from spikeguard.detect.precision import PrecisionPolicy
+from spikeguard.guard.step import apply_update
 
 
 # ---------------------------------------------------------------- fp8 amax monitor
@@ -95,7 +96,7 @@ def _fp16_step(model, policy, opt, x, y, *, plant_inf=False, skip=False, detecto
             step=step, loss=float(loss.detach()), grad_norm=float(norm),
             nan_frac=bad / sum(g.numel() for g in grads), grad_scale=policy.grad_scale()))
         skip = verdict.skip
-    policy.step(opt, skip=skip)
+    apply_update(policy, opt, skip=skip)
     return verdict
 
 

@@ -49,7 +49,7 @@ NOT_CALLED = {
     "LossOutput": "a record the losses return",
     "MemoryBudget": "a record memory_budget returns",
     "Verdict": "a record SpikeDetector.update returns",
-    "__version__": "a string",
+    "HaltReport": "a record the guard builds on a halt (TrainingHalted.report)",
 }
 
 
