@@ -11,7 +11,6 @@ import textwrap
 import pytest
 
 import spikeguard as sg
-
 from spikeguard.guard import GuardConfig
 from spikeguard.model import GPTConfig
 from spikeguard.sandbox.real import MAX_STEPS, RealConfig, RealRun, RealRuns

@@ -40,9 +40,9 @@ from .config import DetectorConfig
 from .rules import (
     Event,
     GradSpike,
-    LossSpike,
     LossHalt,
     LossRatio,
+    LossSpike,
     NonFinite,
     Rule,
     ScalerOverflow,

@@ -38,7 +38,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["WeightsCheck", "WeightsProbe"]
+from .attribution import GradsAside
+
+__all__ = ["WeightsCheck", "WeightsProbe", "weights_reason"]
+
+_INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -59,17 +63,27 @@ class WeightsCheck:
                 "loss": self.loss, "weights": self.weights}
 
 
+def weights_reason(check: dict[str, Any]) -> str:
+    """The verdict's reason for a ``WeightsCheck.record()``."""
+    if check["weights"] is None:
+        return "weights: not checked (no kept batch to test with)"
+    fails = check["weights"]
+    return (f"weights check: the batch of step {check['reference_step']} "
+            f"{'fails' if fails else 'passes'} the gate (grad norm {check['grad_norm']:.4g}, "
+            f"loss {check['loss']:.4g}): {'the weights' if fails else 'the batch'}")
+
+
 class WeightsProbe:
     """Remembers the closures of kept steps and answers weights-or-batch (module docstring).
 
-    ``measure(out)`` is the step part's measurement of a re-run's gradients (loss, log Z, norm,
-    stats); ``test(norm, loss)`` the gate's Tier 1 test as a 0-d bool tensor. The caller sets the
-    step's gradients aside around ``check``."""
+    Built with the step part (``updater``: its measurement of a re-run's gradients, its gate's
+    Tier 1 test, the release of a withheld update) and the probes (kept quiet in the re-run)."""
 
-    def __init__(self, *, measure: Callable[..., Any],
-                 test: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 reference_age: int = 16, max_blind_skips: int = 5) -> None:
-        self.measure, self.test = measure, test
+    def __init__(self, updater: Any, probes: Any, *, read_lag: int, reference_age: int = 16,
+                 max_blind_skips: int = 5) -> None:
+        self.updater, self.probes, self.read_lag = updater, probes, read_lag
+        self.measure: Callable[..., Any] = updater.measure_rerun
+        self.test: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = updater.gate.test
         self._refs: deque[tuple[int, Callable[..., Any]]] = deque(maxlen=reference_age)
         self.max_blind_skips = max_blind_skips
         self.blind = 0
@@ -89,6 +103,36 @@ class WeightsProbe:
     @property
     def has_reference(self) -> bool:
         return bool(self._refs)
+
+    def weigh(self, p: Any, values: list[float]) -> tuple[bool, WeightsCheck | None]:
+        """Weights or batch for step ``p`` (its read-back ``values``: loss, log Z, norm, withheld,
+        armed, clip coefficient, scale, flagged): returns whether its update stays withheld, and
+        the check when the gate flagged it on finite numbers. At read_lag 0 a step whose weights
+        are at fault is applied now (its clipped gradients are still in place); at read_lag 1
+        they are gone, so the steps after it go through instead, until a check finds the
+        weights healthy or an unflagged step comes."""
+        loss, norm, skip, flag = values[0], values[2], values[3] != 0.0, values[7] != 0.0
+        up = self.updater
+        if not (loss == loss and norm == norm and abs(loss) != _INF and abs(norm) != _INF):
+            return skip, None
+        if not flag:
+            if not skip:
+                self.remember(p.step, p.rerun)
+                up.release_next = False
+            return skip, None
+        check = WeightsCheck(weights=None)
+        if self._refs:
+            aside = GradsAside(up.params, up.precision, self.probes)
+            try:
+                check = self.check()
+            finally:
+                aside.restore(stale=False)
+        fault = check.weights if check.weights is not None else (skip and self.blind_release())
+        if fault and skip and p.grads_alive:
+            up.release()
+            skip = False
+        up.release_next = bool(fault) and self.read_lag > 0
+        return skip, check
 
     def check(self) -> WeightsCheck:
         """Re-run the oldest remembered batch under the current weights and test it."""
