@@ -78,6 +78,10 @@ class Guard:
     run's timeline, such as a fault injector). ``pp_group``/``tp_group`` go to ``grad_stats``.
     """
 
+    last_skipped: bool
+    """Whether the last resolved step's update was withheld (a skip or a halt); a framework
+    that steps the LR scheduler itself holds it then (integrations/)."""
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  config: GuardConfig | None = None, scheduler: Any = None,
                  precision: PrecisionPolicy | PrecisionRuntime | None = None,
@@ -113,17 +117,16 @@ class Guard:
         self.attribution = Attribution(cfg.attribution, measure=self.updater.measure_rerun,
                                        ledger=self.ledger, sinks=self.recorder.sinks)
         self.weights = (WeightsProbe(self.updater, self.probes, read_lag=self.read_lag,
-                                     reference_age=cfg.reference_age,
-                                     max_blind_skips=cfg.detector.max_consecutive_skips)
+                                     reference_age=cfg.reference_age, max_blind_skips=cfg.detector
+                                     .max_consecutive_skips)
                         if cfg.weights_check and cfg.respond else None)
         extra = dict(extra_state or {})
         self.responder = Responder(
             tier2=cfg.tier2, max_rollbacks=cfg.max_rollbacks, lr_scale=cfg.rollback_lr_scale,
-            checkpoints=checkpoints,
-            ledger=self.ledger, history=self.history, attribution=self.attribution,
-            recorder=self.recorder, updater=self.updater, model=model,
-            named_params=self.named_params, optimizer=optimizer, scheduler=scheduler,
-            on_alert=on_alert, reconfigure=reconfigure,
+            checkpoints=checkpoints, ledger=self.ledger, history=self.history,
+            attribution=self.attribution, recorder=self.recorder, updater=self.updater,
+            model=model, named_params=self.named_params, optimizer=optimizer,
+            scheduler=scheduler, on_alert=on_alert, reconfigure=reconfigure,
             keep_on_rollback={k: extra[k] for k in self.keep_on_rollback})
         if checkpoints is not None:
             checkpoints.register(model=model, optimizer=optimizer, scheduler=scheduler, data=data,
@@ -131,8 +134,6 @@ class Guard:
                                  guard=self, **extra)
         self.step_index = 0
         self.last_skipped = False
-        """Whether the last resolved step's update was withheld (a skip or a halt); a framework
-        that steps the LR scheduler itself holds it then (integrations/)."""
         self._window_alerts: list[str] = []
         self.micro = MicroBatches(model, precision.device)
         self._rerun_now: Callable[..., Any] | None = None
@@ -186,11 +187,8 @@ class Guard:
 
     def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None,
                    rerun: Callable[..., Any] | None = None) -> None:
-        """Record one micro-batch's loss and log Z (detached) after its backward; ``step()`` then
-        uses their mean. ``out`` is a LossOutput (its ``ce`` and ``log_z``) or a 0-d loss;
-        ``rerun()`` re-runs this micro-batch's forward and backward (a re-run of the step
-        replays every micro-batch; without every closure it cannot, and a skip's cause is
-        then unknown)."""
+        """One micro-batch after its backward: ``out`` a LossOutput or a 0-d loss (``step()``
+        takes their mean); ``rerun()`` re-runs its forward and backward (guard/micro.py)."""
         self.micro.add(out, log_z=log_z, rerun=rerun)
 
     def step(self, out: Any = None, *, log_z: torch.Tensor | None = None,
@@ -309,7 +307,8 @@ class Guard:
         # step whose weights were at fault has its cause
         if (skipped and self.config.respond and 1 <= verdict.tier < 3
                 and "cause" not in extras):
-            redo = self._redo_next if self._rerun_now is not None else None
+            nxt = self._rerun_now  # read_lag 1: the next step, re-run if a drop is applied
+            redo = (lambda: self.micro.redo(nxt)) if nxt is not None else None
             verdict = self.attribution.explain(p, verdict, extras, m, self.updater,
                                                self.probes, redo)
             self.last_skipped = verdict.skip
@@ -339,14 +338,6 @@ class Guard:
         if action not in (Action.ROLLBACK, Action.HALT):
             self._maybe_save(p)
         return verdict
-
-    def _redo_next(self) -> None:
-        """read_lag 1 after a drop was applied: the next step's gradients were taken at the old
-        weights; re-run it through its own closure at the new ones."""
-        self.micro.clear()
-        out = self._rerun_now()
-        for o in out if isinstance(out, (list, tuple)) and not hasattr(out, "log_z") else [out]:
-            self.accumulate(o)
 
     def _maybe_save(self, p: Pending) -> None:
         ck = self.checkpoints

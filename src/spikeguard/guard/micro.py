@@ -103,6 +103,14 @@ class MicroBatches:
         self._items.append((loss, z, seq, rerun, self._rng))
         self._rng = None
 
+    def redo(self, closure: Callable[..., Any]) -> None:
+        """Replace this step's micro-batches by a re-run of ``closure`` (read_lag 1, after an
+        update applied at the host made the gradients in place stale)."""
+        self.clear()
+        out = closure()
+        for o in out if isinstance(out, (list, tuple)) and not hasattr(out, "log_z") else [out]:
+            self.add(o)
+
     def take(self, rerun: Callable[..., Any] | None = None) -> StepBatch:
         """The step's mean loss and log Z, its rows and its re-run; ``rerun`` (given to
         ``guard.step``) belongs to the last micro-batch when it has none of its own."""
