@@ -54,7 +54,7 @@ def plant(stream: sg.TokenStream, tokens: np.ndarray, index: int, row: int, *,
 
 
 def attributed_run(*, steps: int = 300, batch: int = 16, seed: int = 0, out: Path,
-                   garbage: tuple[tuple[int, int], ...] = (), kind: str = "random",
+                   garbage: tuple[tuple[int, int], ...] = (), kind: str = "repeat",
                    grad_mult: tuple[int, float] | None = None, drop: bool = False,
                    read_lag: int = 0, attribution: AttributionConfig | None = None,
                    tier2: str = "alert", every: int | None = None,
@@ -72,9 +72,13 @@ def attributed_run(*, steps: int = 300, batch: int = 16, seed: int = 0, out: Pat
         plant(stream, tokens, index, row, kind=kind, seed=seed)
     ckpt = sg.CheckpointManager(out / "ckpt", every=every, keep=20) if every else None
     attr = attribution or AttributionConfig(drop_sequences=drop)
+    # what these runs test is what happens after a skip: the grad rule is held at the flat 3x
+    # median (grad_z 1), since on a 60-step run the early spread of the grad norm would widen
+    # the bar past the planted row (tests/test_do_no_harm.py and test_detector.py test the bar)
+    det = {"grad_z": 1.0, **(detector or {})}
     guard = Guard(model, opt, scheduler=sched, data=stream, checkpoints=ckpt,
                   sinks=[sg.JsonlSink(out / "metrics.jsonl")],
-                  config=GuardConfig(detector=sg.DetectorConfig.for_run(steps, **(detector or {})),
+                  config=GuardConfig(detector=sg.DetectorConfig.for_run(steps, **det),
                                      tier2=tier2,
                                      read_lag=read_lag, attribution=attr))
     run = Run(guard=guard, model=model, stream=stream, out=out)

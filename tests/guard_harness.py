@@ -55,17 +55,36 @@ class Run:
     guard: Guard | None = None
     model: Any = None
     lrs: dict[int, float] = field(default_factory=dict)
+    around: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    """Step -> (parameters and optimizer state before guard.step, after it), for ``watch``."""
 
     def final_loss(self, last: int = 20) -> float:
         steps = sorted(self.losses)[-last:]
         return sum(self.losses[s] for s in steps) / len(steps)
 
 
+def snapshot(model: Any, opt: torch.optim.Optimizer) -> tuple[list, list]:
+    """Copies of the parameters and of every optimizer state entry (moments, step count)."""
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+             for s in opt.state.values()]
+    return params, state
+
+
+def unchanged(a: tuple[list, list], b: tuple[list, list]) -> bool:
+    """Whether two snapshots are bit-identical."""
+    (pa, sa), (pb, sb) = a, b
+    return (all(torch.equal(x, y) for x, y in zip(pa, pb)) and len(sa) == len(sb)
+            and all(s1.keys() == s2.keys() and all(
+                torch.equal(s1[k], s2[k]) if torch.is_tensor(s1[k]) else s1[k] == s2[k]
+                for k in s1) for s1, s2 in zip(sa, sb)))
+
+
 def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), tier2: str = "alert",
                 out: Path | None = None, every: int = 25, read_lag: int = 0, fused: bool = True,
                 batch: int = 8, lr: float = 3e-3, max_rollbacks: int = 3,
                 config: sg.GPTConfig | None = None, resume: bool = False,
-                stop_at: int | None = None) -> Run:
+                stop_at: int | None = None, watch: tuple[int, ...] = ()) -> Run:
     torch.manual_seed(seed)
     cfg = config or sg.GPTConfig.tiny()
     model = sg.GPT(cfg)
@@ -103,7 +122,16 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                     g["lr"] *= mult
             run.lrs[t] = opt.param_groups[0]["lr"]
             run.losses[t] = float(out_.ce)
-            run.verdicts += guard.step(out_)
+
+            def rerun(x: torch.Tensor = x, y: torch.Tensor = y) -> Any:
+                o = model.loss(model(x), y)
+                guard.backward(o)
+                return o
+
+            before = snapshot(model, opt) if t in watch else None
+            run.verdicts += guard.step(out_, rerun=rerun)
+            if before is not None:
+                run.around[t] = (before, snapshot(model, opt))
             if saved is not None:  # the fault lasts one step; a scheduler step already reset it
                 for g, base in zip(opt.param_groups, saved):
                     if g["lr"] == base * mult:

@@ -92,21 +92,30 @@ def test_scenario2_is_missed_by_the_seeds_300_step_rule_alone():
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_clean_stream_only_genuine_3x_skips(seed):
+def test_clean_stream_only_genuine_outlier_skips(seed):
+    """A skip exactly where grad_norm > median x max(3, exp(6 x spread)), the median and the
+    robust spread of log grad norm recomputed by brute force from the kept steps (float64)."""
     scen = sc.clean_run(seed)
     d = SpikeDetector()
-    history = []  # unflagged grad norms, the brute-force reference
+    history, devs = [], []  # unflagged grad norms and their |log(g / median)|: the reference
+    skips = 0
     for k, m in enumerate(scen.metrics):
-        med, armed = d.grad_median, d.armed
+        armed = d.armed
+        med = statistics.median(history[-5000:]) if history else math.nan
+        spread = 1.4826 * statistics.median(devs[-5000:]) if devs else math.nan
+        limit = med * (3.0 if math.isnan(spread) else max(3.0, math.exp(6.0 * spread)))
         v = d.update(m)
         assert v.action in (Action.CONTINUE, Action.SKIP), (v.step, v.reasons)
-        assert (v.action is Action.SKIP) == (armed and m.grad_norm > 3 * med)
-        if v.action is Action.SKIP:
-            assert m.grad_norm > 3 * statistics.median(history[-5000:])
-        else:
+        expect = armed and m.grad_norm > limit
+        assert (v.action is Action.SKIP) == expect, (v.step, m.grad_norm, med, spread)
+        skips += expect
+        if v.action is not Action.SKIP:
+            if history:
+                devs.append(abs(math.log(m.grad_norm / med)))
             history.append(m.grad_norm)
         if k % 997 == 0 and len(history) > 1:
             assert d.grad_median == statistics.median(history[-5000:])
+    assert 0 < len(devs) and skips <= 0.001 * len(scen.metrics)  # genuine outliers are rare
 
 
 # ---- each rule on its own -----------------------------------------------------------------
@@ -160,7 +169,8 @@ def ema_reference(values, alpha):
 
 def test_loss_ratio_or_rule_alert_and_skip():
     metrics = flat(300, **{"s200": {"loss": 5.3}, "s250": {"loss": 4.0}})
-    verdicts = run(metrics)
+    # the loss-outlier rule (a jump over the short median) off, to see the ratio rule alone
+    verdicts = run(metrics, DetectorConfig(loss_min_rise=100.0))
     skip, alert = verdicts[200], verdicts[250]
     ema = ema_reference([m.loss for m in metrics[:200]], 1e-3)
     assert skip.evidence["loss_ema_ratio"] == pytest.approx(5.3 / ema, rel=1e-12)
@@ -171,6 +181,24 @@ def test_loss_ratio_or_rule_alert_and_skip():
     # the skipped loss stayed out of the EMA; the alerted one went in
     ema_after = ema_reference([m.loss for m in metrics[:250] if m.step != 200], 1e-3)
     assert alert.evidence["loss_ema"] == pytest.approx(ema_after, rel=1e-12)
+
+
+def test_an_outlier_batch_early_in_a_run_is_skipped_where_loss_over_ema_misses_it():
+    """The loss falls fast early on, so the EMA of the kept losses lags above it: a batch at 1.5x
+    the current loss is only ~1.3x the EMA (no skip at 2.0). Against the median of the last
+    loss_window kept losses and their own spread it stands far out (float64 reference)."""
+    rng = np.random.default_rng(3)
+    losses = [5.0 * math.exp(-s / 20) + 2.0 + 0.02 * rng.standard_normal() for s in range(120)]
+    losses[100] *= 1.5
+    metrics = [sg.StepMetrics(step=s, loss=x, grad_norm=1.0, log_z=7.0)
+               for s, x in enumerate(losses)]
+    verdicts = run(metrics, DetectorConfig.for_run(300))
+    v = verdicts[100]
+    assert v.evidence["loss_ema_ratio"] < 1.5  # loss / EMA alone would not even alert
+    assert (v.tier, v.action, v.reasons) == (1, Action.SKIP, ("loss > median + 6 spreads",))
+    kept = losses[68:100]  # the 32 kept losses before it
+    assert losses[100] > statistics.median(kept) * 1.25
+    assert [u.step for u in verdicts if u.action is not Action.CONTINUE] == [100]
 
 
 def test_ratio_above_2_5_for_10_steps_is_tier2():
@@ -358,7 +386,7 @@ def test_loss_ema_is_what_the_next_ratio_divides_by():
 
 def test_version_1_state_is_refused_with_what_to_do():
     old = {"version": 1, "config": DetectorConfig().to_dict(), "scalars": {}, "pending": None}
-    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 2.*fresh "
+    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 3.*fresh "
                                          r"SpikeDetector.*arm_after=50"):
         SpikeDetector().load_state_dict(old)
 

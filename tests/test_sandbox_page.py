@@ -186,7 +186,9 @@ def test_real_mode_streams_a_real_run_and_shows_the_outlier_skipped(site):
     assert [i for i, v in enumerate(real["skip"]) if v is not None] == [60]
     assert real["skip"][60] == real["loss"][60]
     assert page.inner_text("#real-skips") == "60"
-    assert page.inner_text("#real-status").startswith("finished: 119 updates applied")
+    status = page.inner_text("#real-status")
+    assert status.startswith("finished: 119 updates applied")
+    assert "the guard skipped step 60 (the batch)" in status  # what the guard did, and why
     marker = page.evaluate("""() => { const u = window.sandbox.real.chart;
         const x = u.valToPos(60, 'x', true), y = u.valToPos(u.data[2][60], 'y', true);
         return Array.from(u.ctx.getImageData(Math.round(x), Math.round(y), 1, 1).data); }""")

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+import spikeguard as sg
 from spikeguard.guard import GuardConfig
 from spikeguard.model import GPTConfig
 from spikeguard.sandbox.real import MAX_STEPS, RealConfig, RealRun, RealRuns
@@ -112,3 +113,26 @@ def test_a_child_that_fails_ends_with_its_message(tmp_path):
     end = json.loads(events[0][2])
     assert end["status"] == "failed" and end["returncode"] == 7
     assert "exited with status 7: no data here" in end["message"]
+
+
+@pytest.mark.slow
+def test_the_default_real_run_with_every_defense_on_survives_and_says_what_the_guard_did(
+        tmp_path, sub_env):
+    """The page's "run it for real" with clipping, warmup and z-loss on, the default seed and
+    length, as the server starts it: it finishes (it used to halt at step 32 on a storm of
+    skips on weights that only the skipped update would have repaired), the planted outlier at
+    step 100 is skipped, and result.json says in a sentence what the guard did."""
+    config = RealConfig(clip=True, warmup=True, z_loss=True)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    subprocess.run([sys.executable, "-m", "spikeguard.sandbox._real_run",
+                    json.dumps(dataclasses.asdict(config)), str(folder)],
+                   env=sub_env, check=True, timeout=600, capture_output=True)
+    result = json.loads((folder / "result.json").read_text())
+    assert result["status"] == "finished" and result["rollbacks"] == 0
+    records = sg.read_metrics(folder / "metrics.jsonl")
+    assert records[100]["skipped"] and records[100]["action"] == "skip"
+    assert not any(r["action"] in ("halt", "rollback") for r in records)
+    assert "skipped step 100" in result["guard"]
+    acted = [r["step"] for r in records if r["action"] != "continue"]
+    assert all(f"step {s}" in result["guard"] for s in acted)

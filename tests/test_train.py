@@ -34,6 +34,12 @@ def test_an_outlier_is_skipped_and_the_run_dir_holds_config_record_checkpoints_p
     assert [x["step"] for x in records] == list(range(80))
     assert [x["step"] for x in records if x["action"] != "continue"] == [60]
     assert records[60]["action"] == "skip" and records[60]["tier"] == 1
+    # what happened, not a label: the device withheld step 60's update (the gate's own bit),
+    # the LR schedule held there, and every other step was applied
+    assert [x["step"] for x in records if x["skipped"]] == [60]
+    assert records[61]["lr"] == records[60]["lr"] != records[59]["lr"]
+    ranks = json.loads((tmp_path / "ranks" / "rank0.json").read_text())
+    assert ranks["applied"] == 79 and ranks["skipped"] == [60]
     meta = json.loads((tmp_path / "config.json").read_text())
     assert meta["config"]["gpt"]["qk_norm"] and meta["config"]["gpt"]["z_loss"] == 1e-4
     assert meta["config"]["guard"]["clip"] == 1.0 and len(meta["run_hash"]) == 64

@@ -20,8 +20,11 @@ __all__ = ["DetectorConfig"]
 _WINDOWS = ("median_window", "loss_ema_steps", "recovery_ema_steps", "recovery_steps",
             "elevated_steps", "log_z_rise_steps")
 
-# for_run never arms on fewer kept updates than this: a median of 1-4 values is one noisy value
-_MIN_ARM_AFTER = 5
+# for_run never arms on fewer kept updates than this, and never sizes a median window below
+# _MIN_WINDOW: a median and a spread of a handful of values, taken while the grad norm still
+# falls, is no baseline (a 20-step run armed at step 5 skipped its last five steps)
+_MIN_ARM_AFTER = 10
+_MIN_WINDOW = 16
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -38,7 +41,19 @@ class DetectorConfig:
     median_window: int = 5000
     """Updates in the running medians of grad norm and log Z, and in the loss floor."""
     grad_k: float = 3.0
-    """Tier 1 SKIP when grad_norm > grad_k x its running median."""
+    """Tier 1 SKIP when grad_norm > grad_k x its running median (and past grad_z spreads)."""
+    grad_z: float = 6.0
+    """...and when log grad norm stands more than this many robust spreads (1.4826 x the median
+    absolute deviation) above the log of its median: the run's own noise widens the bar."""
+    loss_window: int = 32
+    """Updates in the running median of the loss and its spread (short: the loss falls fast
+    early on, and an outlier batch is judged against the last few dozen batches)."""
+    loss_z: float = 6.0
+    """Tier 1 SKIP when the loss stands more than this many robust spreads above its running
+    median over loss_window (an outlier batch early in a run, where loss / EMA still divides
+    by a mean that carries the first, higher losses)."""
+    loss_min_rise: float = 0.25
+    """...and at least this fraction above that median (a run whose loss barely varies)."""
     grad_elevated: float = 1.5
     """A norm above this multiple of the median is 'elevated'; the run of them dates the onset."""
     loss_ema_steps: int = 1000
@@ -129,10 +144,10 @@ class DetectorConfig:
 
         Each window (median_window, loss_ema_steps, recovery_ema_steps, recovery_steps,
         elevated_steps, log_z_rise_steps) becomes min(default, total_steps // 4), so that it
-        fills within the first quarter of the run. ``arm_after`` becomes
-        min(default, max(5, total_steps // 10)): the rules start after a tenth of the run (50
-        updates of a 100-step run would be half of it), but never on a median of fewer than 5
-        values. ``overrides`` are applied on top. From 20,000 steps on, the result is
+        fills within the first quarter of the run; the median window never below 16 values.
+        ``arm_after`` becomes min(default, max(10, total_steps // 10)): the rules start after a
+        tenth of the run (50 updates of a 100-step run would be half of it), but never on fewer
+        than 10 values. ``overrides`` are applied on top. From 20,000 steps on, the result is
         ``DetectorConfig()``.
         """
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 4:
@@ -140,6 +155,7 @@ class DetectorConfig:
                              "int >= 4 (the windows become total_steps // 4)")
         cap = total_steps // 4
         sizes: dict[str, Any] = {name: min(getattr(cls, name), cap) for name in _WINDOWS}
+        sizes["median_window"] = min(cls.median_window, max(_MIN_WINDOW, cap))
         sizes["arm_after"] = min(cls.arm_after, max(_MIN_ARM_AFTER, total_steps // 10))
         sizes.update(overrides)
         return cls(**sizes)

@@ -42,6 +42,7 @@ from .rules import (
     GradSpike,
     LossHalt,
     LossRatio,
+    LossSpike,
     NonFinite,
     Rule,
     ScalerOverflow,
@@ -51,8 +52,8 @@ from .rules_tier2 import LogZDrift, LogZRise, LossElevated, RatioHeld, Recovery,
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
-_STATE_VERSION = 2
-"""2: one entry per rule (``state["rules"][name]``); 1 was one flat dict, before the rules split."""
+_STATE_VERSION = 3
+"""3: adds the loss-outlier rule and the spreads; 2: one entry per rule; 1: one flat dict."""
 
 
 class Verdict(NamedTuple):
@@ -132,7 +133,8 @@ class SpikeDetector:
     def _build(self) -> dict[str, Rule]:
         c = self.config
         # the order of evaluation: within a tier, events at equal onsets keep this order
-        return {"grad_spike": GradSpike(c), "loss_ratio": LossRatio(c), "ratio_held": RatioHeld(c),
+        return {"grad_spike": GradSpike(c), "loss_spike": LossSpike(c),
+                "loss_ratio": LossRatio(c), "ratio_held": RatioHeld(c),
                 "loss_halt": LossHalt(c), "skip_storm": SkipStorm(c),
                 "loss_elevated": LossElevated(c), "log_z_drift": LogZDrift(c),
                 "log_z_rise": LogZRise(c), "recovery": Recovery(c), "scaler": ScalerOverflow(c),
@@ -172,9 +174,14 @@ class SpikeDetector:
         by. NaN before any history."""
         return self._ratio.ema.value
 
-    def update(self, m: StepMetrics) -> Verdict:
+    def update(self, m: StepMetrics, *, released: bool = False) -> Verdict:
         """Judge one step. Call once per step, in order, with host floats (a torch.Tensor field
-        raises TypeError: convert it with ``float(...)`` where a sync is acceptable)."""
+        raises TypeError: convert it with ``float(...)`` where a sync is acceptable).
+
+        ``released``: the caller applied this step's update whatever Tier 1 says (the guard
+        does when its weights check finds the weights, not the batch, at fault). A flagged
+        step is then an ALERT with ``skip`` False, not counted towards a skip storm, and still
+        kept out of every history (and watched for recovery, as a skip is)."""
         if type(m) is not StepMetrics and not isinstance(m, StepMetrics):
             raise TypeError(f"SpikeDetector.update takes a StepMetrics, got {type(m).__name__}")
         step, loss, g, lz, nf, given = (m.step, m.loss, m.grad_norm, m.log_z, m.nan_frac,
@@ -196,6 +203,7 @@ class SpikeDetector:
         x.step, x.loss, x.grad_norm, x.log_z, x.given_ratio = (
             step, loss, g, _nan if lz is None else lz, given)
         x.skip = x.spike = False
+        x.released = released
         x.i, x.j = self._n_seen, self._n_clean
         x.armed = x.j >= self._arm_after
         self._n_seen += 1
@@ -239,7 +247,7 @@ class SpikeDetector:
         elif t2:
             tier, action = 2, Action.ROLLBACK
         elif t1:
-            tier, action = 1, (Action.SKIP if x.skip else Action.ALERT)
+            tier, action = 1, (Action.SKIP if x.skip and not x.released else Action.ALERT)
         elif advice:
             tier, action = 0, Action.ALERT
         else:
@@ -249,7 +257,7 @@ class SpikeDetector:
             evidence["loss_elevated_steps"] = lx.count
         evidence["skips_consecutive"] = storm.run
         return self._verdict(x.step, tier, action, t3 + t2 + t1, advice, evidence,
-                             x.skip or tier == 3)
+                             (x.skip and not x.released) or tier == 3)
 
     def _verdict(self, step: int, tier: int, action: Action, fired: list[Event],
                  advice: bool, evidence: dict[str, float], skip: bool) -> Verdict:

@@ -3,13 +3,15 @@
 At step t the gate is a 0-d bool tensor, true when the step must not be applied:
 
     not finite(grad_norm) or not finite(loss)
-    or armed and grad_norm > grad_k x running median of earlier kept grad norms
+    or armed and grad_norm > median x max(grad_k, exp(grad_z x spread of log grad norm))
+    or armed and loss > its short running median + max(loss_min_rise x median, loss_z x spread)
     or armed and loss / EMA of earlier kept losses > skip_ratio
 
 with ``armed`` = at least ``arm_after`` kept updates so far. It reads the same DetectorConfig as
 the host SpikeDetector and keeps the same histories (DeviceRunningMedian and DeviceEMA are
-bit-identical twins of the host statistics), so on every step of tier <= 1 the gate equals the
-host verdict's ``skip``; it just needs no host read. A flagged step never enters the histories,
+twins of the host statistics: the medians and the EMA bit-identical, the log-spread equal up to
+the last bit of ``log``/``exp``), so on every step of tier <= 1 the gate equals the host
+verdict's ``skip``; it just needs no host read. A flagged step never enters the histories,
 on the device as on the host. Rules that need host state (Tier 2 windows, the loss > 10 nats
 halt) stay with the host detector.
 """
@@ -21,9 +23,10 @@ from typing import Any
 
 import torch
 
+from ..detect.spread import DeviceSpread
 from ..detect.stats import DeviceEMA, DeviceRunningMedian
 from .config import DetectorConfig
-from .rules import grad_spike, ratio_spike
+from .rules import grad_spike, loss_spike, ratio_spike
 
 __all__ = ["DeviceGate"]
 
@@ -35,7 +38,10 @@ class DeviceGate:
         self.config = config
         self.device = torch.device(device)
         self.median = DeviceRunningMedian(config.median_window, device=self.device)
+        self.spread = DeviceSpread(config.median_window, device=self.device)
         self.ema = DeviceEMA(1.0 / config.loss_ema_steps, device=self.device)
+        self.level = DeviceRunningMedian(config.loss_window, device=self.device)
+        self.loss_spread = DeviceSpread(config.loss_window, device=self.device)
 
     def armed(self) -> torch.Tensor:
         """0-d bool: enough kept updates for the statistical rules (the detector's ``armed``)."""
@@ -49,8 +55,21 @@ class DeviceGate:
         ema = self.ema.value
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
-        spike = grad_spike(g, self.median.value, self.config) | ratio_spike(ratio, self.config)
+        spike = (grad_spike(g, self._grad_limit()) | loss_spike(x, self._loss_limit())
+                 | ratio_spike(ratio, self.config))
         return ~torch.isfinite(g) | ~torch.isfinite(x) | (self.armed() & spike)
+
+    def _grad_limit(self) -> torch.Tensor:
+        """rules.grad_limit on the device."""
+        c, s = self.config, self.spread.value
+        mult = torch.where(torch.isnan(s), c.grad_k, torch.clamp(torch.exp(c.grad_z * s),
+                                                                 min=c.grad_k))
+        return self.median.value * mult
+
+    def _loss_limit(self) -> torch.Tensor:
+        """rules.loss_limit on the device (NaN while the loss median or spread is empty)."""
+        c, level = self.config, self.level.value
+        return level + torch.maximum(c.loss_min_rise * level, c.loss_z * self.loss_spread.value)
 
     def __call__(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """The gate for this step (0-d bool); then fold the step into the histories unless
@@ -58,14 +77,22 @@ class DeviceGate:
         gate = self.test(grad_norm, loss)
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
+        med, level = self.median.value, self.level.value
+        ok = (g > 0) & (med > 0) & torch.isfinite(g) & torch.isfinite(med)
+        # NaN where the host's log_deviation gives NaN: never kept
+        self.spread.add(torch.where(ok, torch.log(g / med).abs(), math.nan), flagged=gate)
         self.median.update(g, flagged=gate)
         self.ema.update(x, flagged=gate)
+        self.loss_spread.add((x - level).abs(), flagged=gate)  # NaN while the level is empty
+        self.level.update(x, flagged=gate)
         return gate
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready; a host read (for checkpoints, not the step)."""
-        return {"median": self.median.state_dict(), "ema": self.ema.state_dict()}
+        return {"median": self.median.state_dict(), "spread": self.spread.state_dict(),
+                "ema": self.ema.state_dict(), "level": self.level.state_dict(),
+                "loss_spread": self.loss_spread.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.median.load_state_dict(state["median"])
-        self.ema.load_state_dict(state["ema"])
+        for name in ("median", "spread", "ema", "level", "loss_spread"):
+            getattr(self, name).load_state_dict(state[name])

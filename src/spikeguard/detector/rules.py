@@ -18,12 +18,14 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
+from ..detect.spread import Spread, log_deviation
 from ..detect.stats import EMA, RunningMedian
 from ..record import StepMetrics
 from .config import DetectorConfig
 
-__all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "NonFinite", "Rule", "ScalerOverflow",
-           "StepInput", "grad_spike", "ratio_spike"]
+__all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "LossSpike", "NonFinite", "Rule",
+           "ScalerOverflow", "StepInput", "grad_limit", "grad_spike", "loss_limit", "loss_spike",
+           "ratio_spike"]
 
 Event = tuple[int, str]
 """(onset step, reason): where the anomaly a rule saw began, and a short text naming its metric."""
@@ -32,11 +34,31 @@ _isfinite = math.isfinite
 _nan = math.nan
 
 
-def grad_spike(grad_norm: Any, median: Any, c: DetectorConfig) -> Any:
-    """The Tier 1 grad-norm test: norm > grad_k x the running median of the kept norms. One
-    definition for the host rule, the device gate and a re-run's check: floats or 0-d tensors
-    alike (a NaN median compares false)."""
-    return grad_norm > c.grad_k * median
+def grad_limit(median: float, spread: float, c: DetectorConfig) -> float:
+    """The grad norm above which a step is a Tier 1 outlier: median x max(grad_k,
+    exp(grad_z x spread)), ``spread`` the robust spread of log grad norm (NaN while unknown: the
+    fixed multiple alone). Host floats; the device gate's twin is DeviceGate._grad_limit."""
+    mult = c.grad_k if not spread == spread else max(c.grad_k, math.exp(c.grad_z * spread))
+    return median * mult
+
+
+def grad_spike(grad_norm: Any, limit: Any) -> Any:
+    """The Tier 1 grad-norm test against ``grad_limit`` (floats or 0-d tensors; a NaN limit,
+    before any history, compares false). One definition for the host rule, the device gate and
+    a re-run's check."""
+    return grad_norm > limit
+
+
+def loss_limit(level: float, spread: float, c: DetectorConfig) -> float:
+    """The loss above which a step is a Tier 1 outlier: its running median plus max(loss_min_rise
+    x median, loss_z x spread) (NaN while either is unknown). Host floats; the device twin is
+    DeviceGate._loss_limit."""
+    return level + max(c.loss_min_rise * level, c.loss_z * spread)
+
+
+def loss_spike(loss: Any, limit: Any) -> Any:
+    """The Tier 1 loss-outlier test against ``loss_limit`` (a NaN limit compares false)."""
+    return loss > limit
 
 
 def ratio_spike(ratio: Any, c: DetectorConfig) -> Any:
@@ -50,8 +72,8 @@ class StepInput:
     rest for the rules after them (named with the rule that writes each)."""
 
     __slots__ = ("armed", "ema_prev", "given_ratio", "grad_norm", "i", "j", "kept", "log_z",
-                 "log_z_onset", "loss", "ratio", "ratio_onset", "short", "skip", "spike", "step",
-                 "t1_onset")
+                 "log_z_onset", "loss", "ratio", "ratio_onset", "released", "short", "skip",
+                 "spike", "step", "t1_onset")
 
     def __init__(self) -> None:
         self.step = self.i = self.j = 0
@@ -61,6 +83,9 @@ class StepInput:
         """A loss_ema_ratio already in the StepMetrics (a replayed log), else None."""
         self.armed = False
         """Whether the statistical rules are on (arm_after kept updates before this one)."""
+        self.released = False
+        """The caller applied this step's update although Tier 1 flags it (the weights, not the
+        batch, were at fault): no skip, but still out of the histories (the detector)."""
         self.skip = self.spike = False
         """Tier 1 asks for a skip (GradSpike, LossRatio); the grad-norm rule fired (GradSpike)."""
         self.ratio = self.ema_prev = _nan
@@ -116,7 +141,10 @@ class Rule:
 
 
 class GradSpike(Rule):
-    """Tier 1 SKIP: grad_norm > grad_k x the running median of the kept grad norms.
+    """Tier 1 SKIP: grad_norm above ``grad_limit``: grad_k x the running median of the kept grad
+    norms, widened to exp(grad_z x spread) x median where the run's log grad norm is noisy
+    (``spread``: the robust spread of log(g / median) over the kept steps, each deviation taken
+    against the median its step was judged against).
 
     ``onset`` is the first step of the current run of norms above grad_elevated x median: a
     blow-up usually climbs for a few steps before it crosses grad_k, and the rollback target must
@@ -127,16 +155,20 @@ class GradSpike(Rule):
     for the next one, and a storm of them would drag the median up until the storm looks normal.
     """
 
-    __slots__ = ("c", "context", "elevated", "med", "median", "onset", "reason")
+    __slots__ = ("c", "context", "elevated", "limit", "med", "median", "onset", "reason",
+                 "spread")
     _scalars = ("onset",)
-    _stats = ("median",)
+    _stats = ("median", "spread")
     tier, phase = 1, "judge"
 
     def __init__(self, c: DetectorConfig) -> None:
         self.c = c
         self.elevated = c.grad_elevated
         self.median = RunningMedian(c.median_window)
+        self.spread = Spread(c.median_window)
         self.onset: int | None = None
+        self.limit = _nan
+        """The grad norm this step was judged against (NaN while the median is empty)."""
         self.med = _nan
         """The median this step was judged against (the window before it); NaN while empty."""
         self.reason = f"grad_norm > {c.grad_k:g}x median"
@@ -150,14 +182,54 @@ class GradSpike(Rule):
                 self.onset = x.step
         else:
             self.onset = None
-        if x.armed and grad_spike(g, med, self.c):
+        self.limit = limit = grad_limit(med, self.spread.value, self.c)
+        if x.armed and grad_spike(g, limit):
             x.skip = x.spike = True
             return (self.onset, self.reason)
         return None
 
     def fold(self, x: StepInput) -> None:
+        self.spread.add(log_deviation(x.grad_norm, self.med))
         self.median.update(x.grad_norm)
 
+
+
+class LossSpike(Rule):
+    """Tier 1 SKIP: the loss above ``loss_limit``: its running median over the last loss_window
+    kept steps plus loss_z robust spreads (and at least loss_min_rise x the median).
+
+    An outlier batch is an outlier against the batches just before it. ``loss / EMA`` divides by
+    a mean that early in a run still carries the first, much higher losses, so there it misses a
+    batch of random bytes (loss/EMA 1.4 at step 150 of a 300-step tiny run, where this rule
+    sees 10 spreads). The short median follows the falling loss; the spread (1.4826 x the median
+    of each kept step's |loss - median|) is the run's own batch-to-batch noise, so a noisy run
+    is not flagged for ordinary variation.
+    """
+
+    __slots__ = ("c", "level", "limit", "med", "reason", "spread")
+    _stats = ("level", "spread")
+    tier, phase = 1, "judge"
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.c = c
+        self.level = RunningMedian(c.loss_window)
+        self.spread = Spread(c.loss_window)
+        self.med = self.limit = _nan
+        self.reason = f"loss > median + {c.loss_z:g} spreads"
+
+    def update(self, x: StepInput) -> Event | None:
+        med = self.med = self.level.value
+        self.limit = limit = loss_limit(med, self.spread.value, self.c)
+        if x.armed and loss_spike(x.loss, limit):
+            x.skip = True
+            return (x.step, self.reason)
+        return None
+
+    def fold(self, x: StepInput) -> None:
+        med = self.med
+        if med == med:
+            self.spread.add(abs(x.loss - med))
+        self.level.update(x.loss)
 
 
 class LossRatio(Rule):

@@ -48,17 +48,19 @@ class RatioHeld(Rule):
 
 
 class SkipStorm(Rule):
-    """A skip storm: more than max_consecutive_skips Tier 1 skips in a row, or more than
+    """A storm: more than max_consecutive_skips Tier 1 flags in a row, or more than
     max_skip_fraction of the last skip_window updates skipped. Each skip alone is harmless; many
-    mean the run is unstable and skipping would go on for ever without fixing it.
+    in a row on healthy weights mean the data has gone bad; flags in a row whose updates went
+    through (``x.released``: the weights were at fault) mean the weights are not recovering by
+    themselves. Either way the run needs Tier 2, not more of Tier 1.
 
-    Only Tier 1 skips count (never fp16 overflows, which the GradScaler handles). The fraction
-    rule is dated by the oldest skip still in the window.
+    Only Tier 1 flags count (never fp16 overflows, which the GradScaler handles); the fraction
+    rule counts only skips, and is dated by the oldest skip still in the window.
     """
 
-    __slots__ = ("count", "frac_reason", "latched", "limit", "max_run", "run", "run_onset",
-                 "run_reason", "window")
-    _scalars = ("run", "run_onset", "latched")
+    __slots__ = ("count", "frac_reason", "latched", "limit", "max_run", "released", "run",
+                 "run_onset", "run_reason", "weights_reason", "window")
+    _scalars = ("run", "run_onset", "latched", "released")
     _stats = ("window",)
     phase = "judge"
 
@@ -71,19 +73,27 @@ class SkipStorm(Rule):
         self.latched = False
         self.count = 0
         """Skips among the last skip_window updates, this one included."""
+        self.released = 0
+        """Flags of the current run whose updates went through."""
         self.run_reason = f"skips > {c.max_consecutive_skips} consecutive"
+        self.weights_reason = (f"flagged > {c.max_consecutive_skips} consecutive, the weights "
+                               "at fault")
         self.frac_reason = f"skips > {c.max_skip_fraction:.0%} of last {c.skip_window}"
 
     def update(self, x: StepInput) -> list[Event] | None:
-        step, i, skip = x.step, x.i, x.skip
+        step, i, flag = x.step, x.i, x.skip
+        skip = flag and not x.released
         events = None
-        if skip:
+        if flag:
             if self.run == 0:
-                self.run_onset = step
+                self.run_onset, self.released = step, 0
             self.run += 1
-            self.window.add(i, step)
+            self.released += x.released
+            if skip:
+                self.window.add(i, step)
             if self.run == self.max_run + 1:
-                events = [(self.run_onset, self.run_reason)]
+                reason = self.weights_reason if self.released else self.run_reason
+                events = [(self.run_onset, reason)]
         else:
             self.run = 0
         window = self.window

@@ -198,6 +198,30 @@ class Attribution:
         return self.reruns + 1 <= math.ceil(self.config.rerun_budget * (step + 1))
 
     # -- the skip -----------------------------------------------------------------------------
+    def explain(self, p: Any, verdict: Any, extras: dict[str, Any], m: Any, updater: Any,
+                probes: Any, redo: Callable[[], None] | None) -> Any:
+        """A skipped step: the finding (``judge``) with the caller's gradients set aside, and the
+        re-run without the quarantined rows through the step part's ``apply_rerun`` when the
+        finding asks for one (the one apply path). Returns the verdict with the findings in its
+        reasons (``skip`` False when that update was applied); ``redo`` re-runs the next step at
+        read_lag 1 when the applied update made its gradients stale."""
+        aside, applied = GradsAside(updater.params, updater.precision, probes), False
+        finding = Finding()
+        try:
+            finding = self.judge(p, verdict.tier, m.loss, m.grad_norm)
+            if finding.keep is not None:
+                result, weighed = updater.apply_rerun(p.rerun, finding.keep, finding.weight)
+                self.dropped(finding, result, weighed)
+                applied = result.applied
+        finally:
+            stale = applied and not p.grads_alive
+            aside.restore(stale=stale, redo=redo if stale else None)
+        extras.update(finding.extras)
+        extras.setdefault("cause", finding.cause)
+        reasons = (*verdict.reasons, *finding.reasons)
+        return verdict._replace(reasons=reasons, skip=False) if applied else \
+            verdict._replace(reasons=reasons)
+
     def judge(self, p: Any, tier: int, loss: float, norm: float) -> Finding:
         """Attribute the skipped step ``p`` (its ``rerun`` and per-sequence ``rows``): re-run it
         within the budget, quarantine outlier rows, and say whether to re-run without them.

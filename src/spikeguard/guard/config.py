@@ -23,9 +23,13 @@ class GuardConfig:
     clip: float | None = 1.0
     """Clip the global gradient norm to this value; None turns clipping off (never 0 or < 0)."""
     tier2: Literal["alert", "rollback"] = "alert"
-    """Tier 2: alert (report and go on; a skip storm halts) or rollback (needs checkpoints)."""
+    """Tier 2: alert (page with a summary and go on) or rollback (needs checkpoints)."""
     max_rollbacks: int = 3
     """Rollbacks (and reconfigured resumes) allowed in one run; the next one halts instead."""
+    rollback_lr_scale: float = 0.5
+    """A rollback replays the steps it rolled back at this multiple of the LR, ramping back to
+    1 linearly by the step that detected the anomaly (a second rollback into the same stretch
+    multiplies it again), so the replay does not retrace the path that failed."""
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     """Which probes run and how often, when the guard is built with probes=True."""
     read_lag: int | None = None
@@ -34,6 +38,13 @@ class GuardConfig:
     """Act on verdicts (skip, roll back, halt); False only measures and records (a baseline)."""
     attribution: AttributionConfig = field(default_factory=AttributionConfig)
     """After a skip: re-run it (data or transient?), quarantine outlier sequences, drop them."""
+    weights_check: bool = True
+    """Before a flagged step stays skipped, re-run a kept batch from reference_age kept steps
+    back under the same weights: if it fails the gate too, the weights are the cause and the
+    clipped update goes through (a skip cannot repair weights). Needs guard.step(rerun=...)."""
+    reference_age: int = 16
+    """How many kept steps back the weights check's reference batch is (an older batch is no
+    longer fitted by the updates since, so it tests the weights as a fresh one would)."""
 
     def __post_init__(self) -> None:
         if self.clip is not None:
@@ -42,6 +53,14 @@ class GuardConfig:
         if self.tier2 not in ("alert", "rollback"):
             raise ValueError(f"GuardConfig.tier2={self.tier2!r} must be 'alert' or 'rollback'")
         check_int(self.max_rollbacks, "GuardConfig.max_rollbacks", minimum=0, default=3)
+        check_int(self.reference_age, "GuardConfig.reference_age", minimum=1, default=16)
+        check_positive(self.rollback_lr_scale, "GuardConfig.rollback_lr_scale", default=0.5)
+        if self.rollback_lr_scale > 1.0:
+            raise ValueError(f"GuardConfig.rollback_lr_scale={self.rollback_lr_scale} must be "
+                             "<= 1 (1 replays at the scheduled LR; 0.5 is the default)")
+        if not isinstance(self.weights_check, bool):
+            raise ValueError(f"GuardConfig.weights_check={self.weights_check!r} must be True "
+                             "or False")
         check_nested(self)
         if self.read_lag not in (None, 0, 1):
             raise ValueError(f"GuardConfig.read_lag={self.read_lag!r} must be 0, 1 or None (auto)")

@@ -16,14 +16,10 @@ some rows, which the step part applies; the responder (``responder.Responder``) 
 Tier 2 and Tier 3; the batch ledger (``ledger.BatchLedger``) knows which batches each step
 consumed; the recorder writes the record; the checkpoint manager saves at its interval.
 
-Host reads: with ``read_lag=0`` (the default off CUDA) the host reads step t's numbers at t, one
-small vector. With ``read_lag=1`` (the default on CUDA) they are copied to pinned memory behind an
-event and read at step t+1, so a healthy or skipped step never waits for the device; Tier 2 and
-Tier 3 actions, the record and the schedule then act one step late (the schedule still advances
-exactly once per applied update, before the next update). A Tier 1 skip is never late: the gate
-acts at step t on the device. ``step`` returns the verdicts the host read in that call (a tuple,
-on every device: step t's with read_lag 0; step t-1's, or none on the first call, with read_lag
-1), each with the step it belongs to; ``flush`` and ``close`` return the last one.
+Host reads (docs/design.md, "One step"): with ``read_lag=0`` (off CUDA) step t's numbers are read
+at t; with ``read_lag=1`` (on CUDA) at t+1, so no step waits for the device, and Tier 2/3, the
+record and the schedule act one step late; a Tier 1 skip is never late. ``step`` returns the
+verdicts read in that call (a tuple on every device, each with its step).
 """
 
 from __future__ import annotations
@@ -42,22 +38,25 @@ from ..detector.gate import DeviceGate
 from ..readback import Readback
 from ..record import Action, StepMetrics
 from ..sinks import Sinks
-from .attribution import Attribution, AttributionConfig, Finding, GradsAside
-from .checks import check_grads, check_loss, check_pair, check_states
+from .attribution import Attribution, AttributionConfig
+from .checks import check_grads, check_pair, check_states
 from .config import GuardConfig
 from .forensics import HaltReport, TrainingHalted
 from .ledger import BatchLedger
+from .micro import MicroBatches
 from .recorder import Recorder
 from .responder import Responder
 from .step import Pending, ScalerState, Updater
 from .summary import History
+from .weights import WeightsProbe, weights_reason
 
 __all__ = ["AttributionConfig", "Guard", "GuardConfig", "TrainingHalted"]
 
 log = logging.getLogger("spikeguard")
 
-_STATE_VERSION = 1
-_N_NUMBERS = 7
+
+_STATE_VERSION = 2
+_N_NUMBERS = 8
 """The step's numbers at the head of the read-back vector (see Updater.device_step)."""
 
 
@@ -78,6 +77,10 @@ class Guard:
     ``keep_on_rollback`` are restored on ``resume`` only, never by a rollback (state outside the
     run's timeline, such as a fault injector). ``pp_group``/``tp_group`` go to ``grad_stats``.
     """
+
+    last_skipped: bool
+    """Whether the last resolved step's update was withheld (a skip or a halt); a framework
+    that steps the LR scheduler itself holds it then (integrations/)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  config: GuardConfig | None = None, scheduler: Any = None,
@@ -113,13 +116,17 @@ class Guard:
                                tp_group=tp_group)
         self.attribution = Attribution(cfg.attribution, measure=self.updater.measure_rerun,
                                        ledger=self.ledger, sinks=self.recorder.sinks)
+        self.weights = (WeightsProbe(self.updater, self.probes, read_lag=self.read_lag,
+                                     reference_age=cfg.reference_age, max_blind_skips=cfg.detector
+                                     .max_consecutive_skips)
+                        if cfg.weights_check and cfg.respond else None)
         extra = dict(extra_state or {})
         self.responder = Responder(
-            tier2=cfg.tier2, max_rollbacks=cfg.max_rollbacks, checkpoints=checkpoints,
-            ledger=self.ledger, history=self.history, attribution=self.attribution,
-            recorder=self.recorder, updater=self.updater, model=model,
-            named_params=self.named_params, optimizer=optimizer, scheduler=scheduler,
-            on_alert=on_alert, reconfigure=reconfigure,
+            tier2=cfg.tier2, max_rollbacks=cfg.max_rollbacks, lr_scale=cfg.rollback_lr_scale,
+            checkpoints=checkpoints, ledger=self.ledger, history=self.history,
+            attribution=self.attribution, recorder=self.recorder, updater=self.updater,
+            model=model, named_params=self.named_params, optimizer=optimizer,
+            scheduler=scheduler, on_alert=on_alert, reconfigure=reconfigure,
             keep_on_rollback={k: extra[k] for k in self.keep_on_rollback})
         if checkpoints is not None:
             checkpoints.register(model=model, optimizer=optimizer, scheduler=scheduler, data=data,
@@ -127,10 +134,8 @@ class Guard:
                                  guard=self, **extra)
         self.step_index = 0
         self.last_skipped = False
-        """Whether the last resolved step's update was withheld (a skip or a halt); a framework
-        that steps the LR scheduler itself holds it then (integrations/)."""
         self._window_alerts: list[str] = []
-        self._micro: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # loss, log Z, sequences
+        self.micro = MicroBatches(model, precision.device)
         self._rerun_now: Callable[..., Any] | None = None
         self._pending: Pending | None = None
         self._warned_disagree = False
@@ -167,7 +172,10 @@ class Guard:
 
     # -- the step -----------------------------------------------------------------------------
     def autocast(self):
-        """The forward pass context of the precision policy (bf16/fp16 autocast, or nothing)."""
+        """The forward pass context of the precision policy (bf16/fp16 autocast, or nothing).
+        It notes the RNG state the forward starts from: a re-run of the step draws the same
+        dropout masks (guard/micro.py)."""
+        self.micro.forward_starts()
         return self.precision.autocast()
 
     def backward(self, loss: Any) -> None:
@@ -177,19 +185,11 @@ class Guard:
         loss = loss.loss if hasattr(loss, "loss") and hasattr(loss, "log_z") else loss
         self.updater.backward(loss)
 
-    def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None) -> None:
-        """Record one micro-batch's loss and log Z (detached) after its backward; ``step()`` then
-        uses their mean. ``out`` is a LossOutput (its ``ce`` and ``log_z``) or a 0-d loss."""
-        seq = getattr(out, "sequences", None)  # per-sequence values: attribution on a skip
-        if hasattr(out, "ce") and hasattr(out, "log_z"):
-            loss, log_z = out.ce, out.log_z if log_z is None else log_z
-        else:
-            loss = out
-        check_loss(loss, self.params[0].device)
-        loss = loss.detach().float().reshape(())
-        z = (torch.full_like(loss, float("nan")) if log_z is None
-             else log_z.detach().float().reshape(()).to(loss.device))
-        self._micro.append((loss, z, seq))
+    def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None,
+                   rerun: Callable[..., Any] | None = None) -> None:
+        """One micro-batch after its backward: ``out`` a LossOutput or a 0-d loss (``step()``
+        takes their mean); ``rerun()`` re-runs its forward and backward (guard/micro.py)."""
+        self.micro.add(out, log_z=log_z, rerun=rerun)
 
     def step(self, out: Any = None, *, log_z: torch.Tensor | None = None,
              rerun: Callable[[], Any] | None = None) -> tuple[Verdict, ...]:
@@ -199,7 +199,7 @@ class Guard:
         and backward (``guard.backward``) and returns its LossOutput (Tier 3 forensics;
         attribution of a skip, where ``rerun(keep=mask)`` keeps only the rows ``mask`` marks).
         Raises TrainingHalted on a halt, after the record is written."""
-        if out is None and not self._micro:
+        if out is None and not self.micro:
             raise ValueError("guard.step() needs the step's loss: pass step(out), or call "
                              "guard.accumulate(out) after each micro-batch's backward")
         check_grads(self.params)
@@ -215,7 +215,7 @@ class Guard:
             t = self.step_index
             verdicts = (self._resolve(pending),)
             if self.step_index != t:  # rolled back or reconfigured: this step's grads are stale
-                self._micro.clear()
+                self.micro.clear()
                 self.optimizer.zero_grad(set_to_none=True)
                 return verdicts
         self._pending = self._device_step(batches, rerun)
@@ -240,11 +240,11 @@ class Guard:
     def _device_step(self, batches: tuple[int, int] | None,
                      rerun: Callable[[], Any] | None) -> Pending:
         t = self.step_index
-        losses, zs, seqs = zip(*self._micro)
-        self._micro.clear()
+        batch = self.micro.take(rerun)
+        factor = self.updater.lr_factor(t)
         lr = self.updater.current_lr()  # before the update: the rate it used
-        stats, numbers = self.updater.device_step(torch.stack(losses).mean(),
-                                                  torch.stack(zs).mean())
+        lr = lr * factor if lr is not None else None
+        stats, numbers = self.updater.device_step(batch.loss, batch.log_z, factor)
         dev = stats.norm.device
         vec = torch.stack([x.detach().to(dev, torch.float64).reshape(()) for x in numbers])
         probes = self.probes.gather() if self.probes is not None else None
@@ -259,16 +259,18 @@ class Guard:
         self.step_index = t + 1
         if self.probes is not None:
             self.probes.start_step(self.step_index)
-        return Pending(t, Readback([vec]), lr, batches, data_state, rerun, probes,
+        return Pending(t, Readback([vec]), lr, batches, data_state, batch.rerun, probes,
                        stats if keep_grads else None,
-                       None if keep_grads else stats.finite_pieces(), seqs)
+                       None if keep_grads else stats.finite_pieces(), batch.rows)
 
     # -- the host side ------------------------------------------------------------------------
     def _judge(self, p: Pending) -> tuple[StepMetrics, Verdict, dict[str, Any], bool]:
-        """Read the step's numbers and give them to the detector (and the history)."""
+        """Read the step's numbers, weigh a flagged one (``_weigh``) and give them to the
+        detector (and the history)."""
         values = p.readback.values()
-        loss, log_z, norm, gate, armed, coef, scale = values[:_N_NUMBERS]
-        skipped = gate != 0.0
+        loss, log_z, norm, _, armed, coef, scale, flag = values[:_N_NUMBERS]
+        skipped, check = (self.weights.weigh(p, values) if self.weights is not None
+                          else (values[3] != 0.0, None))
         nan_frac: float | None = 0.0
         if not (norm == norm and abs(norm) != float("inf")):
             # the non-finite path of grad_stats: a host read, and a collective that every rank
@@ -276,7 +278,8 @@ class Guard:
             nan_frac = p.stats.nan_frac if p.grads_alive else None
         m = StepMetrics(step=p.step, loss=loss, grad_norm=norm, log_z=log_z, nan_frac=nan_frac,
                         lr=p.lr, grad_scale=scale if self.precision.scaler is not None else None)
-        verdict = self.detector.update(m)
+        verdict = self.detector.update(
+            m, released=self.config.respond and flag != 0.0 and not skipped)
         m.loss_ema_ratio = verdict.evidence.get("loss_ema_ratio")
         if (self.config.respond and verdict.tier <= 1 and verdict.skip != skipped
                 and not self._warned_disagree):
@@ -285,6 +288,10 @@ class Guard:
                         skipped, verdict.skip, p.step)
         self.history.add(p.step, loss, norm, log_z)
         extras: dict[str, Any] = {"armed": armed != 0.0, "skipped": skipped, "clip_coef": coef}
+        if check is not None:
+            extras["weights_check"] = check.record()
+            if check.weights or not skipped:
+                extras["cause"] = "weights" if check.weights else "unknown"
         if p.probes is not None:
             extras.update(p.probes.decode(values[_N_NUMBERS:]))
         return m, verdict, extras, skipped
@@ -293,9 +300,22 @@ class Guard:
         m, verdict, extras, skipped = self._judge(p)
         self.last_skipped = skipped
         self.updater.commit(skipped)
-        # a loss-scaler overflow (tier 0) is the scaler's own skip: nothing to attribute
-        if skipped and self.config.respond and 1 <= verdict.tier < 3:
-            verdict = self._attribute(p, verdict, extras, m)
+        check = extras.get("weights_check")
+        if check is not None:
+            verdict = verdict._replace(reasons=(*verdict.reasons, weights_reason(check)))
+        # a loss-scaler overflow (tier 0) is the scaler's own skip: nothing to attribute; a
+        # step whose weights were at fault has its cause
+        if (skipped and self.config.respond and 1 <= verdict.tier < 3
+                and "cause" not in extras):
+            nxt = self._rerun_now  # read_lag 1: the next step, re-run if a drop is applied
+            redo = (lambda: self.micro.redo(nxt)) if nxt is not None else None
+            verdict = self.attribution.explain(p, verdict, extras, m, self.updater,
+                                               self.probes, redo)
+            self.last_skipped = verdict.skip
+            if extras.get("cause") == "data" and not (check and check["weights"] is False):
+                # the same batch on the same weights reproduces whichever is at fault: without
+                # a weights check that cleared the weights, the re-run cannot say "data"
+                extras["cause"] = "unknown"
         action = verdict.action
         if not self.config.respond:
             extras["verdict"] = action.value  # what the guard would have done
@@ -308,7 +328,7 @@ class Guard:
                 self.optimizer.zero_grad(set_to_none=True)
         if action is Action.ROLLBACK:  # restored: nothing held of the steps rolled back stays
             self._pending = None
-            self._micro.clear()
+            self.micro.clear()
         if action is Action.SKIP and extras["skipped"] is False:
             action = Action.DROP  # the batch without its quarantined rows was applied
         # a skipped update never reached the weights: only an applied anomaly taints the interval
@@ -318,36 +338,6 @@ class Guard:
         if action not in (Action.ROLLBACK, Action.HALT):
             self._maybe_save(p)
         return verdict
-
-    def _attribute(self, p: Pending, verdict: Verdict, extras: dict[str, Any],
-                   m: StepMetrics) -> Verdict:
-        """A skipped step: attribution's finding, and its re-run without the quarantined rows
-        through the step part when the finding asks for one."""
-        aside, applied = GradsAside(self.params, self.precision, self.probes), False
-        finding = Finding()
-        try:
-            finding = self.attribution.judge(p, verdict.tier, m.loss, m.grad_norm)
-            if finding.keep is not None:
-                result, weighed = self.updater.apply_rerun(p.rerun, finding.keep, finding.weight)
-                self.attribution.dropped(finding, result, weighed)
-                applied = result.applied
-        finally:
-            stale = applied and not p.grads_alive
-            redo = self._redo_next if stale and self._rerun_now is not None else None
-            aside.restore(stale=stale, redo=redo)
-        extras.update(finding.extras)
-        if applied:
-            self.last_skipped = False
-            return verdict._replace(reasons=(*verdict.reasons, *finding.reasons), skip=False)
-        return verdict._replace(reasons=(*verdict.reasons, *finding.reasons))
-
-    def _redo_next(self) -> None:
-        """read_lag 1 after a drop was applied: the next step's gradients were taken at the old
-        weights; re-run it through its own closure at the new ones, when there is one."""
-        self._micro.clear()
-        out = self._rerun_now()
-        for o in out if isinstance(out, (list, tuple)) and not hasattr(out, "log_z") else [out]:
-            self.accumulate(o)
 
     def _maybe_save(self, p: Pending) -> None:
         ck = self.checkpoints
@@ -378,7 +368,8 @@ class Guard:
                 "applied": self.applied, "rollbacks": self.rollbacks, "records": self.records,
                 "detector": self.detector.state_dict(), "gate": self.gate.state_dict(),
                 "history": self.history.state_dict(), "batches": self.ledger.state_dict(),
-                "attribution": self.attribution.state_dict()}
+                "attribution": self.attribution.state_dict(),
+                "lr_ramp": self.updater.lr_ramp, "replay": self.responder.replay}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
@@ -394,4 +385,9 @@ class Guard:
         # a rollback restores an older state: the budget already spent stays spent
         self.responder.rollbacks = max(self.rollbacks, int(state["rollbacks"]))
         self.ledger.load_state_dict(state["batches"])
+        ramp = state.get("lr_ramp")
+        self.updater.lr_ramp = tuple(ramp) if ramp else None
+        # like the budget, the last replay is outside the timeline a rollback restores
+        if self.responder.replay is None and state.get("replay"):
+            self.responder.replay = tuple(state["replay"])
         self._window_alerts.clear()

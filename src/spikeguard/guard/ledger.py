@@ -79,6 +79,18 @@ class BatchLedger:
             self.data.drop(index, rows)
             self.dropped.setdefault(index, []).extend(rows)
 
+    def reapply(self) -> None:
+        """After a restore to an older checkpoint: every range skipped and every row dropped so
+        far holds again (they are what the run learned about its data, not state to restore;
+        the source's own state came back as the checkpoint had it)."""
+        ranges = {tuple(r) for r in getattr(self.data, "skip_ranges", ())}
+        for lo, hi in self.skipped:
+            if (lo, hi) not in ranges and self.can_skip:
+                self.data.skip(lo, hi)
+        if self.can_drop:
+            for index, rows in self.dropped.items():
+                self.data.drop(index, rows)
+
     def rows_of(self, index: int | None, n: int) -> list[int]:
         """The full-batch row numbers of the ``n`` rows batch ``index`` yielded."""
         rows_of = getattr(self.data, "rows_of", None)

@@ -27,21 +27,18 @@ __all__ = ["Responder"]
 log = logging.getLogger("spikeguard")
 
 
-def _is_storm(reason: str) -> bool:
-    return reason.startswith("skips ") or reason.startswith("loss not recovered")
-
-
 class Responder:
     """Tier 2 and Tier 3 actions (module docstring). ``rollbacks`` counts rollbacks and
     reconfigured resumes against ``max_rollbacks``."""
 
-    def __init__(self, *, tier2: str, max_rollbacks: int, checkpoints: Any, ledger: Any,
+    def __init__(self, *, tier2: str, max_rollbacks: int, lr_scale: float, checkpoints: Any,
+                 ledger: Any,
                  history: Any, attribution: Any, recorder: Any, updater: Any, model: Any,
                  named_params: list, optimizer: Any, scheduler: Any = None,
                  on_alert: Callable[[dict[str, Any]], None] | None = None,
                  reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None = None,
                  keep_on_rollback: Mapping[str, Any] | None = None) -> None:
-        self.tier2, self.max_rollbacks = tier2, max_rollbacks
+        self.tier2, self.max_rollbacks, self.lr_scale = tier2, max_rollbacks, lr_scale
         self.checkpoints, self.ledger, self.history = checkpoints, ledger, history
         self.attribution, self.recorder, self.updater = attribution, recorder, updater
         self.model, self.named_params = model, named_params
@@ -49,6 +46,8 @@ class Responder:
         self.on_alert, self.reconfigure = on_alert, reconfigure
         self.keep_on_rollback = dict(keep_on_rollback or {})
         self.rollbacks = 0
+        self.replay: tuple[int, int, float] | None = None
+        """(restored step, detection step, LR scale) of the last rollback."""
 
     def respond(self, p: Any, verdict: Verdict, extras: dict[str, Any]) -> Action:
         """The action for a verdict of tier 2 or 3 (raises TrainingHalted on a halt)."""
@@ -80,11 +79,10 @@ class Responder:
         extras["summary"] = summary
         if self.tier2 == "rollback":
             return self._rollback(p, verdict, extras, summary)
-        if any(_is_storm(r) for r in verdict.reasons):
-            # flagged steps never enter the statistics, so a level shift cannot re-baseline:
-            # skipping on would skip for ever; under the alert policy the run stops here
-            return self._halt(p, verdict, extras, summary=summary,
-                              detail="a skip storm or an unrecovered skip under tier2='alert'")
+        return self._alert(p, verdict, summary)
+
+    def _alert(self, p: Pending, verdict: Verdict, summary: dict[str, Any]) -> Action:
+        """Page (``on_alert(summary)``, else a log line) and go on: training continues."""
         if self.on_alert is not None:
             self.on_alert(summary)
         else:
@@ -120,8 +118,13 @@ class Responder:
         try:
             info = self._restore_before(onset)
         except CheckpointError as e:
-            return self._halt(p, verdict, extras, summary=summary, detail=f"cannot roll back: {e}")
+            # nothing healthy to go back to: say so and carry on (a halt would lose the run)
+            extras["rollback_failed"] = str(e)
+            log.warning("spikeguard: Tier 2 at step %d: cannot roll back (%s); alerting and "
+                        "going on", p.step, e)
+            return self._alert(p, verdict, summary)
         self.rollbacks += 1
+        self.ledger.reapply()  # earlier rollbacks' ranges and drops hold across this restore
         if drops is not None:  # only the quarantined sequences of the range, not the range
             self.ledger.drop(drops)
             skip = None
@@ -129,11 +132,22 @@ class Responder:
         if skip is not None and self.ledger.can_skip:
             self.ledger.skip(*skip)
         self.ledger.resync()
+        scale = self._replay_scale(info.step, p.step)
+        self.updater.lr_ramp = (info.step + 1, p.step, scale)
         extras.update(rollback_to=info.step, skip_range=list(skip) if skip else None,
-                      rollbacks=self.rollbacks)
+                      rollbacks=self.rollbacks, replay_lr_scale=scale)
         log.warning("spikeguard: Tier 2 at step %d: rolled back to step %d, skipping batches %s",
                     p.step, info.step, skip)
         return Action.ROLLBACK
+
+    def _replay_scale(self, restored: int, detection: int) -> float:
+        """The LR scale of this replay: ``lr_scale``, times the last one when this rollback
+        lands in the stretch the last one replayed (the same trouble came back: go lower)."""
+        last, scale = self.replay, self.lr_scale
+        if last is not None and restored <= last[1]:
+            scale *= last[2]
+        self.replay = (restored, detection, scale)
+        return scale
 
     def _halt(self, p: Pending, verdict: Verdict, extras: dict[str, Any], *,
               summary: dict[str, Any] | None = None, detail: str = "") -> Action:

@@ -17,8 +17,9 @@ some rows (attribution's drop) goes through ``apply_rerun``: the same measure, t
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,23 @@ def apply_update(precision: PrecisionRuntime, optimizer: torch.optim.Optimizer, 
         if not (bool(skip) if isinstance(skip, torch.Tensor) else skip):
             scaler.step(optimizer)
     scaler.update()
+
+
+@contextlib.contextmanager
+def _scaled_lr(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """Every group's LR times ``factor`` for one optimizer step, then as it was (the scheduler
+    never sees the change)."""
+    if factor == 1.0:
+        yield
+        return
+    saved = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = g["lr"] * factor
+    try:
+        yield
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved):
+            g["lr"] = lr
 
 
 def loss_of(out: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,6 +166,13 @@ class Updater:
         self.pp_group, self.tp_group = pp_group, tp_group
         self.applied = 0
         self.loss_weight, self.backwards = 1.0, 0
+        self._factor = 1.0  # the LR factor of the last device step (a release applies it too)
+        self.lr_ramp: tuple[int, int, float] | None = None
+        """(first step, last step, scale) of a replay after a rollback: the LR of step s in
+        that stretch is multiplied by scale + (1 - scale) (s - first) / (last - first + 1)."""
+        self.release_next = False
+        """Withhold only non-finite steps from the next step on (read_lag 1, after the weights
+        check found the weights at fault: the step it judged has lost its gradients already)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the loss scaler, weighted by ``loss_weight``."""
@@ -162,20 +187,44 @@ class Updater:
         return grad_stats(self.params, extras=torch.stack([loss, log_z]),
                           pp_group=self.pp_group, tp_group=self.tp_group)
 
-    def device_step(self, loss: torch.Tensor, log_z: torch.Tensor) -> tuple[GradStats, list]:
+    def lr_factor(self, step: int) -> float:
+        """The multiplier of the scheduled LR at ``step`` (1 outside a replay's ramp)."""
+        ramp = self.lr_ramp
+        if ramp is None or not ramp[0] <= step <= ramp[1]:
+            return 1.0
+        first, last, scale = ramp
+        return scale + (1.0 - scale) * (step - first) / (last - first + 1)
+
+    def device_step(self, loss: torch.Tensor, log_z: torch.Tensor,
+                    lr_factor: float = 1.0) -> tuple[GradStats, list]:
         """Measure, gate, clip, apply (module docstring). Returns the GradStats and the step's
-        numbers as 0-d tensors: loss, log Z, norm, applied gate, armed, clip coefficient, scale."""
+        numbers as 0-d tensors: loss, log Z, norm, applied gate (what was withheld), armed,
+        clip coefficient, scale, and the gate itself (what Tier 1 or a non-finite value flags)."""
         stats = self.measure(loss, log_z)
         loss_g, log_z_g = stats.extras[0], stats.extras[1]
         armed = self.gate.armed()
         gate = self.gate(stats.norm, loss_g)
         coef = stats.clip_(self.clip) if self.clip is not None else torch.ones_like(stats.norm)
-        skip = gate if self.respond else torch.zeros_like(gate)
-        apply_update(self.precision, self.optimizer, skip=skip if self.respond else False)
+        if not self.respond:
+            skip = torch.zeros_like(gate)
+        elif self.release_next:
+            skip = ~torch.isfinite(stats.norm) | ~torch.isfinite(loss_g)
+        else:
+            skip = gate
+        self._factor = lr_factor
+        with _scaled_lr(self.optimizer, lr_factor):
+            apply_update(self.precision, self.optimizer, skip=skip if self.respond else False)
         scale = self.precision.scale_tensor()
         if scale is None:
             scale = torch.full((), float("nan"), device=stats.norm.device)
-        return stats, [loss_g, log_z_g, stats.norm, skip, armed, coef, scale]
+        return stats, [loss_g, log_z_g, stats.norm, skip, armed, coef, scale, gate]
+
+    def release(self) -> None:
+        """Apply the update the gate withheld at this step, now: its gradients are still in
+        place and already clipped (read_lag 0). The scaler's overflow check and update ran with
+        the step; a released step is finite, so there is nothing for the scaler to skip."""
+        with _scaled_lr(self.optimizer, self._factor):
+            gated_step(self.optimizer, False)
 
     def commit(self, skipped: bool) -> None:
         """The host side of a resolved step: an applied update counts and steps the schedule."""

@@ -36,6 +36,30 @@ def _exit_with_parent(parent: int, folder: Path) -> None:
             os._exit(4)
 
 
+_CAUSES = {"data": "the batch", "weights": "the weights", "transient": "a transient fault",
+           "unknown": "cause unknown"}
+
+
+def what_the_guard_did(metrics: Path) -> str:
+    """One sentence from the run's records: each step the guard acted on, with its cause."""
+    from ..sinks import read_metrics
+
+    acted = [r for r in read_metrics(metrics) if r.get("action") not in (None, "continue")]
+    if not acted:
+        return "the guard never had to act: every update was applied"
+    parts = []
+    for r in acted[:12]:
+        what = {"skip": "skipped", "drop": "dropped rows of", "alert": "alerted at",
+                "rollback": f"rolled back to step {r.get('rollback_to')} from",
+                "halt": "halted at"}.get(r["action"], r["action"])
+        cause = _CAUSES.get(r.get("cause"), "")
+        tier2 = " (Tier 2: " + (r.get("reasons") or [""])[0] + ")" if r.get("tier") == 2 else ""
+        let = ", update applied" if r["action"] == "alert" and not r.get("skipped") else ""
+        parts.append(f"{what} step {r['step']}" + (f" ({cause}{let})" if cause else let) + tier2)
+    more = f"; and {len(acted) - 12} more" if len(acted) > 12 else ""
+    return "the guard " + "; ".join(parts) + more
+
+
 def main(argv: list[str]) -> int:
     folder = Path(argv[1])
     threading.Thread(target=_exit_with_parent, args=(os.getppid(), folder), daemon=True).start()
@@ -49,11 +73,13 @@ def main(argv: list[str]) -> int:
     result = train(config.train_config(str(folder)), echo=False)
     halted = result.halted
     summary = {"status": "halted" if halted is not None else "finished",
+               "guard": what_the_guard_did(folder / "metrics.jsonl"),
                "applied": result.applied, "rollbacks": result.rollbacks,
                "train_seconds": round(result.seconds, 2),
                "val_loss": round(result.val_loss, 4) if math.isfinite(result.val_loss) else None,
                "halt": None if halted is None else {"step": halted.step,
-                                                    "reasons": list(halted.reasons)}}
+                                                    "reasons": list(halted.reasons),
+                                                    "detail": halted.detail}}
     tmp = folder / "result.json.tmp"
     tmp.write_text(json.dumps(summary))
     os.replace(tmp, folder / "result.json")

@@ -99,10 +99,12 @@
     if (out.status === "finished") {
       status.textContent = "finished: " + out.applied + " updates applied" +
         (out.rollbacks ? ", " + out.rollbacks + " rollbacks" : "") +
-        (out.val_loss !== null ? ", held-out loss " + out.val_loss.toFixed(3) : "");
+        (out.val_loss !== null ? ", held-out loss " + out.val_loss.toFixed(3) : "") +
+        (out.guard ? ". " + out.guard : "");
       status.className = "ok";
     } else if (out.status === "halted") {
-      status.textContent = "halted at step " + out.halt.step + ": " + out.halt.reasons.join("; ");
+      status.textContent = "halted at step " + out.halt.step + ": " + out.halt.reasons.join("; ") +
+        (out.halt.detail ? " (" + out.halt.detail + ")" : "") + (out.guard ? ". " + out.guard : "");
       status.className = "bad";
     } else {
       status.textContent = out.status;

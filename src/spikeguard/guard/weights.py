@@ -1,0 +1,151 @@
+"""Weights or batch: the check that runs after the gate withholds a finite step.
+
+A skip repairs a bad batch on healthy weights; it can never repair damaged weights. When an
+ordinary update moves the weights somewhere sharp (near the end of warmup at a high peak LR, a
+learning-rate fault), every new batch shows a large grad norm, and skipping each of them keeps
+the weights exactly where they are: the skips become a storm, while the clipped update that the
+unguarded run applies is the repair (it is back on its curve two steps later).
+
+So before a flagged step stays skipped, the guard asks whether the anomaly persists on other data
+with the same weights: it re-runs a *reference* batch (the batch of a kept step ``reference_age``
+kept steps back, through that step's ``rerun`` closure) under the current weights, with the
+step's gradients set aside, measures its grad norm and loss as the step's own (one all-reduce),
+and puts them through the gate's own Tier 1 test against the histories as they are. If the
+reference fails the test too, the weights are the cause: the guard lets the (clipped) update
+through, records cause ``weights`` and alerts; otherwise the batch is the cause and the skip
+stands. A storm of bad batches on healthy weights stays a storm of skips: the reference passes.
+
+Why a batch from ``reference_age`` (16) kept steps back and not the last kept one: an update fits
+the batch it was computed on, so the last batch looks healthy under weights that every fresh batch
+finds sharp (seen on the tiny model at peak LR 3e-3: the last batch at 0.5x the median grad norm
+while five fresh ones were at 7-40x; a batch 16 updates old was at 12x). A batch trained on once,
+16 updates ago, is as good as a fresh one, and keeping it costs only its closure. The check costs
+one forward and backward, only after the gate has flagged a step: never on a healthy step, and
+it reads the host only where the step's numbers are read anyway.
+
+Without a reference (the first kept step, or a loop that passes no ``rerun``) the cause is
+``unknown``; then skipping stops after ``max_consecutive_skips`` withheld steps in a row (each
+skip alone is harmless; many in a row on data the guard cannot test would only hold the weights
+where they are).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .attribution import GradsAside
+
+__all__ = ["WeightsCheck", "WeightsProbe", "weights_reason"]
+
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class WeightsCheck:
+    """The answer for one flagged step."""
+
+    weights: bool | None
+    """True: the reference fails the gate too (the weights); False: it passes (the batch); None:
+    no reference to test with."""
+    reference_step: int | None = None
+    grad_norm: float = float("nan")
+    """The reference batch's grad norm under the current weights."""
+    loss: float = float("nan")
+
+    def record(self) -> dict[str, Any]:
+        """The record's ``weights_check`` entry."""
+        return {"reference_step": self.reference_step, "grad_norm": self.grad_norm,
+                "loss": self.loss, "weights": self.weights}
+
+
+def weights_reason(check: dict[str, Any]) -> str:
+    """The verdict's reason for a ``WeightsCheck.record()``."""
+    if check["weights"] is None:
+        return "weights: not checked (no kept batch to test with)"
+    fails = check["weights"]
+    return (f"weights check: the batch of step {check['reference_step']} "
+            f"{'fails' if fails else 'passes'} the gate (grad norm {check['grad_norm']:.4g}, "
+            f"loss {check['loss']:.4g}): {'the weights' if fails else 'the batch'}")
+
+
+class WeightsProbe:
+    """Remembers the closures of kept steps and answers weights-or-batch (module docstring).
+
+    Built with the step part (``updater``: its measurement of a re-run's gradients, its gate's
+    Tier 1 test, the release of a withheld update) and the probes (kept quiet in the re-run)."""
+
+    def __init__(self, updater: Any, probes: Any, *, read_lag: int, reference_age: int = 16,
+                 max_blind_skips: int = 5) -> None:
+        self.updater, self.probes, self.read_lag = updater, probes, read_lag
+        self.measure: Callable[..., Any] = updater.measure_rerun
+        self.test: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = updater.gate.test
+        self._refs: deque[tuple[int, Callable[..., Any]]] = deque(maxlen=reference_age)
+        self.max_blind_skips = max_blind_skips
+        self.blind = 0
+        """Withheld steps in a row that could not be checked (no reference)."""
+
+    def remember(self, step: int, rerun: Callable[..., Any] | None) -> None:
+        """A kept (unflagged, applied) step: its closure may serve as a reference later."""
+        self.blind = 0
+        if rerun is not None:
+            self._refs.append((step, rerun))
+
+    def forget(self) -> None:
+        """A rollback: the closures belong to the timeline that was rolled back."""
+        self._refs.clear()
+        self.blind = 0
+
+    @property
+    def has_reference(self) -> bool:
+        return bool(self._refs)
+
+    def weigh(self, p: Any, values: list[float]) -> tuple[bool, WeightsCheck | None]:
+        """Weights or batch for step ``p`` (its read-back ``values``: loss, log Z, norm, withheld,
+        armed, clip coefficient, scale, flagged): returns whether its update stays withheld, and
+        the check when the gate flagged it on finite numbers. At read_lag 0 a step whose weights
+        are at fault is applied now (its clipped gradients are still in place); at read_lag 1
+        they are gone, so the steps after it go through instead, until a check finds the
+        weights healthy or an unflagged step comes."""
+        loss, norm, skip, flag = values[0], values[2], values[3] != 0.0, values[7] != 0.0
+        up = self.updater
+        if not (loss == loss and norm == norm and abs(loss) != _INF and abs(norm) != _INF):
+            return skip, None
+        if not flag:
+            if not skip:
+                self.remember(p.step, p.rerun)
+                up.release_next = False
+            return skip, None
+        check = WeightsCheck(weights=None)
+        if self._refs:
+            aside = GradsAside(up.params, up.precision, self.probes)
+            try:
+                check = self.check()
+            finally:
+                aside.restore(stale=False)
+        fault = check.weights if check.weights is not None else (skip and self.blind_release())
+        if fault and skip and p.grads_alive:
+            up.release()
+            skip = False
+        up.release_next = bool(fault) and self.read_lag > 0
+        return skip, check
+
+    def check(self) -> WeightsCheck:
+        """Re-run the oldest remembered batch under the current weights and test it."""
+        if not self._refs:
+            return WeightsCheck(weights=None)
+        step, rerun = self._refs[0]
+        loss, _, norm, stats = self.measure(rerun())
+        dev = stats.norm.device
+        fails = self.test(torch.tensor(norm, dtype=torch.float64, device=dev),
+                          torch.tensor(loss, dtype=torch.float64, device=dev))
+        return WeightsCheck(weights=bool(fails), reference_step=step, grad_norm=norm, loss=loss)
+
+    def blind_release(self) -> bool:
+        """Without a reference: count this withheld step; True once skipping should stop."""
+        self.blind += 1
+        return self.blind > self.max_blind_skips
