@@ -130,12 +130,12 @@ def test_spikeguard_loss_against_float64():
     assert loss.item() == pytest.approx((total / n).item(), rel=1e-6)
     loss = loss_fn({"logits": logits}, labels, num_items_in_batch=torch.tensor(3 * n))
     assert loss.item() == pytest.approx((total / (3 * n)).item(), rel=1e-6)
-    micro_ce, micro_z = guard._micro[0][:2]  # (loss, log Z, per-sequence stats)
+    micro_ce, micro_z = guard.micro[0][:2]  # (loss, log Z, per-sequence stats)
     assert micro_ce.item() == pytest.approx(ce.item(), rel=1e-6)
     assert micro_z.item() == pytest.approx(log_z.item(), rel=1e-6)
     with torch.no_grad():  # evaluation: nothing reaches the guard
         loss_fn({"logits": logits}, labels)
-    assert len(guard._micro) == 2
+    assert len(guard.micro) == 2
     with pytest.raises(ValueError, match="labels"):
         loss_fn({"logits": logits}, None)
 

@@ -63,7 +63,7 @@ def _trained() -> dict:
 
 def _guard_state(c: dict) -> Any:
     g = c["guard"]
-    return [g.state_dict(), c["model"].state_dict(), c["opt"].state_dict(), len(g._micro),
+    return [g.state_dict(), c["model"].state_dict(), c["opt"].state_dict(), len(g.micro),
             c["data"].state_dict(), [p.grad for p in c["model"].parameters()]]
 
 

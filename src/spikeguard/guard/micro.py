@@ -75,8 +75,12 @@ class MicroBatches:
         self.rerunning = False
         """True inside a re-run: its forwards are not new micro-batches."""
 
-    def __bool__(self) -> bool:
-        return bool(self._items)
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Micro-batch ``i`` so far: (loss, log Z, per-sequence values)."""
+        return self._items[i][:3]
 
     def clear(self) -> None:
         self._items.clear()
