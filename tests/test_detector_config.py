@@ -39,9 +39,8 @@ def test_for_run_shrinks_windows():
 
 def test_for_run_arms_after_a_tenth_of_the_run_between_10_and_50():
     steps = [4, 49, 50, 100, 130, 499, 500, 1_000_000]
-    assert [DetectorConfig.for_run(n).arm_after for n in steps] == [10, 10, 10, 10, 13, 49, 50, 50]
-    # and never a median window below 16 values (a 20-step run: 16, not 5)
-    assert [DetectorConfig.for_run(n).median_window for n in (20, 64, 80, 400)] == [16, 16, 20, 100]
+    assert [DetectorConfig.for_run(n).arm_after for n in steps] == [5, 10, 10, 10, 13, 49, 50, 50]
+    assert [DetectorConfig.for_run(n).arm_after for n in (9, 19, 20)] == [5, 9, 10]
     assert DetectorConfig.for_run(100, arm_after=30).arm_after == 30  # overrides win
 
 

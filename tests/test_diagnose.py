@@ -306,7 +306,7 @@ def test_a_spikeguard_train_log_is_classified_as_its_injected_faults(tmp_path, c
     r = subprocess.run([sys.executable, "-m", "spikeguard", "train", "--model", "tiny",
                         "--batch-size", "8", "--eval-batches", "1", "--no-progress", "--no-plot",
                         "--lr", "1e-3", "--steps", "120", "--ckpt-every", "20", "--inject",
-                        "outlier@60", "--inject", "nan@100", "--out", str(tmp_path)],
+                        "outlier@60:repeat", "--inject", "nan@100", "--out", str(tmp_path)],
                        env=sub_env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 3, r.stdout + r.stderr  # the halt
     out = cli_json(capsys, tmp_path / "metrics.jsonl", "--ckpt-every", 20)

@@ -219,7 +219,7 @@ def test_hf_trainer_state_sparse_log(tmp_path):
     full = DetectorConfig()
     assert cfg.median_window == min(full.median_window // 10, len(log) // 4) == 12
     assert cfg.recovery_ema_steps == 5
-    assert cfg.arm_after == DetectorConfig.for_run(len(log)).arm_after == 5
+    assert cfg.arm_after == DetectorConfig.for_run(len(log)).arm_after == 10
 
 
 @pytest.mark.slow

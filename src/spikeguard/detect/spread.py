@@ -16,11 +16,12 @@ tensors, the flag as a tensor, no host read, the same numbers on the same stream
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from .stats import RunningMedian
 
-from .stats import DeviceRunningMedian, RunningMedian
+if TYPE_CHECKING:  # the device twin needs torch; the host detector (diagnose) must not
+    import torch
 
 __all__ = ["MAD_SCALE", "DeviceSpread", "Spread"]
 
@@ -59,6 +60,8 @@ class DeviceSpread:
     """``Spread`` on the device (module docstring)."""
 
     def __init__(self, window: int, *, device: torch.device | str | None = None) -> None:
+        from ._device_stats import DeviceRunningMedian
+
         self.dev = DeviceRunningMedian(window, device=device)
 
     @property

@@ -20,11 +20,11 @@ __all__ = ["DetectorConfig"]
 _WINDOWS = ("median_window", "loss_ema_steps", "recovery_ema_steps", "recovery_steps",
             "elevated_steps", "log_z_rise_steps")
 
-# for_run never arms on fewer kept updates than this, and never sizes a median window below
-# _MIN_WINDOW: a median and a spread of a handful of values, taken while the grad norm still
-# falls, is no baseline (a 20-step run armed at step 5 skipped its last five steps)
+# for_run arms on no fewer kept updates than this for a run of 20 steps or more (a median and a
+# spread of a handful of values, taken while the grad norm still falls, is no baseline: a
+# 20-step run armed at step 5 skipped its last five steps), and on no fewer than 5 for shorter
+# ones (a short log replayed by diagnose)
 _MIN_ARM_AFTER = 10
-_MIN_WINDOW = 16
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -52,7 +52,7 @@ class DetectorConfig:
     """Tier 1 SKIP when the loss stands more than this many robust spreads above its running
     median over loss_window (an outlier batch early in a run, where loss / EMA still divides
     by a mean that carries the first, higher losses)."""
-    loss_min_rise: float = 0.25
+    loss_min_rise: float = 0.4
     """...and at least this fraction above that median (a run whose loss barely varies)."""
     grad_elevated: float = 1.5
     """A norm above this multiple of the median is 'elevated'; the run of them dates the onset."""
@@ -144,10 +144,10 @@ class DetectorConfig:
 
         Each window (median_window, loss_ema_steps, recovery_ema_steps, recovery_steps,
         elevated_steps, log_z_rise_steps) becomes min(default, total_steps // 4), so that it
-        fills within the first quarter of the run; the median window never below 16 values.
-        ``arm_after`` becomes min(default, max(10, total_steps // 10)): the rules start after a
-        tenth of the run (50 updates of a 100-step run would be half of it), but never on fewer
-        than 10 values. ``overrides`` are applied on top. From 20,000 steps on, the result is
+        fills within the first quarter of the run. ``arm_after`` becomes min(default,
+        max(10, total_steps // 10)): the rules start after a tenth of the run (50 updates of a
+        100-step run would be half of it), but never on fewer than 10 values (5 for a run
+        shorter than 20 steps). ``overrides`` are applied on top. From 20,000 steps on, the result is
         ``DetectorConfig()``.
         """
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 4:
@@ -155,8 +155,8 @@ class DetectorConfig:
                              "int >= 4 (the windows become total_steps // 4)")
         cap = total_steps // 4
         sizes: dict[str, Any] = {name: min(getattr(cls, name), cap) for name in _WINDOWS}
-        sizes["median_window"] = min(cls.median_window, max(_MIN_WINDOW, cap))
-        sizes["arm_after"] = min(cls.arm_after, max(_MIN_ARM_AFTER, total_steps // 10))
+        floor = min(_MIN_ARM_AFTER, max(5, total_steps // 2))
+        sizes["arm_after"] = min(cls.arm_after, max(floor, total_steps // 10))
         sizes.update(overrides)
         return cls(**sizes)
 

@@ -53,7 +53,8 @@ def _window_fields() -> tuple[str, ...]:
                  if (getattr(a, f.name), getattr(b, f.name)) == (1, 2))
 
 
-_MIN_EMA_RECORDS = 5  # a loss EMA over fewer records of a sparse log is one batch's loss
+_MIN_EMA_RECORDS = 5
+_FOREIGN_LOSS_RISE = 0.5  # a loss EMA over fewer records of a sparse log is one batch's loss
 
 
 def replay_config(log: MetricsLog, **overrides: Any) -> DetectorConfig:
@@ -82,6 +83,10 @@ def replay_config(log: MetricsLog, **overrides: Any) -> DetectorConfig:
                 cfg[name] = max(1, min(round(getattr(full, name) / log.stride), n // 4))
             for name in ("loss_ema_steps", "recovery_ema_steps"):
                 cfg[name] = max(cfg[name], min(_MIN_EMA_RECORDS, n // 4 or 1))
+        # a log from another trainer: a one-step blip of 1.4x, back the next step, is the
+        # ordinary noise of such logs (hand-labelled real logs, tests/data/reallogs), not a
+        # batch a person would have skipped: the loss-outlier rule needs half the level there
+        cfg["loss_min_rise"] = max(cfg["loss_min_rise"], _FOREIGN_LOSS_RISE)
         if run.get("vocab_size"):
             cfg["vocab_size"] = run["vocab_size"]
         if "loss" in log.columns and "spike_nats" not in overrides:
