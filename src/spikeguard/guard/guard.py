@@ -347,8 +347,6 @@ class Guard:
         snapshot = {"data": p.data_state} if p.data_state is not None else None
         ck.save(p.step, alerts=list(self._window_alerts), snapshot=snapshot)
         self._window_alerts.clear()
-        if self.weights is not None:  # a resume from here starts with none (closures): alike
-            self.weights.forget()
 
     # -- resume and state ---------------------------------------------------------------------
     def resume(self) -> Any:

@@ -23,9 +23,10 @@ while five fresh ones were at 7-40x; a batch 16 updates old was at 12x). A batch
 one forward and backward, only after the gate has flagged a step: never on a healthy step, and
 it reads the host only where the step's numbers are read anyway.
 
-The closures cannot be checkpointed, so the references start over at every checkpoint (a run
-resumed from it then holds the same ones as the run that never stopped): for the first
-``reference_age`` kept steps after a save the reference is the oldest kept step since it.
+The closures cannot be checkpointed: a run resumed from a checkpoint starts with none, and for
+its first ``reference_age`` kept steps its reference is the oldest kept step since the resume
+(a younger batch than the run that never stopped would have used; the record's
+``weights_check`` names which).
 
 Without a reference (the first kept step, or a loop that passes no ``rerun``) the cause is
 ``unknown``; then skipping stops after ``max_consecutive_skips`` withheld steps in a row (each
@@ -100,7 +101,7 @@ class WeightsProbe:
             self._refs.append((step, rerun))
 
     def forget(self) -> None:
-        """Start over (at a checkpoint: a resume from it starts with no closures either)."""
+        """Start over (the closures held are of no use any more)."""
         self._refs.clear()
         self.blind = 0
 
