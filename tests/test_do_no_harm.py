@@ -53,3 +53,48 @@ def test_a_weight_driven_spike_is_let_through_and_the_run_ends_as_unguarded(tmp_
         assert any(x.startswith("weights check:") for x in r["reasons"])
     assert not any(r["skipped"] for r in records[:weights[0]["step"] + 5])  # no storm
     assert guarded.val_loss <= bare.val_loss * 1.005
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dropout, micro", [(0.1, 1), (0.0, 4), (0.1, 4)])
+def test_the_re_run_of_a_bad_batch_says_data_with_dropout_and_accumulation(one_thread, dropout,
+                                                                            micro):
+    """A garbage batch at step 80 (its loss far above the run's), on every micro-batch: the
+    guard's re-run replays
+    every micro-batch under the RNG state its forward started from (dropout draws the same
+    masks), so it reproduces the step bit for bit and the cause is "data"; the weights check
+    (a batch 16 kept steps back) cleared the weights first."""
+    import dataclasses
+
+    import torch
+
+    from spikeguard.guard import Guard
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(sg.GPTConfig.tiny(), dropout=dropout)
+    model = sg.GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), fused=True)
+    data = sg.TokenStream.from_corpus("pydoc", batch_size=8, seq_len=cfg.seq_len, seed=0)
+    guard = Guard(model, opt, config=GuardConfig(detector=sg.DetectorConfig.for_run(100)))
+    verdicts = []
+    for t in range(90):
+        x, y = next(data)
+        if t == 80:  # garbage: inputs one repeated byte, targets random bytes
+            x = torch.full_like(x, 0xFF)
+            y = torch.randint(0, 256, y.shape, generator=torch.Generator().manual_seed(1))
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            def rerun(xs=xs, ys=ys):
+                with guard.autocast():
+                    o = model.loss(model(xs), ys)
+                guard.backward(o.loss / micro)
+                return o
+
+            with guard.autocast():
+                out = model.loss(model(xs), ys)
+            guard.backward(out.loss / micro)
+            guard.accumulate(out, rerun=rerun)
+        verdicts += guard.step()
+    v = verdicts[80]
+    assert v.skip and v.step == 80
+    assert any(r.startswith("rerun: data") for r in v.reasons), v.reasons
+    assert any(r.startswith("weights check:") and r.endswith("the batch") for r in v.reasons)
