@@ -12,13 +12,11 @@ sequences it quarantines go to ``DIR/quarantine.jsonl``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,24 +140,6 @@ def _schedule(cfg: TrainConfig) -> Any:
     return warmup_cosine(warmup_steps=warmup, total_steps=cfg.steps, min_ratio=cfg.min_lr_ratio)
 
 
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _same_rng(device: torch.device, state: Any) -> Iterator[None]:
-    """Re-run under the RNG state the step's forward had (dropout masks), then restore."""
-    if state is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield
-
-
 def _wrap(model: GPT, parallel: str, device: torch.device) -> torch.nn.Module:
     """The module the forward goes through (the loss is taken on the GPT itself)."""
     if parallel == "ddp" and _dist.world_size() > 1:
@@ -262,13 +242,14 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
             x, y = next(stream)
             x, y = injector.begin(t, model, x, y)
             x, y = x.to(device), y.to(device)
-            rng = _rng_state(device) if gcfg.dropout > 0 else None
 
-            def rerun(keep: torch.Tensor | None = None, x: torch.Tensor = x, y: torch.Tensor = y,
-                      rng: Any = rng) -> Any:
+            # the guard replays it under the RNG state this step's forward started from
+            # (guard.autocast notes it), so dropout draws the same masks
+            def rerun(keep: torch.Tensor | None = None, x: torch.Tensor = x,
+                      y: torch.Tensor = y) -> Any:
                 if keep is not None:  # the rows attribution keeps (drop_sequences)
                     x, y = x[keep], y[keep]
-                with _same_rng(device, rng), guard.autocast():
+                with guard.autocast():
                     o = model.loss(fwd(x), y)
                 guard.backward(o)
                 return o
