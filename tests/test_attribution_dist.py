@@ -31,9 +31,10 @@ def _attributed_fsdp(rank: int, world: int, directory: str) -> dict:
                           world_size=world)
     if rank == 1:
         plant(data, tokens, AT, ROW, kind="repeat")
+    # the flat 3x-median grad rule (grad_z 1), as in attribution_harness: this tests the drop
     guard = sg.Guard(model, opt, scheduler=sched, data=data,
                      sinks=[sg.JsonlSink(f"{directory}/metrics.jsonl")],
-                     config=sg.GuardConfig(detector=sg.DetectorConfig.for_run(STEPS),
+                     config=sg.GuardConfig(detector=sg.DetectorConfig.for_run(STEPS, grad_z=1.0),
                                            attribution=AttributionConfig(drop_sequences=True)))
     verdicts, seen = [], {}
 

@@ -16,6 +16,7 @@ import pytest
 
 import spikeguard as sg
 from tests.conftest import ROOT
+from tests.state_compare import same_record
 
 ARGS = ["--model", "tiny", "--batch-size", "4", "--eval-batches", "1", "--no-progress",
         "--no-plot", "--parallel", "ddp", "--steps", "30", "--ckpt-every", "10"]
@@ -42,24 +43,12 @@ def uninterrupted(tmp_path_factory):
     return sg.read_metrics(out / "metrics.jsonl")
 
 
-def _same(a, b) -> bool:
-    """Records equal but for which reference batch the weights check re-ran: its closures are
-    not in a checkpoint, so a resumed run's is younger (guard/weights.py); the decision, the
-    numbers and everything else must be the same."""
-    def strip(r):
-        return {**{k: v for k, v in r.items() if k != "weights_check"},
-                "reasons": [x for x in r.get("reasons", []) if not x.startswith("weights check")]}
-
-    return strip(a) == strip(b) and ("weights_check" in a) == ("weights_check" in b) and (
-        a.get("weights_check") or {}).get("weights") == (b.get("weights_check") or {}).get("weights")
-
-
 def _lost(records, reference) -> int:
     """Finished steps missing or repeated, and records that differ from the uninterrupted run
     (a step run from another state or batch)."""
     steps = [r["step"] for r in records]
     lost = len(set(range(30)) - set(steps)) + len(steps) - len(set(steps))
-    return lost + sum(not _same(a, b) for a, b in zip(records, reference))
+    return lost + sum(not same_record(a, b) for a, b in zip(records, reference))
 
 
 @pytest.mark.dist
