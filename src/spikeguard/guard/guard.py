@@ -137,6 +137,7 @@ class Guard:
         self._window_alerts: list[str] = []
         self.micro = MicroBatches(model, precision.device)
         self._rerun_now: Callable[..., Any] | None = None
+        self._reference = True
         self._pending: Pending | None = None
         self._warned_disagree = False
         if self.probes is not None:
@@ -192,12 +193,15 @@ class Guard:
         self.micro.add(out, log_z=log_z, rerun=rerun)
 
     def step(self, out: Any = None, *, log_z: torch.Tensor | None = None,
-             rerun: Callable[[], Any] | None = None) -> tuple[Verdict, ...]:
+             rerun: Callable[[], Any] | None = None,
+             reference: bool = True) -> tuple[Verdict, ...]:
         """One optimizer step, after backward (see the module docstring). Returns the verdicts
         the host read in this call, each with its ``step``: step t's with read_lag 0; step
         t-1's (none on the first call) with read_lag 1. ``rerun()`` re-runs the batch's forward
         and backward (``guard.backward``) and returns its LossOutput (Tier 3 forensics;
         attribution of a skip, where ``rerun(keep=mask)`` keeps only the rows ``mask`` marks).
+        ``reference=False``: ``rerun`` re-runs whatever batch is current, not this step's (a
+        framework's closure), so the weights check never takes it as a later step's reference.
         Raises TrainingHalted on a halt, after the record is written."""
         if out is None and not self.micro:
             raise ValueError("guard.step() needs the step's loss: pass step(out), or call "
@@ -207,6 +211,7 @@ class Guard:
             self.accumulate(out, log_z=log_z)
         batches = self.ledger.consume(self.step_index)
         self._rerun_now = rerun  # read_lag 1: attribution may redo this step's grads (a drop)
+        self._reference = reference
         if self.read_lag == 0:
             return (self._resolve(self._device_step(batches, rerun)),)
         verdicts: tuple[Verdict, ...] = ()
@@ -261,7 +266,8 @@ class Guard:
             self.probes.start_step(self.step_index)
         return Pending(t, Readback([vec]), lr, batches, data_state, batch.rerun, probes,
                        stats if keep_grads else None,
-                       None if keep_grads else stats.finite_pieces(), batch.rows)
+                       None if keep_grads else stats.finite_pieces(), batch.rows,
+                       self._reference)
 
     # -- the host side ------------------------------------------------------------------------
     def _judge(self, p: Pending) -> tuple[StepMetrics, Verdict, dict[str, Any], bool]:

@@ -56,7 +56,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self.guard.step(rerun=self.rerun if self.rerun is not None else closure)
+            # the closure re-runs the framework's current batch: no reference for a later step
+            self.guard.step(rerun=self.rerun if self.rerun is not None else closure,
+                            reference=False)
         except TrainingHalted as halt:
             if not self.defer_halt:
                 raise

@@ -137,6 +137,8 @@ class Pending:
     only on the halt path) and its parameter's index: names the culprits after the grads are gone."""
     rows: tuple[Any, ...] = ()
     """Each micro-batch's per-sequence values (LossOutput.sequences, or None)."""
+    reference: bool = True
+    """Whether ``rerun`` replays this step's own batch later too (the weights check may use it)."""
 
     @property
     def grads_alive(self) -> bool:

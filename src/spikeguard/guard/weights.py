@@ -122,7 +122,7 @@ class WeightsProbe:
             return skip, None
         if not flag:
             if not skip:
-                self.remember(p.step, p.rerun)
+                self.remember(p.step, p.rerun if p.reference else None)
                 up.release_next = False
             return skip, None
         check = WeightsCheck(weights=None)
