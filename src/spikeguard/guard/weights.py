@@ -100,11 +100,6 @@ class WeightsProbe:
         if rerun is not None:
             self._refs.append((step, rerun))
 
-    def forget(self) -> None:
-        """Start over (the closures held are of no use any more)."""
-        self._refs.clear()
-        self.blind = 0
-
     @property
     def has_reference(self) -> bool:
         return bool(self._refs)
