@@ -88,7 +88,7 @@ def test_reference_gpt_learns_the_default_corpus(tmp_path):
     p = np.bincount(corpus.train, minlength=256) / len(corpus.train)
     entropy = -sum(x * np.log(x) for x in p if x > 0)
     assert 3.0 < entropy < 3.5
-    cfg = TrainConfig(steps=200, model="demo", seed=0, out=str(tmp_path), progress=False,
+    cfg = TrainConfig(steps=100, model="demo", seed=0, out=str(tmp_path), progress=False,
                       plot=False)
     result = train(cfg, echo=False)
     assert result.val_loss <= 0.9 * entropy, (result.val_loss, entropy)
