@@ -181,6 +181,8 @@ class _OlmoGuardLogic:
         self._batch_tokens = int(tokens) if tokens is not None else 0
 
     def pre_optim_step(self) -> None:
+        if self.guard.step_index < self.trainer.global_step:  # after TrainerConfig.steps_to_skip
+            self.guard.start_at(self.trainer.global_step)
         tm = self.trainer.train_module
         self._plain, tm.optim = tm.optim, self.parts.optimizer
 
