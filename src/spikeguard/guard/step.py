@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from ..detect.gradnorm import GradStats, grad_stats
 from ..detect.precision import PrecisionRuntime
 from ..detector.gate import DeviceGate
 from ..readback import Readback
+from .adapter import GuardMisuseWarning
 
 __all__ = ["Pending", "RerunUpdate", "ScalerState", "Updater", "apply_update", "gated_step",
            "loss_of"]
@@ -172,9 +174,17 @@ class Updater:
         self.lr_ramp: tuple[int, int, float] | None = None
         """(first step, last step, scale) of a replay after a rollback: the LR of step s in
         that stretch is multiplied by scale + (1 - scale) (s - first) / (last - first + 1)."""
+        self._warned_lr = False
         self.release_next = False
         """Withhold only non-finite steps from the next step on (read_lag 1, after the weights
         check found the weights at fault: the step it judged has lost its gradients already)."""
+        self.defer = False
+        """Decide only (``guard.decide``): apply nothing, note in ``deferred`` whether the update
+        would have been applied; the framework steps its optimizer on the gradients in place."""
+        self.deferred = False
+        self.deferred_grads: list[Any] | None = None
+        """Under ``defer``: the gradients of an applied re-run without quarantined rows, to put
+        back in place once the step's re-runs are done (they are the update to apply)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the loss scaler, weighted by ``loss_weight``."""
@@ -214,8 +224,11 @@ class Updater:
         else:
             skip = gate
         self._factor = lr_factor
-        with _scaled_lr(self.optimizer, lr_factor):
-            apply_update(self.precision, self.optimizer, skip=skip if self.respond else False)
+        if self.defer:  # decide() reads the gate at once anyway (read_lag 0)
+            self.deferred, self.deferred_grads = not bool(skip), None
+        else:
+            with _scaled_lr(self.optimizer, lr_factor):
+                apply_update(self.precision, self.optimizer, skip=skip if self.respond else False)
         scale = self.precision.scale_tensor()
         if scale is None:
             scale = torch.full((), float("nan"), device=stats.norm.device)
@@ -225,6 +238,9 @@ class Updater:
         """Apply the update the gate withheld at this step, now: its gradients are still in
         place and already clipped (read_lag 0). The scaler's overflow check and update ran with
         the step; a released step is finite, so there is nothing for the scaler to skip."""
+        if self.defer:
+            self.deferred = True
+            return
         with _scaled_lr(self.optimizer, self._factor):
             gated_step(self.optimizer, False)
 
@@ -237,9 +253,22 @@ class Updater:
             self.scheduler.step()
 
     def current_lr(self) -> float | None:
+        """The first param group's LR (a number, or a 0-d CPU tensor: no device read); None,
+        with a GuardMisuseWarning once, when there is none (the record's ``lr`` is then null)."""
         groups = self.optimizer.param_groups
         lr = groups[0].get("lr") if groups else None
-        return float(lr) if isinstance(lr, (int, float)) else None
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device.type == "cpu":
+            lr = lr.item()
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            return float(lr)
+        if not self._warned_lr:
+            self._warned_lr = True
+            found = "no param groups" if not groups else f"param_groups[0]['lr'] = {lr!r}"
+            warnings.warn(f"the guard cannot read the learning rate ({type(self.optimizer).__name__}"
+                          f" has {found}), so the records' lr is null; give the guard the "
+                          "optimizer whose param_groups carry a float 'lr' (the inner one of a "
+                          "container)", GuardMisuseWarning, stacklevel=4)
+        return None
 
     def measure_rerun(self, out: Any, *, unscale: bool = False,
                       weight: float = 1.0) -> tuple[float, float, float, GradStats]:
@@ -280,7 +309,11 @@ class Updater:
         ok = not bool(gate)
         if ok and self.clip is not None:
             stats.clip_(self.clip)
-        apply_update(self.precision, self.optimizer, skip=not ok)
+        if self.defer:
+            self.deferred = ok
+            self.deferred_grads = [p.grad for p in self.params] if ok else None
+        else:
+            apply_update(self.precision, self.optimizer, skip=not ok)
         for p in self.params:
             p.grad = None
         self.commit(skipped=not ok)
