@@ -1,0 +1,239 @@
+"""The pieces that put the guard into torchtitan's Trainer without importing torchtitan: the
+optimizers as one optimizer (the inner ones' groups and LRs), the dataloader as a data source
+with a position and skip ranges, the guard's state as a checkpointed Stateful, and torchtitan's
+CheckpointManager behind the interface the guard rolls back through.
+
+Each piece is duck-typed against what torchtitan 0.3.0 hands over (``OptimizersContainer``:
+``.optimizers``; ``CheckpointManager``: ``states``, ``save``, ``load``; a ``StatefulDataLoader``),
+so it is tested where torchtitan is installed and imported by ``integrations/torchtitan.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import CheckpointInfo
+
+__all__ = ["JsonState", "OptimizersView", "TitanBatches", "TitanCheckpoints"]
+
+
+class OptimizersView(torch.optim.Optimizer):
+    """torchtitan's ``OptimizersContainer`` as the one optimizer the guard steps.
+
+    The container's own ``param_groups`` is a single group without an ``lr`` (it calls
+    ``Optimizer.__init__(all_params, {})``), so the guard would record no LR and could not scale
+    it during a replay; this view's groups are the inner optimizers' own, in order (the first
+    group's LR is the one recorded). ``step()`` steps every inner optimizer; a ``found_inf`` the
+    guard sets for one step (its skip gate, a 0-d tensor) goes to each of them, so fused AdamW
+    leaves params, moments and step counts untouched with no host read.
+    """
+
+    def __init__(self, container: Any) -> None:
+        # no Optimizer.__init__: the inner optimizers own their groups and state
+        inner = list(getattr(container, "optimizers", None) or [])
+        if not inner:
+            raise ValueError("OptimizersView needs torchtitan's OptimizersContainer (its "
+                             f"'optimizers' list); got a {type(container).__name__}")
+        self.container, self.inner = container, inner
+        self.defaults = inner[0].defaults
+        self._step_supports_amp_scaling = all(
+            getattr(o, "_step_supports_amp_scaling", False) for o in inner)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [g for o in self.inner for g in o.param_groups]
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        merged: dict[Any, Any] = {}
+        for o in self.inner:
+            merged.update(o.state)
+        return merged
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("OptimizersView.step takes no closure (torchtitan's container "
+                             "takes none either)")
+        found_inf = getattr(self, "found_inf", None)
+        for o in self.inner:
+            if found_inf is not None:
+                o.found_inf = found_inf
+            try:
+                o.step()
+            finally:
+                if found_inf is not None:
+                    del o.found_inf
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.container.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.container.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.container.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"OptimizersView({[type(o).__name__ for o in self.inner]})"
+
+
+class TitanBatches:
+    """torchtitan's dataloader as the guard's data source: ``position`` (the stream index of
+    the next batch it yields, counting every batch drawn on this rank), ``skip(lo, hi)`` (leave
+    those indices out: drawn and discarded), ``skip_ranges`` and a state.
+
+    Iterate it in place of the dataloader. After a checkpoint load (resume or rollback) it
+    starts a new iterator over the dataloader, which the load rewound (a ``StatefulDataLoader``
+    resumes its next ``iter()`` from the state it was given).
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.position = 0
+        self.skip_ranges: list[tuple[int, int]] = []
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> TitanBatches:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            if self._it is None:
+                self._it = iter(self.loader)
+            batch = next(self._it)
+            index, self.position = self.position, self.position + 1
+            if not any(lo <= index <= hi for lo, hi in self.skip_ranges):
+                return batch
+
+    def skip(self, lo: int, hi: int) -> None:
+        """Leave out the batches ``lo``..``hi`` (stream indices, inclusive) when reached."""
+        if (lo, hi) not in self.skip_ranges:
+            self.skip_ranges.append((int(lo), int(hi)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "skip_ranges": [list(r) for r in self.skip_ranges]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+        self.skip_ranges = [(int(lo), int(hi)) for lo, hi in state["skip_ranges"]]
+        self._it = None  # the dataloader was rewound with this state: iterate it anew
+
+
+class JsonState:
+    """An object's ``state_dict`` as one JSON string for torch.distributed.checkpoint.
+
+    DCP flattens nested dicts and lists into one key per leaf and loads into the structure the
+    object has at load time, so a list that grew since the save (the guard's recent batch
+    ranges) would load only its first entries; one string leaf loads whole. The state is the
+    same on every rank (the guard decides from all-reduced numbers)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"json": json.dumps(self.obj.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.obj.load_state_dict(json.loads(state["json"]))
+
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class TitanCheckpoints:
+    """torchtitan's CheckpointManager behind the interface the guard saves and rolls back
+    through (``register``, ``should_save``, ``save``, ``list``, ``restore``, ``wait``).
+
+    Step numbers: the guard counts from 0, torchtitan from 1, so the guard's step ``s`` is
+    torchtitan's ``s + 1`` (its folder ``step-{s + 1}``). ``should_save`` is torchtitan's own
+    rule (``interval``, the last step, ``enable_first_step_checkpoint``), so a checkpoint is
+    written exactly where torchtitan would write it, by torchtitan. The guard's state, the data
+    position and which checkpoints saw an alert go into the same checkpoint as Statefuls.
+    ``on_restore(step)`` runs after each load (the trainer starts a new data iterator).
+    """
+
+    def __init__(self, checkpointer: Any, config: Any, *, steps: int,
+                 on_restore: Callable[[int], None] | None = None) -> None:
+        self.checkpointer, self.config, self.steps = checkpointer, config, steps
+        self.on_restore = on_restore
+        self.folder = Path(checkpointer.folder)
+        self.alerts: dict[int, list[str]] = {}
+        """The guard's step of each checkpoint saved -> the alerts raised in its window."""
+        self.register(checkpoints=self)
+
+    def register(self, **states: Any) -> None:
+        """Add the guard's Statefuls to torchtitan's checkpoint; the model, optimizers and LR
+        schedulers are torchtitan's own states already, so they are not added twice."""
+        for name, obj in states.items():
+            if obj is None or name in ("model", "optimizer", "scheduler"):
+                continue
+            if name == "scaler":
+                raise ValueError("a loss scaler (fp16) is not supported under torchtitan; use "
+                                 "its bf16 mixed precision (training.mixed_precision_param)")
+            self.checkpointer.states[f"spikeguard_{name}"] = JsonState(obj)
+
+    def should_save(self, step: int) -> bool:
+        cfg, t = self.config, step + 1
+        if not cfg.enable or cfg.load_only:
+            return False
+        return (t == 1 and cfg.enable_first_step_checkpoint) or t == self.steps or \
+            t % cfg.interval == 0
+
+    def save(self, step: int, *, alerts: list[str] | tuple[str, ...] = (),
+             snapshot: Any = None, **_: Any) -> None:
+        if snapshot is not None:
+            raise ValueError("a checkpoint written one step late (read_lag 1) is not supported "
+                             "under torchtitan: its dataloader and step counter would be a "
+                             "step ahead of the model; use GuardConfig(read_lag=0)")
+        self.alerts[step] = list(alerts)
+        self.checkpointer.save(step + 1, last_step=step + 1 == self.steps)
+
+    def list(self) -> list[CheckpointInfo]:
+        """The committed checkpoints in torchtitan's folder (a DCP ``.metadata`` present),
+        oldest first, each at the guard's step, healthy unless an alert was raised in its
+        window."""
+        if not self.folder.is_dir():
+            return []
+        found = []
+        for name in os.listdir(self.folder):
+            m = _STEP_DIR.match(name)
+            if m and (self.folder / name / ".metadata").is_file() and int(m.group(1)) > 0:
+                step = int(m.group(1)) - 1
+                alerts = tuple(self.alerts.get(step, ()))
+                found.append(CheckpointInfo(step=step, path=self.folder / name,
+                                            healthy=not alerts, alerts=alerts))
+        return sorted(found, key=lambda c: c.step)
+
+    def restore(self, at_or_before: int | None = None) -> CheckpointInfo:
+        """Load the newest checkpoint at or before the guard's step ``at_or_before`` (the newest
+        of all when None) through torchtitan's ``load``: model, optimizers, LR schedulers,
+        dataloader, train state, and the guard's own states."""
+        from ..checkpoint.info import CheckpointError
+
+        infos = [c for c in self.list() if at_or_before is None or c.step <= at_or_before]
+        if not infos:
+            raise CheckpointError(f"no checkpoint at or before step {at_or_before} in "
+                                  f"{self.folder}")
+        info = infos[-1]
+        self.checkpointer.load(step=info.step + 1)
+        if self.on_restore is not None:
+            self.on_restore(info.step)
+        return info
+
+    def wait(self) -> None:
+        self.checkpointer.maybe_wait_for_saving()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"alerts": {str(k): v for k, v in self.alerts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        loaded = {int(k): list(v) for k, v in state["alerts"].items()}
+        # a rollback loads an older list: what this run learned since stays
+        self.alerts = {**loaded, **self.alerts}
