@@ -19,6 +19,8 @@ needed (docs/torchtitan.md, "Running torchtitan on CPU", says why each exists):
 6. gloo has no ``ReduceOp.PREMUL_SUM``, which FSDP2's reduce-scatter uses for torchtitan's
    gradient divide factor of 1.0: FSDP2's own ``set_force_sum_reduction_for_comms(True)``
    makes it a SUM (times 1.0, the same numbers).
+7. torchtitan compiles ``create_block_mask`` with inductor, which on CPU builds C++ kernels for
+   seconds in every process: the same function runs eagerly (the same mask).
 """
 
 from __future__ import annotations
@@ -123,10 +125,12 @@ def _dense_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, score_mod:
 def _flex_on_cpu() -> None:
     if torch.cuda.is_available():
         return
-    from torchtitan.models.common.attention import FlexAttention
+    import torchtitan.models.common.attention as tt_attention
 
-    FlexAttention._compiled_flex_attn = _dense_flex
+    tt_attention.FlexAttention._compiled_flex_attn = _dense_flex
     PATCHES.append("4 flex attention")
+    tt_attention._compiled_create_block_mask = tt_attention.create_block_mask
+    PATCHES.append("7 eager create_block_mask")
 
 
 def _pg_timeouts() -> None:
@@ -197,8 +201,9 @@ class ByteTokenizer(BaseTokenizer):
 
 
 class _CorpusDataset(torch.utils.data.IterableDataset):
-    """Sequences of the Python docs' bytes, rank-interleaved, one document per sequence
-    (positions 0..seq_len-1); the batches named in ``poison`` are one token repeated, the last
+    """Sequences of the Python docs' bytes, each at an offset drawn from its global index (the
+    batches are exchangeable: a run that leaves some out sees the same text as one that does
+    not), one document per sequence (positions 0..seq_len-1); the batches named in ``poison`` are one token repeated, the last
     of the debug model's vocabulary, which the bytes never hold (a corrupt shard). Stateful: the
     sample index."""
 
@@ -215,7 +220,7 @@ class _CorpusDataset(torch.utils.data.IterableDataset):
         n = self.seq_len + 1
         while True:
             j = self.i * self.world + self.rank
-            lo = (j * n) % (len(self.tokens) - n)
+            lo = int(np.random.default_rng(j).integers(len(self.tokens) - n))
             x = torch.from_numpy(self.tokens[lo:lo + n].astype(np.int64))
             if self.i // self.batch in self.poison:
                 x = torch.full((n,), 2047, dtype=torch.int64)

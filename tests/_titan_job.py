@@ -1,0 +1,195 @@
+"""torchtitan's Trainer with the guard on 2 gloo ranks (torchrun), the scenarios named, in order,
+in one job (torchtitan's import is most of a short job's time):
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests._titan_job OUT \
+        outlier rollback nan
+
+- ``outlier``: a corrupt batch at step 10 of 16; the job is stopped before torchtitan's step
+  15 (a kill between checkpoints), then a second trainer resumes in the same folder to the end.
+  Saves, per rank, the params, AdamW moments and step counts, the LR and the scheduler position
+  around steps 10 and 11, and the steps each rank recorded and skipped.
+- ``rollback``: a clean run of 20 steps, then the same run with corrupt batches at steps 10-15
+  (six skips in a row: Tier 2) and ``tier2="rollback"``, replayed at the scheduled LR
+  (``rollback_lr_scale=1``: this run's LR decays to 0 by step 20, and a half-LR replay of 12 of
+  its 20 steps would leave it behind for that reason alone) and without the weights check (a
+  re-run per skip, not what this scenario is about); saves both runs' final loss on fixed
+  held-out sequences.
+- ``nan``: a NaN in one gradient (rank 0's shard of ``layers.1.feed_forward.w2.weight``) at
+  step 6: the guard halts, ``report.json`` names the tensor, the job exits non-zero.
+
+Every scenario holds the grad rule at the flat 3x median (``grad_z`` near 0), as the HF and
+Lightning tests do: these test the framework's skip, rollback and halt, not the bar. The tests
+(tests/test_integrations_torchtitan.py) read what it leaves in OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import spikeguard as sg
+import tests._titan_cpu as titan_cpu  # the CPU patches, before torchtitan is imported
+from spikeguard.integrations.torchtitan import GuardedTrainer
+
+NAN_PARAM = "layers.1.feed_forward.w2.weight"
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def snapshot(trainer: GuardedTrainer) -> dict[str, Any]:
+    """Full params, AdamW moments and step counts (gathered: every rank calls this), the first
+    group's LR and the LR schedulers' positions."""
+    named = list(trainer.model_parts[0].named_parameters())
+    opt = trainer.optimizers.optimizers[0]
+    moments = {}
+    for name, p in named:
+        st = opt.state.get(p, {})
+        moments[name] = {k: _full(v) for k, v in st.items() if torch.is_tensor(v)}
+    return {"params": {n: _full(p) for n, p in named}, "moments": moments,
+            "lr": opt.param_groups[0]["lr"],
+            "sched": [s.last_epoch for s in trainer.lr_schedulers.schedulers]}
+
+
+class StepsSink:
+    """Every record's step and whether it was skipped, on this rank."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, bool]] = []
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        self.steps.append((int(record["step"]), bool(record.get("skipped"))))
+
+
+class Probe(GuardedTrainer):
+    """GuardedTrainer with test hooks: snapshots around the steps in ``watch``, a stop before
+    ``stop_at``, a NaN in one gradient at ``nan_at`` (torchtitan's step numbers, 1-based: the
+    guard's step + 1)."""
+
+    watch: tuple[int, ...] = ()
+    stop_at: int | None = None
+    nan_at: int | None = None
+
+    def __init__(self, config: Any) -> None:
+        self.steps_seen = StepsSink()
+        super().__init__(config, sinks=[self.steps_seen])
+        self.snaps: dict[str, Any] = {}
+        self.first_step: int | None = None
+
+    def train_step(self, data_iterator: Any) -> None:
+        if self.first_step is None:
+            self.first_step = self.step
+        if self.step == self.stop_at:
+            raise KeyboardInterrupt(f"stopped before step {self.step}")
+        step = self.step
+        if step in self.watch:
+            self.snaps[step] = {"before": snapshot(self)}
+        super().train_step(data_iterator)
+        if step in self.watch:
+            self.snaps[step]["after"] = snapshot(self)
+
+    def forward_backward_step(self, **kw: Any) -> torch.Tensor:
+        loss = super().forward_backward_step(**kw)
+        if self.step == self.nan_at and dist.get_rank() == 0:
+            p = dict(self.model_parts[0].named_parameters())[NAN_PARAM]
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            local.view(-1)[0] = float("nan")
+        return loss
+
+
+def build(out: Path, steps: int, guard: sg.GuardConfig, **kw: Any) -> Probe:
+    cfg = titan_cpu.debug_config(str(out), steps=steps, guard=guard, **kw)
+    return Probe(cfg)
+
+
+def held_out_loss(trainer: GuardedTrainer, n: int = 16) -> float:
+    """Mean cross-entropy of the trained model on ``n`` fixed held-out sequences per rank."""
+    val = sg.load_corpus("pydoc").val
+    seq = trainer.config.training.seq_len
+    rank = dist.get_rank()
+    rows = [torch.from_numpy(val[(rank * n + i) * (seq + 1):(rank * n + i + 1) * (seq + 1)]
+                             .astype("int64")) for i in range(n)]
+    x = torch.stack(rows)
+    model = trainer.model_parts[0]
+    with torch.no_grad():
+        masks = model.get_attention_masks(positions=torch.arange(seq).expand(n, seq))
+        logits = model(x[:, :-1], attention_masks=masks)
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                               x[:, 1:].flatten()).double()
+    dist.all_reduce(ce)
+    return float(ce) / dist.get_world_size()
+
+
+def outlier(out: Path) -> None:
+    guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(16, arm_after=5, grad_z=0.01))
+    first = build(out, 16, guard, poison=(10,))
+    first.watch, first.stop_at = (11, 12), 15
+    try:
+        first.train()
+    except KeyboardInterrupt:
+        pass
+    first.close()
+    if dist.get_rank() == 0:
+        shutil.copy(out / "metrics.jsonl", out / "metrics-first.jsonl")
+    dist.barrier()
+    second = build(out, 16, guard, poison=(10,))
+    second.train()
+    state = {"snaps": first.snaps, "first": first.steps_seen.steps,
+             "second": second.steps_seen.steps, "resumed_at": second.first_step}
+    second.close()
+    torch.save(state, out / f"outlier-rank{dist.get_rank()}.pt")
+
+
+def rollback(out: Path) -> None:
+    steps = 20
+    detector = sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01)
+    clean = build(out / "clean", steps, sg.GuardConfig(detector=detector))
+    clean.train()
+    clean_loss = held_out_loss(clean)
+    clean.close()
+    guard = sg.GuardConfig(detector=detector, tier2="rollback", rollback_lr_scale=1.0,
+                           weights_check=False)
+    rolled = build(out / "rollback", steps, guard, poison=tuple(range(10, 16)))
+    rolled.train()
+    result = {"clean": clean_loss, "rollback": held_out_loss(rolled),
+              "rollbacks": rolled.guard.rollbacks}
+    rolled.close()
+    if dist.get_rank() == 0:
+        (out / "rollback.json").write_text(json.dumps(result))
+
+
+def nan(out: Path) -> None:
+    guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(8, arm_after=5, grad_z=0.01))
+    trainer = build(out, 8, guard)
+    trainer.nan_at = 7
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        for name in sys.argv[2:]:
+            folder = out / name
+            folder.mkdir(parents=True, exist_ok=True)
+            {"outlier": outlier, "rollback": rollback, "nan": nan}[name](folder)
+            if dist.get_rank() == 0:
+                (folder / "done").write_text(", ".join(titan_cpu.PATCHES))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The Guard inside torchtitan 0.3.0's Trainer, on 2 gloo ranks (torchrun) with torchtitan's
+llama3 debug model (2 of its 6 layers, FSDP2 over both ranks) and the CPU patches of
+tests/_titan_cpu.py: an outlier batch skipped on both ranks with nothing moved, a resume that
+continues the steps without duplicate records, a rollback through torchtitan's
+CheckpointManager that ends within 2% of a clean run, and a NaN gradient that halts naming the
+tensor with a non-zero exit. One job runs every scenario (tests/_titan_job.py): importing
+torchtitan is most of its time."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import spikeguard as sg
+from tests.conftest import ROOT, checkout_env
+
+TESTED = "0.3.0"
+
+
+def _skip_reason() -> str | None:
+    if importlib.util.find_spec("torchtitan") is None:
+        return ("torchtitan is not installed; scripts/install_torchtitan.sh installs the "
+                f"tested version ({TESTED}) and the few packages its imports need")
+    version = importlib.metadata.version("torchtitan")
+    if version != TESTED:
+        return (f"torchtitan {version} is installed; these tests pin {TESTED} "
+                "(scripts/install_torchtitan.sh)")
+    return None
+
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow,
+              pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+
+NAN_PARAM = "layers.1.feed_forward.w2.weight"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("titan")
+    env = dict(checkout_env(), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "tests._titan_job", str(out), "outlier", "rollback", "nan"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    (out / "torchrun.log").write_text(log)
+    for name in ("outlier", "rollback"):
+        assert (out / name / "done").exists(), f"scenario {name} did not finish:\n{log[-4000:]}"
+    return proc.returncode, out, log
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_outlier_batch_is_skipped_on_both_ranks_and_nothing_moves(job):
+    _, out, _ = job
+    records = sg.read_metrics(out / "outlier" / "metrics-first.jsonl")
+    assert [r["step"] for r in records if r["skipped"]] == [10]
+    bad = records[10]
+    assert bad["action"] == "skip" and bad["reasons"][0].startswith("grad_norm")
+    prior = sorted(r["grad_norm"] for r in records[:10])
+    assert bad["grad_norm"] > 3 * (prior[4] + prior[5]) / 2  # 3x the median before it
+    # the LR of the step after the skip is the skipped step's: the schedule did not advance
+    assert records[11]["lr"] == records[10]["lr"] != records[9]["lr"]
+    for rank in (0, 1):
+        state = torch.load(out / "outlier" / f"outlier-rank{rank}.pt", weights_only=False)
+        assert [s for s, skipped in state["first"] if skipped] == [10]  # this rank skipped it
+        skip, kept = state["snaps"][11], state["snaps"][12]  # torchtitan steps: guard's + 1
+        b, a = skip["before"], skip["after"]
+        assert _same(b["params"], a["params"])
+        for name in b["moments"]:  # AdamW's exp_avg, exp_avg_sq and step, bit for bit
+            assert set(b["moments"][name]) == {"step", "exp_avg", "exp_avg_sq"}
+            assert _same(b["moments"][name], a["moments"][name])
+        assert b["lr"] == a["lr"] and b["sched"] == a["sched"]
+        # the same snapshots see an applied update move everything
+        b, a = kept["before"], kept["after"]
+        assert not any(torch.equal(b["params"][n], a["params"][n]) for n in b["params"])
+        assert all(a["moments"][n]["step"] == b["moments"][n]["step"] + 1 for n in b["moments"])
+        assert a["sched"] == [s + 1 for s in b["sched"]] and a["lr"] != b["lr"]
+
+
+def test_resume_continues_the_steps_without_duplicate_records(job):
+    _, out, _ = job
+    first = sg.read_metrics(out / "outlier" / "metrics-first.jsonl")
+    records = sg.read_metrics(out / "outlier" / "metrics.jsonl")
+    # the first run stopped before torchtitan's step 15 (guard step 14), its newest checkpoint
+    # at torchtitan's step 12: the resumed run replays guard steps 12-13 and goes on to the end
+    assert [r["step"] for r in first] == list(range(14))
+    assert [r["step"] for r in records] == list(range(16))
+    assert [r["step"] for r in records if r["skipped"]] == [10]
+    for rank in (0, 1):
+        state = torch.load(out / "outlier" / f"outlier-rank{rank}.pt", weights_only=False)
+        assert state["resumed_at"] == 13
+        assert [s for s, _ in state["second"]] == [12, 13, 14, 15]
+    # the checkpoint restored model, optimizer, schedule and data position exactly
+    for step in (12, 13):
+        assert records[step]["loss"] == first[step]["loss"]
+        assert records[step]["grad_norm"] == first[step]["grad_norm"]
+        assert records[step]["lr"] == first[step]["lr"]
+    steps = sorted(int(p.name.split("-")[1]) for p in (out / "outlier" / "checkpoint").iterdir())
+    assert steps == [4, 8, 12, 16]  # torchtitan's interval and last step, by torchtitan
+
+
+def test_rollback_leaves_the_poisoned_batches_out_and_ends_near_clean(job):
+    _, out, _ = job
+    result = json.loads((out / "rollback" / "rollback.json").read_text())
+    records = sg.read_metrics(out / "rollback" / "rollback" / "metrics.jsonl")
+    rolled = [r for r in records if r["action"] == "rollback"]
+    assert len(rolled) == 1 and result["rollbacks"] == 1
+    back = rolled[0]
+    # six skips in a row (steps 10-15) are a Tier 2; the newest checkpoint at or before the
+    # onset - 2 is torchtitan's step 8 (the guard's 7); the six corrupt batches are left out
+    assert [r["step"] for r in records if r["skipped"]][:6] == list(range(10, 16))
+    assert back["step"] == 15 and back["rollback_to"] == 7 and back["skip_range"] == [10, 15]
+    after = records[records.index(back) + 1:]
+    assert [r["step"] for r in after] == list(range(8, 20))
+    assert not any(r["skipped"] for r in after)
+    assert after[0]["loss"] == records[8]["loss"]  # the restored state replays step 8 exactly
+    # held-out loss of the final model, against the same run never poisoned
+    assert abs(result["rollback"] - result["clean"]) <= 0.02 * result["clean"], result
+
+
+def test_nan_gradient_halts_naming_the_tensor_with_a_non_zero_exit(job):
+    code, out, log = job
+    assert code != 0
+    assert not (out / "nan" / "done").exists()
+    report = json.loads((out / "nan" / "report.json").read_text())
+    assert report["step"] == 6 and report["nonfinite_params"] == [NAN_PARAM]
+    records = sg.read_metrics(out / "nan" / "metrics.jsonl")
+    assert records[-1]["step"] == 6 and records[-1]["action"] == "halt"
+    assert records[-1]["tier"] == 3
+    assert log.count("TrainingHalted") >= 2, log[-3000:]  # on both ranks
+    assert os.path.getsize(out / "nan" / "report.json") > 0
