@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The whole set-up on a fresh machine: the CPU torch wheel first (a plain "torch" requirement
-# would pull a multi-GB CUDA build), then spikeguard editable with every extra, then Debian's
-# Chromium for the browser tests (the diagnose report and the sandbox page).
+# would pull a multi-GB CUDA build), then spikeguard editable with every extra, torchtitan
+# without its heavy dependencies (scripts/install_torchtitan.sh), then Debian's Chromium for the
+# browser tests (the diagnose report and the sandbox page).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install --quiet "torch==2.13.0"
 "$PY" -m pip install --quiet -e ".[all]"
+# torchtitan for its integration tests (a few seconds: its own wheel and five small ones)
+PYTHON="$PY" bash scripts/install_torchtitan.sh
 if ! command -v chromium >/dev/null 2>&1; then
   SUDO=""
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi

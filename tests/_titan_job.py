@@ -116,10 +116,11 @@ def held_out_loss(trainer: GuardedTrainer, n: int = 16) -> float:
     rank = dist.get_rank()
     rows = [torch.from_numpy(val[(rank * n + i) * (seq + 1):(rank * n + i + 1) * (seq + 1)]
                              .astype("int64")) for i in range(n)]
-    x = torch.stack(rows)
+    x = torch.stack(rows).to(trainer.device)
     model = trainer.model_parts[0]
     with torch.no_grad():
-        masks = model.get_attention_masks(positions=torch.arange(seq).expand(n, seq))
+        positions = torch.arange(seq, device=x.device).expand(n, seq)
+        masks = model.get_attention_masks(positions=positions)
         logits = model(x[:, :-1], attention_masks=masks)
         ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
                                                x[:, 1:].flatten()).double()
@@ -178,7 +179,8 @@ def nan(out: Path) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # on a GPU (benchmarks/gpu_check.py) NCCL for the tensors, gloo for what stays on the CPU
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     try:
         for name in sys.argv[2:]:
             folder = out / name

@@ -39,13 +39,16 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow,
               pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
 
 NAN_PARAM = "layers.1.feed_forward.w2.weight"
+WORLD = int(os.environ.get("SPIKEGUARD_TITAN_NPROC", "2"))
+"""Ranks of the job: 2 gloo ranks here; benchmarks/gpu_check.py sets one per GPU (at most 2)."""
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("titan")
     env = dict(checkout_env(), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={WORLD}",
            "-m", "tests._titan_job", str(out), "outlier", "rollback", "nan"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
@@ -69,7 +72,7 @@ def test_outlier_batch_is_skipped_on_both_ranks_and_nothing_moves(job):
     assert bad["grad_norm"] > 3 * (prior[4] + prior[5]) / 2  # 3x the median before it
     # the LR of the step after the skip is the skipped step's: the schedule did not advance
     assert records[11]["lr"] == records[10]["lr"] != records[9]["lr"]
-    for rank in (0, 1):
+    for rank in range(WORLD):
         state = torch.load(out / "outlier" / f"outlier-rank{rank}.pt", weights_only=False)
         assert [s for s, skipped in state["first"] if skipped] == [10]  # this rank skipped it
         skip, kept = state["snaps"][11], state["snaps"][12]  # torchtitan steps: guard's + 1
@@ -95,7 +98,7 @@ def test_resume_continues_the_steps_without_duplicate_records(job):
     assert [r["step"] for r in first] == list(range(14))
     assert [r["step"] for r in records] == list(range(16))
     assert [r["step"] for r in records if r["skipped"]] == [10]
-    for rank in (0, 1):
+    for rank in range(WORLD):
         state = torch.load(out / "outlier" / f"outlier-rank{rank}.pt", weights_only=False)
         assert state["resumed_at"] == 13
         assert [s for s, _ in state["second"]] == [12, 13, 14, 15]
@@ -136,5 +139,5 @@ def test_nan_gradient_halts_naming_the_tensor_with_a_non_zero_exit(job):
     records = sg.read_metrics(out / "nan" / "metrics.jsonl")
     assert records[-1]["step"] == 6 and records[-1]["action"] == "halt"
     assert records[-1]["tier"] == 3
-    assert log.count("TrainingHalted") >= 2, log[-3000:]  # on both ranks
+    assert log.count("TrainingHalted") >= WORLD, log[-3000:]  # on every rank
     assert os.path.getsize(out / "nan" / "report.json") > 0
