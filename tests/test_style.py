@@ -24,7 +24,7 @@ PUBLIC = {
     "AmaxMonitor", "StepMetrics", "metrics_record",
     # guard, detector, checkpoint
     "Guard", "GuardConfig", "AttributionConfig", "GuardedOptimizer", "TrainingHalted",
-    "HaltReport", "Action", "DetectorConfig", "SpikeDetector", "Verdict", "CheckpointManager",
+    "HaltReport", "Decision", "DataSource", "GuardMisuseWarning", "Action", "DetectorConfig", "SpikeDetector", "Verdict", "CheckpointManager",
     "CheckpointInfo", "CheckpointError", "CheckpointWarning", "verify_checkpoint",
     # data and sinks
     "Corpus", "TokenStream", "load_corpus", "JsonlSink", "ConsoleSink", "TensorBoardSink",

@@ -50,6 +50,9 @@ NOT_CALLED = {
     "MemoryBudget": "a record memory_budget returns",
     "Verdict": "a record SpikeDetector.update returns",
     "HaltReport": "a record the guard builds on a halt (TrainingHalted.report)",
+    "Decision": "a record guard.decide returns",
+    "DataSource": "a typing.Protocol a data source implements (Guard checks it: the guard case)",
+    "GuardMisuseWarning": "a warning the library issues",
 }
 
 
@@ -329,6 +332,13 @@ def _cases(tmp_factory: Callable[[], Any]) -> list[Case]:
              raises=(sg.CheckpointError,),
              setup=lambda: _other_shape(_saved_by_guard(tmp_factory()), d_model=32),
              state=_ckpt_state, warns=sg.CheckpointWarning),
+        Case("Guard", "data= a plain iterator (no position, no skip)", lambda c: sg.Guard(
+            c["m"], torch.optim.AdamW(c["m"].parameters()), data=iter([])),
+             ("data=", "position", "skip"), setup=lambda: dict(m=m())),
+        Case("Guard", "decide() on a guard that steps a scheduler", lambda c: sg.Guard(
+            c["m"], c["o"], scheduler=torch.optim.lr_scheduler.LambdaLR(c["o"], lambda s: 1.0))
+             .decide(torch.tensor(1.0)), ("decide()", "scheduler=None"),
+             setup=lambda: dict(m=(mm := m()), o=torch.optim.AdamW(mm.parameters()))),
         Case("GuardedOptimizer", "a guard of another optimizer",
              lambda c: sg.GuardedOptimizer(torch.optim.AdamW(c["model"].parameters()), c["guard"]),
              ("guard", "optimizer"), setup=_trained, state=_guard_state),

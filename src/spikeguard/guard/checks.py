@@ -33,8 +33,12 @@ def check_pair(model: Any, optimizer: Any) -> None:
                          "the optimizer from model.parameters()")
 
 
-def check_grads(params: list[Any]) -> None:
-    """At least one parameter has a gradient (a Python check: no device read)."""
+def check_grads(params: list[Any], *, has_loss: bool = True) -> None:
+    """The step has its loss, and at least one parameter has a gradient (a Python check: no
+    device read)."""
+    if not has_loss:
+        raise ValueError("guard.step() needs the step's loss: pass step(out), or call "
+                         "guard.accumulate(out) after each micro-batch's backward")
     if not any(p.grad is not None for p in params):
         raise ValueError("guard.step(): no parameter of the model has a gradient; call "
                          "loss.backward() (guard.backward(out) under fp16) before guard.step")

@@ -9,22 +9,19 @@
             ...
 
 The Guard owns no decision itself: it builds its parts and passes each step through them
-(docs/design.md walks one step). The step part (``step.Updater``) measures, gates, clips and
-applies the update on the device; the ``SpikeDetector`` judges the step's host numbers; the
-attribution (``attribution.Attribution``) explains a skip and may ask for a re-run without
-some rows, which the step part applies; the responder (``responder.Responder``) carries out
-Tier 2 and Tier 3; the batch ledger (``ledger.BatchLedger``) knows which batches each step
-consumed; the recorder writes the record; the checkpoint manager saves at its interval.
+(docs/design.md walks one step): the step part (``step.Updater``: measure, gate, clip, apply),
+the judge (``judge.Judge``: the detector on the host numbers), attribution (explains a skip, may
+ask for a re-run without some rows), the responder (Tier 2 and 3), the batch ledger, the
+recorder, the checkpoint manager. A framework that steps the optimizer itself calls
+``decide()`` instead of ``step()`` (docs/adapters.md).
 
-Host reads (docs/design.md, "One step"): with ``read_lag=0`` (off CUDA) step t's numbers are read
-at t; with ``read_lag=1`` (on CUDA) at t+1, so no step waits for the device, and Tier 2/3, the
-record and the schedule act one step late; a Tier 1 skip is never late. ``step`` returns the
-verdicts read in that call (a tuple on every device, each with its step).
+Host reads: with ``read_lag=0`` (off CUDA) step t's numbers are read at t; with ``read_lag=1``
+(on CUDA) at t+1, so no step waits for the device, and Tier 2/3, the record and the schedule act
+one step late; a Tier 1 skip is never late. ``step`` returns the verdicts read in that call.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -36,28 +33,24 @@ from ..detect.probes import Probes
 from ..detector.detector import SpikeDetector, Verdict
 from ..detector.gate import DeviceGate
 from ..readback import Readback
-from ..record import Action, StepMetrics
+from ..record import Action
 from ..sinks import Sinks
+from .adapter import Decision, check_data
 from .attribution import Attribution, AttributionConfig
 from .checks import check_grads, check_pair, check_states
 from .config import GuardConfig
 from .forensics import HaltReport, TrainingHalted
+from .judge import Judge
 from .ledger import BatchLedger
 from .micro import MicroBatches
 from .recorder import Recorder
 from .responder import Responder
+from .state import GuardState, PartsState
 from .step import Pending, ScalerState, Updater
 from .summary import History
 from .weights import WeightsProbe, weights_reason
 
 __all__ = ["AttributionConfig", "Guard", "GuardConfig", "TrainingHalted"]
-
-log = logging.getLogger("spikeguard")
-
-
-_STATE_VERSION = 2
-_N_NUMBERS = 8
-"""The step's numbers at the head of the read-back vector (see Updater.device_step)."""
 
 
 class Guard:
@@ -78,9 +71,17 @@ class Guard:
     run's timeline, such as a fault injector). ``pp_group``/``tp_group`` go to ``grad_stats``.
     """
 
-    last_skipped: bool
+    step_index: int = 0
+    """The number of the next step (a rollback sets it back; ``start_at`` sets it)."""
+    last_skipped: bool = False
     """Whether the last resolved step's update was withheld (a skip or a halt); a framework
     that steps the LR scheduler itself holds it then (integrations/)."""
+    last_action: Action = Action.CONTINUE
+    """What the guard did at the last resolved step."""
+    _ran = 0  # steps taken in this process (0: a restore is a resume)
+    _rerun_now: Callable[..., Any] | None = None
+    _reference = True
+    _pending: Pending | None = None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  config: GuardConfig | None = None, scheduler: Any = None,
@@ -96,6 +97,7 @@ class Guard:
         check_pair(model, optimizer)
         self.keep_on_rollback = tuple(keep_on_rollback)
         check_states(cfg, checkpoints, extra_state, self.keep_on_rollback)
+        check_data(data)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.checkpoints, self.data = checkpoints, data
         if not isinstance(precision, PrecisionRuntime):
@@ -120,6 +122,8 @@ class Guard:
                                      reference_age=cfg.reference_age, max_blind_skips=cfg.detector
                                      .max_consecutive_skips)
                         if cfg.weights_check and cfg.respond else None)
+        self.judge = Judge(self.detector, self.history, self.weights, self.updater,
+                           respond=cfg.respond)
         extra = dict(extra_state or {})
         self.responder = Responder(
             tier2=cfg.tier2, max_rollbacks=cfg.max_rollbacks, lr_scale=cfg.rollback_lr_scale,
@@ -128,18 +132,14 @@ class Guard:
             model=model, named_params=self.named_params, optimizer=optimizer,
             scheduler=scheduler, on_alert=on_alert, reconfigure=reconfigure,
             keep_on_rollback={k: extra[k] for k in self.keep_on_rollback})
+        self.state = PartsState(self.detector, self.updater, self.history, self.ledger,
+                                self.attribution, self.responder, self.recorder)
         if checkpoints is not None:
             checkpoints.register(model=model, optimizer=optimizer, scheduler=scheduler, data=data,
                                  scaler=ScalerState(self.updater) if precision.scaler else None,
                                  guard=self, **extra)
-        self.step_index = 0
-        self.last_skipped = False
         self._window_alerts: list[str] = []
         self.micro = MicroBatches(model, precision.device)
-        self._rerun_now: Callable[..., Any] | None = None
-        self._reference = True
-        self._pending: Pending | None = None
-        self._warned_disagree = False
         if self.probes is not None:
             self.probes.start_step(self.step_index)
 
@@ -203,10 +203,8 @@ class Guard:
         ``reference=False``: ``rerun`` re-runs whatever batch is current, not this step's (a
         framework's closure), so the weights check never takes it as a later step's reference.
         Raises TrainingHalted on a halt, after the record is written."""
-        if out is None and not self.micro:
-            raise ValueError("guard.step() needs the step's loss: pass step(out), or call "
-                             "guard.accumulate(out) after each micro-batch's backward")
-        check_grads(self.params)
+        check_grads(self.params, has_loss=out is not None or bool(self.micro))
+        self._ran += 1
         if out is not None:
             self.accumulate(out, log_z=log_z)
         batches = self.ledger.consume(self.step_index)
@@ -225,6 +223,32 @@ class Guard:
                 return verdicts
         self._pending = self._device_step(batches, rerun)
         return verdicts
+
+    def decide(self, out: Any = None, *, log_z: torch.Tensor | None = None,
+               rerun: Callable[..., Any] | None = None, reference: bool = True) -> Decision:
+        """``step()`` for a framework that steps the optimizer itself: measure, gate, clip, judge,
+        respond and record this step, then return whether to apply it (``Decision.apply``)
+        without calling the optimizer. The framework then calls ``optimizer.step()`` and its LR
+        scheduler's ``step()`` only when ``apply``. Needs ``read_lag`` 0, no loss scaler (the
+        framework owns its own) and no ``scheduler`` given to the guard. A halt raises
+        TrainingHalted, as ``step()`` does."""
+        up = self.updater
+        if self.read_lag != 0 or up.precision.scaler is not None or up.scheduler is not None:
+            raise ValueError("guard.decide() needs GuardConfig(read_lag=0), no fp16 loss scaler "
+                             "and Guard(scheduler=None): the framework steps its optimizer and "
+                             "scheduler after the decision, so the guard must decide at once")
+        up.defer = True
+        try:
+            (verdict,) = self.step(out, log_z=log_z, rerun=rerun, reference=reference)
+            if up.deferred_grads is not None:  # an applied re-run without quarantined rows
+                for param, grad in zip(self.params, up.deferred_grads):
+                    param.grad = grad
+        finally:
+            up.defer, up.deferred_grads = False, None
+        action = self.last_action
+        apply = up.deferred and action is not Action.ROLLBACK and self.step_index == verdict.step + 1
+        return Decision(apply=apply, step=verdict.step, action=action, verdict=verdict,
+                        lr_factor=up._factor)
 
     def flush(self) -> tuple[Verdict, ...]:
         """Resolve a step still waiting for its host read (read_lag 1); returns its verdict."""
@@ -270,40 +294,8 @@ class Guard:
                        self._reference)
 
     # -- the host side ------------------------------------------------------------------------
-    def _judge(self, p: Pending) -> tuple[StepMetrics, Verdict, dict[str, Any], bool]:
-        """Read the step's numbers, weigh a flagged one (``_weigh``) and give them to the
-        detector (and the history)."""
-        values = p.readback.values()
-        loss, log_z, norm, _, armed, coef, scale, flag = values[:_N_NUMBERS]
-        skipped, check = (self.weights.weigh(p, values) if self.weights is not None
-                          else (values[3] != 0.0, None))
-        nan_frac: float | None = 0.0
-        if not (norm == norm and abs(norm) != float("inf")):
-            # the non-finite path of grad_stats: a host read, and a collective that every rank
-            # makes alike (the norm they branch on is bit-identical)
-            nan_frac = p.stats.nan_frac if p.grads_alive else None
-        m = StepMetrics(step=p.step, loss=loss, grad_norm=norm, log_z=log_z, nan_frac=nan_frac,
-                        lr=p.lr, grad_scale=scale if self.precision.scaler is not None else None)
-        verdict = self.detector.update(
-            m, released=self.config.respond and flag != 0.0 and not skipped)
-        m.loss_ema_ratio = verdict.evidence.get("loss_ema_ratio")
-        if (self.config.respond and verdict.tier <= 1 and verdict.skip != skipped
-                and not self._warned_disagree):
-            self._warned_disagree = True
-            log.warning("spikeguard: device gate (%s) and host verdict (%s) disagree at step %d",
-                        skipped, verdict.skip, p.step)
-        self.history.add(p.step, loss, norm, log_z)
-        extras: dict[str, Any] = {"armed": armed != 0.0, "skipped": skipped, "clip_coef": coef}
-        if check is not None:
-            extras["weights_check"] = check.record()
-            if check.weights or not skipped:
-                extras["cause"] = "weights" if check.weights else "unknown"
-        if p.probes is not None:
-            extras.update(p.probes.decode(values[_N_NUMBERS:]))
-        return m, verdict, extras, skipped
-
     def _resolve(self, p: Pending) -> Verdict:
-        m, verdict, extras, skipped = self._judge(p)
+        m, verdict, extras, skipped = self.judge.judge(p)
         self.last_skipped = skipped
         self.updater.commit(skipped)
         check = extras.get("weights_check")
@@ -330,7 +322,7 @@ class Guard:
             if self.config.respond and verdict.tier >= 2:
                 action = self.responder.respond(p, verdict, extras)
         finally:
-            if p.grads_alive:
+            if p.grads_alive and not self.updater.defer:  # decide(): the framework's grads
                 self.optimizer.zero_grad(set_to_none=True)
         if action is Action.ROLLBACK:  # restored: nothing held of the steps rolled back stays
             self._pending = None
@@ -340,6 +332,7 @@ class Guard:
         # a skipped update never reached the weights: only an applied anomaly taints the interval
         if (verdict.tier >= 1 and action not in (Action.SKIP, Action.DROP)) or action is Action.ALERT:
             self._window_alerts.append(f"{p.step}: {'; '.join(verdict.reasons)}")
+        self.last_action = action
         self.recorder.log(m, verdict, action, extras)
         if action not in (Action.ROLLBACK, Action.HALT):
             self._maybe_save(p)
@@ -361,39 +354,46 @@ class Guard:
         if self.checkpoints is None or not self.checkpoints.list():
             return None
         info = self.checkpoints.restore()
+        self.resumed()
+        return info
+
+    def resumed(self) -> None:
+        """The guard's state came back (``resume``, or another checkpointer's restore through
+        ``stateful()``): measure the data from where it stands; before any step in this process
+        the metrics file also continues after the restored records (no step written twice)."""
         self.ledger.resync()
         if self.probes is not None:
             self.probes.start_step(self.step_index)
-        if self.recorder.sinks is not None:  # the metrics file continues after the restored step
+        if self.recorder.sinks is not None and self._ran == 0:
             self.recorder.sinks.resume(self.records)
-        return info
+
+    def start_at(self, step: int) -> None:
+        """Number the next step ``step``: the framework resumed at its own step ``step`` without
+        the guard's state (with it, the state carries the number). Records of step ``step`` and
+        later already in the metrics file are dropped: those steps run again. Call it before
+        the guard's first step."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"guard.start_at(step={step!r}): step must be an int >= 0, the "
+                             "framework's step count at its resume")
+        if self._ran:
+            raise ValueError(f"guard.start_at({step}) after {self._ran} steps in this process; "
+                             "call it once, right after the framework's resume, before training")
+        self.step_index = step
+        self.ledger.resync()
+        if self.probes is not None:
+            self.probes.start_step(step)
+        if self.recorder.sinks is not None:
+            self.recorder.sinks.resume_at_step(step)
+
+    def stateful(self) -> GuardState:
+        """The guard's state as a torch.distributed.checkpoint Stateful, for a checkpointer
+        other than the guard's own (``states={"spikeguard": guard.stateful()}``)."""
+        return GuardState(self)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready: detector, device statistics, counters, recent batch ranges (syncs)."""
-        return {"version": _STATE_VERSION, "step_index": self.step_index,
-                "applied": self.applied, "rollbacks": self.rollbacks, "records": self.records,
-                "detector": self.detector.state_dict(), "gate": self.gate.state_dict(),
-                "history": self.history.state_dict(), "batches": self.ledger.state_dict(),
-                "attribution": self.attribution.state_dict(),
-                "lr_ramp": self.updater.lr_ramp, "replay": self.responder.replay}
+        return self.state.state_dict(self.step_index)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"guard state version {state.get('version')!r} is not "
-                             f"{_STATE_VERSION}; it was saved by another spikeguard version")
-        self.detector.load_state_dict(state["detector"])
-        self.gate.load_state_dict(state["gate"])
-        self.history.load_state_dict(state["history"])
-        self.attribution.load_state_dict(state.get("attribution"))
-        self.step_index = int(state["step_index"])
-        self.updater.applied = int(state["applied"])
-        self.recorder.records = int(state["records"])
-        # a rollback restores an older state: the budget already spent stays spent
-        self.responder.rollbacks = max(self.rollbacks, int(state["rollbacks"]))
-        self.ledger.load_state_dict(state["batches"])
-        ramp = state.get("lr_ramp")
-        self.updater.lr_ramp = tuple(ramp) if ramp else None
-        # like the budget, the last replay is outside the timeline a rollback restores
-        if self.responder.replay is None and state.get("replay"):
-            self.responder.replay = tuple(state["replay"])
+        self.step_index = self.state.load_state_dict(state)
         self._window_alerts.clear()

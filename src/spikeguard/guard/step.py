@@ -175,6 +175,13 @@ class Updater:
         self.release_next = False
         """Withhold only non-finite steps from the next step on (read_lag 1, after the weights
         check found the weights at fault: the step it judged has lost its gradients already)."""
+        self.defer = False
+        """Decide only (``guard.decide``): apply nothing, note in ``deferred`` whether the update
+        would have been applied; the framework steps its optimizer on the gradients in place."""
+        self.deferred = False
+        self.deferred_grads: list[Any] | None = None
+        """Under ``defer``: the gradients of an applied re-run without quarantined rows, to put
+        back in place once the step's re-runs are done (they are the update to apply)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the loss scaler, weighted by ``loss_weight``."""
@@ -214,8 +221,11 @@ class Updater:
         else:
             skip = gate
         self._factor = lr_factor
-        with _scaled_lr(self.optimizer, lr_factor):
-            apply_update(self.precision, self.optimizer, skip=skip if self.respond else False)
+        if self.defer:  # decide() reads the gate at once anyway (read_lag 0)
+            self.deferred, self.deferred_grads = not bool(skip), None
+        else:
+            with _scaled_lr(self.optimizer, lr_factor):
+                apply_update(self.precision, self.optimizer, skip=skip if self.respond else False)
         scale = self.precision.scale_tensor()
         if scale is None:
             scale = torch.full((), float("nan"), device=stats.norm.device)
@@ -225,6 +235,9 @@ class Updater:
         """Apply the update the gate withheld at this step, now: its gradients are still in
         place and already clipped (read_lag 0). The scaler's overflow check and update ran with
         the step; a released step is finite, so there is nothing for the scaler to skip."""
+        if self.defer:
+            self.deferred = True
+            return
         with _scaled_lr(self.optimizer, self._factor):
             gated_step(self.optimizer, False)
 
@@ -280,7 +293,11 @@ class Updater:
         ok = not bool(gate)
         if ok and self.clip is not None:
             stats.clip_(self.clip)
-        apply_update(self.precision, self.optimizer, skip=not ok)
+        if self.defer:
+            self.deferred = ok
+            self.deferred_grads = [p.grad for p in self.params] if ok else None
+        else:
+            apply_update(self.precision, self.optimizer, skip=not ok)
         for p in self.params:
             p.grad = None
         self.commit(skipped=not ok)

@@ -195,6 +195,10 @@ class Sink:
         """A resumed run continues after the ``records``-th record (``Guard.resume()`` calls
         this): a sink whose output holds later records drops them (JsonlSink); others ignore it."""
 
+    def resume_at_step(self, step: int) -> None:
+        """A resumed run continues at ``step`` without a record count (``Guard.start_at``): a
+        sink whose output holds records of ``step`` or later drops them; others ignore it."""
+
     def flush(self) -> None:
         """Write the pending record now (waits for its device copy)."""
         if self._pending is None or self.disabled:
@@ -290,6 +294,17 @@ class Sinks(Sink):
                 continue
             try:
                 resume(records)
+            except Exception as exc:
+                self._drop(sink, exc)
+
+    def resume_at_step(self, step: int) -> None:
+        """Pass a resume at ``step`` on to every member that has ``resume_at_step(step)``."""
+        for sink in list(self.sinks):
+            resume = getattr(sink, "resume_at_step", None)
+            if resume is None:
+                continue
+            try:
+                resume(step)
             except Exception as exc:
                 self._drop(sink, exc)
 

@@ -221,6 +221,26 @@ class JsonlSink(Sink):
         except Exception as exc:
             self._fail(exc)
 
+    def resume_at_step(self, step: int) -> None:
+        """Continue at ``step`` where the record count is unknown (``Guard.start_at``: a
+        framework resumed without the guard's state): keep the lines before the first record
+        whose step is ``step`` or later, drop that one and the rest (their steps run again)."""
+        if not self.active or self.disabled or self.closed or self.mode != "a":
+            return
+        if not self.path.is_file():
+            return
+        keep = 0
+        with open(self.path, "rb") as f:
+            for line in f:
+                try:
+                    at = json.loads(line).get("step")
+                except (ValueError, AttributeError):
+                    break  # a cut line: resume() keeps whole lines only
+                if isinstance(at, int) and at >= step:
+                    break
+                keep += 1
+        self.resume(keep)
+
     def _close(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
