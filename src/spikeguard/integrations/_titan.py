@@ -10,6 +10,7 @@ so it is tested where torchtitan is installed and imported by ``integrations/tor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import torch
 
 from ..checkpoint import CheckpointInfo
 
-__all__ = ["JsonState", "OptimizersView", "TitanBatches", "TitanCheckpoints"]
+__all__ = ["JsonState", "OptimizersView", "TitanBatches", "TitanCheckpoints", "scaled_lr"]
 
 
 class OptimizersView(torch.optim.Optimizer):
@@ -84,6 +85,24 @@ class OptimizersView(torch.optim.Optimizer):
         return f"OptimizersView({[type(o).__name__ for o in self.inner]})"
 
 
+@contextlib.contextmanager
+def scaled_lr(optimizer: Any, factor: float) -> Iterator[None]:
+    """Every group's LR times ``factor`` for one optimizer step (a replay after a rollback ramps
+    back up), then as it was: the LR schedulers never see the change."""
+    if factor == 1.0:
+        yield
+        return
+    groups = optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = g["lr"] * factor
+    try:
+        yield
+    finally:
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr
+
+
 class TitanBatches:
     """torchtitan's dataloader as the guard's data source: ``position`` (the stream index of
     the next batch it yields, counting every batch drawn on this rank), ``skip(lo, hi)`` (leave
@@ -127,7 +146,8 @@ class TitanBatches:
 
 
 class JsonState:
-    """An object's ``state_dict`` as one JSON string for torch.distributed.checkpoint.
+    """An object's ``state_dict`` as one JSON string for torch.distributed.checkpoint (the
+    guard's own is ``guard.stateful()``, the same form).
 
     DCP flattens nested dicts and lists into one key per leaf and loads into the structure the
     object has at load time, so a list that grew since the save (the guard's recent batch
@@ -151,7 +171,9 @@ class TitanCheckpoints:
     """torchtitan's CheckpointManager behind the interface the guard saves and rolls back
     through (``register``, ``should_save``, ``save``, ``list``, ``restore``, ``wait``).
 
-    Step numbers: the guard counts from 0, torchtitan from 1, so the guard's step ``s`` is
+    ``save`` only notes the step: the trainer calls ``commit()`` once it has stepped the
+    optimizers (or not), and torchtitan writes the checkpoint then. Step numbers: the guard
+    counts from 0, torchtitan from 1, so the guard's step ``s`` is
     torchtitan's ``s + 1`` (its folder ``step-{s + 1}``). ``should_save`` is torchtitan's own
     rule (``interval``, the last step, ``enable_first_step_checkpoint``), so a checkpoint is
     written exactly where torchtitan would write it, by torchtitan. The guard's state, the data
@@ -166,6 +188,8 @@ class TitanCheckpoints:
         self.folder = Path(checkpointer.folder)
         self.alerts: dict[int, list[str]] = {}
         """The guard's step of each checkpoint saved -> the alerts raised in its window."""
+        self.pending: int | None = None
+        """The guard's step of a checkpoint asked for and not yet written (``commit``)."""
         self.register(checkpoints=self)
 
     def register(self, **states: Any) -> None:
@@ -177,7 +201,9 @@ class TitanCheckpoints:
             if name == "scaler":
                 raise ValueError("a loss scaler (fp16) is not supported under torchtitan; use "
                                  "its bf16 mixed precision (training.mixed_precision_param)")
-            self.checkpointer.states[f"spikeguard_{name}"] = JsonState(obj)
+            # the guard's own Stateful also continues its metrics file on a resume
+            stateful = obj.stateful() if name == "guard" else JsonState(obj)
+            self.checkpointer.states[f"spikeguard_{name}"] = stateful
 
     def should_save(self, step: int) -> bool:
         cfg, t = self.config, step + 1
@@ -193,6 +219,15 @@ class TitanCheckpoints:
                              "under torchtitan: its dataloader and step counter would be a "
                              "step ahead of the model; use GuardConfig(read_lag=0)")
         self.alerts[step] = list(alerts)
+        self.pending = step
+
+    def commit(self) -> None:
+        """Write the checkpoint ``save`` asked for, now that the trainer applied (or withheld)
+        the step's update: ``guard.decide()`` saves before it returns, and a checkpoint of step
+        ``s`` must hold the state after update ``s``."""
+        if self.pending is None:
+            return
+        step, self.pending = self.pending, None
         self.checkpointer.save(step + 1, last_step=step + 1 == self.steps)
 
     def list(self) -> list[CheckpointInfo]:

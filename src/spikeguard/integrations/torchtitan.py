@@ -7,10 +7,11 @@ torchtitan's CheckpointManager with its dataloader rewound and the poisoned batc
     config = guarded(llama3_debugmodel(), guard=sg.GuardConfig(tier2="rollback"))
     config.build().train()               # raises TrainingHalted on a halt
 
-``GuardedTrainer`` replaces the end of ``Trainer.train_step``: after ``forward_backward_step``
-the guard measures the global grad norm (FSDP2 shards and pipeline stages from ``model_parts``),
-gates, clips (in place of torchtitan's ``clip_grad_norm_``), and steps the optimizers, or not;
-the LR schedulers step once per applied update. Its ``train()`` is torchtitan's loop with the
+``GuardedTrainer`` replaces the end of ``Trainer.train_step``: after ``forward_backward_step``,
+``guard.decide()`` measures the global grad norm (FSDP2 shards and pipeline stages from
+``model_parts``), gates, clips (in place of torchtitan's ``clip_grad_norm_``), judges, responds
+and records; the trainer calls ``optimizers.step()`` and ``lr_schedulers.step()`` only when it
+says apply. Its ``train()`` is torchtitan's loop with the
 checkpoint saves left to the guard (at torchtitan's own interval, by torchtitan's
 CheckpointManager, the guard's state inside as Statefuls) and the data drawn through a source
 that a rollback rewinds. docs/torchtitan.md has the whole recipe.
@@ -38,7 +39,7 @@ from ..guard import Guard, GuardConfig, TrainingHalted
 from ..prevent.losses import LossOutput, cross_entropy
 from ..sinks import JsonlSink
 from ._common import RecordSink, write_report
-from ._titan import OptimizersView, TitanBatches, TitanCheckpoints
+from ._titan import OptimizersView, TitanBatches, TitanCheckpoints, scaled_lr
 
 __all__ = ["GuardedTrainer", "SpikeguardLoss", "guarded"]
 
@@ -127,9 +128,11 @@ class GuardedTrainer(Trainer):
                                            steps=config.training.steps,
                                            on_restore=self._restored)
         guard_cfg = dataclasses.replace(config.guard, read_lag=0)
-        self.guard = Guard(model, OptimizersView(self.optimizers), config=guard_cfg,
-                           scheduler=self.lr_schedulers, checkpoints=checkpoints,
-                           data=self.batches,
+        self.optimizers_view = OptimizersView(self.optimizers)
+        # no scheduler for the guard: this trainer steps the optimizers and LR schedulers itself,
+        # when guard.decide() says apply
+        self.guard = Guard(model, self.optimizers_view, config=guard_cfg, scheduler=None,
+                           checkpoints=checkpoints, data=self.batches,
                            sinks=[self.guard_records,
                                   JsonlSink(Path(config.dump_folder) / "metrics.jsonl"),
                                   *(sinks or [])],
@@ -190,7 +193,13 @@ class GuardedTrainer(Trainer):
         if step != self.step - 1:
             raise RuntimeError(f"torchtitan's step {self.step} and the guard's {step} are out of "
                                "step; drive the loop with GuardedTrainer.train()")
-        self.guard.step(out, rerun=rerun)
+        decision = self.guard.decide(out, rerun=rerun)
+        if decision.apply:  # else: skipped (no optimizer, no LR step) or rolled back
+            with scaled_lr(self.optimizers_view, decision.lr_factor):
+                self.optimizers.step()
+            self.lr_schedulers.step()
+        if self.guard.checkpoints is not None:  # the save decide() asked for, after the update
+            self.guard.checkpoints.commit()
         record = self.guard_records.last
         if record is not None and record.get("step") == step and \
                 self.metrics_processor.should_log(self.step):
@@ -206,7 +215,9 @@ class GuardedTrainer(Trainer):
         and the loop follows it. On a halt: ``report.json`` in ``dump_folder``, then the
         TrainingHalted propagates (a non-zero exit under torchrun)."""
         config = self.config
-        self._resume(config.checkpoint.load_step)
+        # the newest checkpoint (or load_step), the guard's state with it: the guard's metrics
+        # file continues after its restored records; else torchtitan's initial load
+        self.checkpointer.load(step=config.checkpoint.load_step)
         loaded = self.step
         with config.profiler.build(global_step=self.step,
                                    base_folder=config.dump_folder) as profiler:
@@ -234,21 +245,6 @@ class GuardedTrainer(Trainer):
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # every rank done (torchtitan sleeps 2 s on rank 0)
 
-    def _resume(self, load_step: int) -> None:
-        """The newest checkpoint in the folder (or the one at torchtitan step ``load_step``),
-        the guard's state and metrics file with it; torchtitan's initial load when there is
-        none (a seed checkpoint, HF weights, or a fresh start)."""
-        ck = self.guard.checkpoints
-        if ck is None or not ck.list():
-            self.checkpointer.load(step=load_step)
-            return
-        if load_step <= 0:
-            self.guard.resume()
-            return
-        ck.restore(at_or_before=load_step - 1)
-        self.guard.ledger.resync()
-        if self.guard.sinks is not None:  # the metrics file continues after the restored step
-            self.guard.sinks.resume(self.guard.records)
 
 
 def guarded(config: Any, *, guard: GuardConfig | None = None,
