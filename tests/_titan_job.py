@@ -7,7 +7,8 @@ in one job (torchtitan's import is most of a short job's time):
 - ``outlier``: a corrupt batch at step 10 of 16; the job is stopped before torchtitan's step
   15 (a kill between checkpoints), then a second trainer resumes in the same folder to the end.
   Saves, per rank, the params, AdamW moments and step counts, the LR and the scheduler position
-  around steps 10 and 11, and the steps each rank recorded and skipped.
+  around steps 10 and 11, the steps each rank recorded and skipped, and step 2's mean loss and
+  log Z over both ranks' tokens computed apart from the trainer, in float64.
 - ``rollback``: a clean run of 20 steps, then the same run with corrupt batches at steps 10-15
   (six skips in a row: Tier 2) and ``tier2="rollback"``, replayed at the scheduled LR
   (``rollback_lr_scale=1``: this run's LR decays to 0 by step 20, and a half-LR replay of 12 of
@@ -74,6 +75,7 @@ class Probe(GuardedTrainer):
     guard's step + 1)."""
 
     watch: tuple[int, ...] = ()
+    reference_at: int | None = None
     stop_at: int | None = None
     nan_at: int | None = None
 
@@ -82,6 +84,22 @@ class Probe(GuardedTrainer):
         super().__init__(config, sinks=[self.steps_seen])
         self.snaps: dict[str, Any] = {}
         self.first_step: int | None = None
+
+    def reference(self, input_dict: dict, labels: torch.Tensor) -> dict[str, float]:
+        """The step's mean cross-entropy and mean log Z over every rank's tokens, in float64
+        from torch's own functions (before the step's update: an independent reference)."""
+        seen = self.ntokens_seen
+        inputs, labels, extra = self.post_dataloading_process(dict(input_dict), labels)
+        self.ntokens_seen = seen
+        with torch.no_grad():
+            logits = self.model_parts[0](inputs, **extra).double().flatten(0, 1)
+            labels = labels.flatten()
+            sums = torch.stack([
+                torch.nn.functional.cross_entropy(logits, labels, reduction="sum"),
+                torch.logsumexp(logits, dim=-1).sum(),
+                torch.tensor(float(labels.numel()), dtype=torch.float64)])
+        dist.all_reduce(sums)
+        return {"loss": float(sums[0] / sums[2]), "log_z": float(sums[1] / sums[2])}
 
     def train_step(self, data_iterator: Any) -> None:
         if self.first_step is None:
@@ -96,6 +114,8 @@ class Probe(GuardedTrainer):
             self.snaps[step]["after"] = snapshot(self)
 
     def forward_backward_step(self, **kw: Any) -> torch.Tensor:
+        if self.step == self.reference_at and "reference" not in self.snaps:
+            self.snaps["reference"] = self.reference(kw["input_dict"], kw["labels"])
         loss = super().forward_backward_step(**kw)
         if self.step == self.nan_at and dist.get_rank() == 0:
             p = dict(self.model_parts[0].named_parameters())[NAN_PARAM]
@@ -131,7 +151,7 @@ def held_out_loss(trainer: GuardedTrainer, n: int = 16) -> float:
 def outlier(out: Path) -> None:
     guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(16, arm_after=5, grad_z=0.01))
     first = build(out, 16, guard, poison=(10,))
-    first.watch, first.stop_at = (11, 12), 15
+    first.watch, first.stop_at, first.reference_at = (11, 12), 15, 3
     try:
         first.train()
     except KeyboardInterrupt:

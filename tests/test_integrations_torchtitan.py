@@ -89,6 +89,18 @@ def test_outlier_batch_is_skipped_on_both_ranks_and_nothing_moves(job):
         assert a["sched"] == [s + 1 for s in b["sched"]] and a["lr"] != b["lr"]
 
 
+def test_the_records_loss_and_log_z_are_the_global_token_means(job):
+    _, out, _ = job
+    records = sg.read_metrics(out / "outlier" / "metrics-first.jsonl")
+    # torchtitan's loss is each rank's sum over the global token count; the guard's is the mean
+    # over every token of the step, as float64 torch computes it apart from the trainer
+    for rank in range(WORLD):
+        ref = torch.load(out / "outlier" / f"outlier-rank{rank}.pt",
+                         weights_only=False)["snaps"]["reference"]
+        assert records[2]["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert records[2]["log_z"] == pytest.approx(ref["log_z"], rel=1e-5)
+
+
 def test_resume_continues_the_steps_without_duplicate_records(job):
     _, out, _ = job
     first = sg.read_metrics(out / "outlier" / "metrics-first.jsonl")

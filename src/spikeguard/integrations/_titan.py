@@ -26,14 +26,13 @@ __all__ = ["JsonState", "OptimizersView", "TitanBatches", "TitanCheckpoints", "s
 
 
 class OptimizersView(torch.optim.Optimizer):
-    """torchtitan's ``OptimizersContainer`` as the one optimizer the guard steps.
+    """torchtitan's ``OptimizersContainer`` as the one optimizer the guard is built with.
 
     The container's own ``param_groups`` is a single group without an ``lr`` (it calls
-    ``Optimizer.__init__(all_params, {})``), so the guard would record no LR and could not scale
-    it during a replay; this view's groups are the inner optimizers' own, in order (the first
-    group's LR is the one recorded). ``step()`` steps every inner optimizer; a ``found_inf`` the
-    guard sets for one step (its skip gate, a 0-d tensor) goes to each of them, so fused AdamW
-    leaves params, moments and step counts untouched with no host read.
+    ``Optimizer.__init__(all_params, {})``), so the guard would record no LR, and a replay's LR
+    ramp and a reconfigure's ``lr_scale`` would change nothing; this view's groups are the inner
+    optimizers' own, in order (the first group's LR is the one recorded). ``step()`` steps the
+    container (GuardedTrainer calls the container itself, after ``guard.decide()``).
     """
 
     def __init__(self, container: Any) -> None:
@@ -44,8 +43,6 @@ class OptimizersView(torch.optim.Optimizer):
                              f"'optimizers' list); got a {type(container).__name__}")
         self.container, self.inner = container, inner
         self.defaults = inner[0].defaults
-        self._step_supports_amp_scaling = all(
-            getattr(o, "_step_supports_amp_scaling", False) for o in inner)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -62,15 +59,7 @@ class OptimizersView(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("OptimizersView.step takes no closure (torchtitan's container "
                              "takes none either)")
-        found_inf = getattr(self, "found_inf", None)
-        for o in self.inner:
-            if found_inf is not None:
-                o.found_inf = found_inf
-            try:
-                o.step()
-            finally:
-                if found_inf is not None:
-                    del o.found_inf
+        self.container.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.container.zero_grad(set_to_none=set_to_none)
