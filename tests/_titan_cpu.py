@@ -280,4 +280,5 @@ def debug_config(out: str, *, steps: int, guard: Any, poison: tuple[int, ...] = 
                                               last_save_model_only=False, keep_latest_k=0)
     cfg.optimizer.implementation = "fused"
     cfg.parallelism.spmd_backend = "partial_dtensor"
+    cfg.debug.seed = 0  # the same initial weights in every run (a clean run is a baseline)
     return cfg
