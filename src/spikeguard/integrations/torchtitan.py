@@ -31,7 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 from torchtitan.components.dataloader import DataloaderExhaustedError
-from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
+from torchtitan.components.loss import (
+    IGNORE_INDEX,
+    BaseLoss,
+    ChunkedLossWrapper,
+    CrossEntropyLoss,
+)
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
@@ -256,6 +261,11 @@ def guarded(config: Any, *, guard: GuardConfig | None = None,
     if not isinstance(config, Trainer.Config):
         raise ValueError(f"guarded(config): config must be a torchtitan Trainer.Config, got "
                          f"{type(config).__name__}")
+    known = (CrossEntropyLoss.Config, ChunkedLossWrapper.Config, SpikeguardLoss.Config)
+    if not isinstance(config.loss, known):
+        raise ValueError(f"guarded(config): config.loss is a {type(config.loss).__qualname__}; "
+                         "it replaces torchtitan's cross-entropy (CrossEntropyLoss, "
+                         "ChunkedLossWrapper) with SpikeguardLoss, the same loss with log Z")
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
               if f.init and f.name != "guard"}
     fields["loss"] = loss if loss is not None else SpikeguardLoss.Config()
