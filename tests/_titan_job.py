@@ -2,7 +2,7 @@
 in one job (torchtitan's import is most of a short job's time):
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests._titan_job OUT \
-        outlier rollback nan
+        outlier rollback refusals nan
 
 - ``outlier``: a corrupt batch at step 10 of 16; the job is stopped before torchtitan's step
   15 (a kill between checkpoints), then a second trainer resumes in the same folder to the end.
@@ -15,6 +15,7 @@ in one job (torchtitan's import is most of a short job's time):
   its 20 steps would leave it behind for that reason alone) and without the weights check (a
   re-run per skip, not what this scenario is about); saves both runs' final loss on fixed
   held-out sequences.
+- ``refusals``: the messages of the configurations GuardedTrainer and guarded() refuse.
 - ``nan``: a NaN in one gradient (rank 0's shard of ``layers.1.feed_forward.w2.weight``) at
   step 6: the guard halts, ``report.json`` names the tensor, the job exits non-zero.
 
@@ -186,6 +187,38 @@ def rollback(out: Path) -> None:
         (out / "rollback.json").write_text(json.dumps(result))
 
 
+def refusals(out: Path) -> None:
+    """What GuardedTrainer and guarded() refuse, before torchtitan builds anything."""
+    from torchtitan.components.loss import MSELoss
+
+    from spikeguard.integrations.torchtitan import guarded
+
+    guard = sg.GuardConfig()
+    cases = {
+        "clip": lambda c: setattr(c.training, "max_norm", 0.5),
+        "rollback": lambda c: (setattr(c, "guard", sg.GuardConfig(tier2="rollback")),
+                               setattr(c.checkpoint, "enable", False)),
+        "read_lag": lambda c: setattr(c, "guard", sg.GuardConfig(read_lag=1)),
+        "loss": lambda c: setattr(c, "loss", MSELoss.Config()),
+    }
+    messages = {}
+    for name, change in cases.items():
+        cfg = titan_cpu.debug_config(str(out / name), steps=2, guard=guard)
+        change(cfg)
+        try:
+            GuardedTrainer(cfg)
+        except ValueError as e:
+            messages[name] = str(e)
+    cfg = titan_cpu.debug_config(str(out / "mse"), steps=2, guard=guard)
+    cfg.loss = MSELoss.Config()
+    try:
+        guarded(cfg)
+    except ValueError as e:
+        messages["guarded"] = str(e)
+    if dist.get_rank() == 0:
+        (out / "refusals.json").write_text(json.dumps(messages))
+
+
 def nan(out: Path) -> None:
     guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(8, arm_after=5, grad_z=0.01))
     trainer = build(out, 8, guard)
@@ -205,7 +238,8 @@ def main() -> None:
         for name in sys.argv[2:]:
             folder = out / name
             folder.mkdir(parents=True, exist_ok=True)
-            {"outlier": outlier, "rollback": rollback, "nan": nan}[name](folder)
+            {"outlier": outlier, "rollback": rollback, "refusals": refusals,
+             "nan": nan}[name](folder)
             if dist.get_rank() == 0:
                 (folder / "done").write_text(", ".join(titan_cpu.PATCHES))
             dist.barrier()

@@ -49,11 +49,11 @@ def job(tmp_path_factory):
     env = dict(checkout_env(), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={WORLD}",
-           "-m", "tests._titan_job", str(out), "outlier", "rollback", "nan"]
+           "-m", "tests._titan_job", str(out), "outlier", "rollback", "refusals", "nan"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     (out / "torchrun.log").write_text(log)
-    for name in ("outlier", "rollback"):
+    for name in ("outlier", "rollback", "refusals"):
         assert (out / name / "done").exists(), f"scenario {name} did not finish:\n{log[-4000:]}"
     return proc.returncode, out, log
 
@@ -153,3 +153,14 @@ def test_nan_gradient_halts_naming_the_tensor_with_a_non_zero_exit(job):
     assert records[-1]["tier"] == 3
     assert log.count("TrainingHalted") >= WORLD, log[-3000:]  # on every rank
     assert os.path.getsize(out / "nan" / "report.json") > 0
+
+
+def test_refused_configurations_say_what_to_change(job):
+    _, out, _ = job
+    messages = json.loads((out / "refusals" / "refusals.json").read_text())
+    assert "GuardConfig.clip=1.0 and training.max_norm=0.5" in messages["clip"]
+    assert "set them equal" in messages["clip"]
+    assert "checkpoint.enable=True" in messages["rollback"]
+    assert "read_lag=1" in messages["read_lag"] and "read_lag=None" in messages["read_lag"]
+    assert "MSELoss.Config" in messages["loss"] and "SpikeguardLoss.Config()" in messages["loss"]
+    assert "MSELoss.Config" in messages["guarded"]
