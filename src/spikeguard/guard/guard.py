@@ -43,6 +43,7 @@ from .forensics import HaltReport, TrainingHalted
 from .judge import Judge
 from .ledger import BatchLedger
 from .micro import MicroBatches
+from .misuse import MisuseWatch
 from .recorder import Recorder
 from .responder import Responder
 from .state import GuardState, PartsState
@@ -71,8 +72,7 @@ class Guard:
     run's timeline, such as a fault injector). ``pp_group``/``tp_group`` go to ``grad_stats``.
     """
 
-    step_index: int = 0
-    """The number of the next step (a rollback sets it back; ``start_at`` sets it)."""
+    _step = 0
     last_skipped: bool = False
     """Whether the last resolved step's update was withheld (a skip or a halt); a framework
     that steps the LR scheduler itself holds it then (integrations/)."""
@@ -98,6 +98,7 @@ class Guard:
         self.keep_on_rollback = tuple(keep_on_rollback)
         check_states(cfg, checkpoints, extra_state, self.keep_on_rollback)
         check_data(data)
+        self.watch = MisuseWatch(cfg, data)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.checkpoints, self.data = checkpoints, data
         if not isinstance(precision, PrecisionRuntime):
@@ -133,7 +134,7 @@ class Guard:
             scheduler=scheduler, on_alert=on_alert, reconfigure=reconfigure,
             keep_on_rollback={k: extra[k] for k in self.keep_on_rollback})
         self.state = PartsState(self.detector, self.updater, self.history, self.ledger,
-                                self.attribution, self.responder, self.recorder)
+                                self.attribution, self.responder, self.recorder, self.probes)
         if checkpoints is not None:
             checkpoints.register(model=model, optimizer=optimizer, scheduler=scheduler, data=data,
                                  scaler=ScalerState(self.updater) if precision.scaler else None,
@@ -141,7 +142,7 @@ class Guard:
         self._window_alerts: list[str] = []
         self.micro = MicroBatches(model, precision.device)
         if self.probes is not None:
-            self.probes.start_step(self.step_index)
+            self.probes.start_step(self._step)
 
     # -- the parts' numbers, by their old names ------------------------------------------------
     @property
@@ -171,6 +172,12 @@ class Guard:
     def sinks(self) -> Sinks | None:
         return self.recorder.sinks
 
+    @property
+    def step_index(self) -> int:
+        """The number of the next step: a rollback sets it back, so drive the loop by it."""
+        self.watch.index_read = True  # the loop follows it (guard/misuse.py)
+        return self._step
+
     # -- the step -----------------------------------------------------------------------------
     def autocast(self):
         """The forward pass context of the precision policy (bf16/fp16 autocast, or nothing).
@@ -187,10 +194,11 @@ class Guard:
         self.updater.backward(loss)
 
     def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None,
-                   rerun: Callable[..., Any] | None = None) -> None:
-        """One micro-batch after its backward: ``out`` a LossOutput or a 0-d loss (``step()``
-        takes their mean); ``rerun()`` re-runs its forward and backward (guard/micro.py)."""
-        self.micro.add(out, log_z=log_z, rerun=rerun)
+                   rerun: Callable[..., Any] | None = None) -> torch.Tensor:
+        """One micro-batch: ``out`` a LossOutput or a 0-d loss (``step()`` takes their mean);
+        ``rerun()`` re-runs its forward and backward (guard/micro.py). Returns the loss to
+        backpropagate (``out.loss``, or ``out``): ``(guard.accumulate(out) / k).backward()``."""
+        return self.micro.add(out, log_z=log_z, rerun=rerun)
 
     def step(self, out: Any = None, *, log_z: torch.Tensor | None = None,
              rerun: Callable[[], Any] | None = None,
@@ -204,10 +212,11 @@ class Guard:
         framework's closure), so the weights check never takes it as a later step's reference.
         Raises TrainingHalted on a halt, after the record is written."""
         check_grads(self.params, has_loss=out is not None or bool(self.micro))
+        self.watch.before_step()
         self._ran += 1
         if out is not None:
             self.accumulate(out, log_z=log_z)
-        batches = self.ledger.consume(self.step_index)
+        batches = self.ledger.consume(self._step)
         self._rerun_now = rerun  # read_lag 1: attribution may redo this step's grads (a drop)
         self._reference = reference
         if self.read_lag == 0:
@@ -215,9 +224,9 @@ class Guard:
         verdicts: tuple[Verdict, ...] = ()
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            t = self.step_index
+            t = self._step
             verdicts = (self._resolve(pending),)
-            if self.step_index != t:  # rolled back or reconfigured: this step's grads are stale
+            if self._step != t:  # rolled back or reconfigured: this step's grads are stale
                 self.micro.clear()
                 self.optimizer.zero_grad(set_to_none=True)
                 return verdicts
@@ -227,11 +236,9 @@ class Guard:
     def decide(self, out: Any = None, *, log_z: torch.Tensor | None = None,
                rerun: Callable[..., Any] | None = None, reference: bool = True) -> Decision:
         """``step()`` for a framework that steps the optimizer itself: measure, gate, clip, judge,
-        respond and record this step, then return whether to apply it (``Decision.apply``)
-        without calling the optimizer. The framework then calls ``optimizer.step()`` and its LR
-        scheduler's ``step()`` only when ``apply``. Needs ``read_lag`` 0, no loss scaler (the
-        framework owns its own) and no ``scheduler`` given to the guard. A halt raises
-        TrainingHalted, as ``step()`` does."""
+        respond, record, and return whether to apply the update (``Decision.apply``: then the
+        framework calls ``optimizer.step()`` and its scheduler's ``step()``). Needs read_lag 0,
+        no loss scaler and no ``scheduler`` in the guard. A halt raises TrainingHalted."""
         up = self.updater
         if self.read_lag != 0 or up.precision.scaler is not None or up.scheduler is not None:
             raise ValueError("guard.decide() needs GuardConfig(read_lag=0), no fp16 loss scaler "
@@ -240,13 +247,12 @@ class Guard:
         up.defer = True
         try:
             (verdict,) = self.step(out, log_z=log_z, rerun=rerun, reference=reference)
-            if up.deferred_grads is not None:  # an applied re-run without quarantined rows
-                for param, grad in zip(self.params, up.deferred_grads):
-                    param.grad = grad
+            for param, grad in zip(self.params, up.deferred_grads or ()):  # a drop's re-run
+                param.grad = grad
         finally:
             up.defer, up.deferred_grads = False, None
         action = self.last_action
-        apply = up.deferred and action is not Action.ROLLBACK and self.step_index == verdict.step + 1
+        apply = up.deferred and action is not Action.ROLLBACK and self._step == verdict.step + 1
         return Decision(apply=apply, step=verdict.step, action=action, verdict=verdict,
                         lr_factor=up._factor)
 
@@ -268,7 +274,7 @@ class Guard:
 
     def _device_step(self, batches: tuple[int, int] | None,
                      rerun: Callable[[], Any] | None) -> Pending:
-        t = self.step_index
+        t = self._step
         batch = self.micro.take(rerun)
         factor = self.updater.lr_factor(t)
         lr = self.updater.current_lr()  # before the update: the rate it used
@@ -285,9 +291,9 @@ class Guard:
         if not keep_grads:
             self.optimizer.zero_grad(set_to_none=True)
         data_state = self.ledger.snapshot() if self.read_lag else None
-        self.step_index = t + 1
+        self._step = t + 1
         if self.probes is not None:
-            self.probes.start_step(self.step_index)
+            self.probes.start_step(self._step)
         return Pending(t, Readback([vec]), lr, batches, data_state, batch.rerun, probes,
                        stats if keep_grads else None,
                        None if keep_grads else stats.finite_pieces(), batch.rows,
@@ -296,6 +302,7 @@ class Guard:
     # -- the host side ------------------------------------------------------------------------
     def _resolve(self, p: Pending) -> Verdict:
         m, verdict, extras, skipped = self.judge.judge(p)
+        self.watch.judged(m.grad_norm)
         self.last_skipped = skipped
         self.updater.commit(skipped)
         check = extras.get("weights_check")
@@ -333,6 +340,8 @@ class Guard:
         if (verdict.tier >= 1 and action not in (Action.SKIP, Action.DROP)) or action is Action.ALERT:
             self._window_alerts.append(f"{p.step}: {'; '.join(verdict.reasons)}")
         self.last_action = action
+        if self._step <= p.step:  # rolled back or resumed reconfigured: the loop must follow
+            self.watch.rolled_back(p.step, self._step)
         self.recorder.log(m, verdict, action, extras)
         if action not in (Action.ROLLBACK, Action.HALT):
             self._maybe_save(p)
@@ -361,29 +370,19 @@ class Guard:
         """The guard's state came back (``resume``, or another checkpointer's restore through
         ``stateful()``): measure the data from where it stands; before any step in this process
         the metrics file also continues after the restored records (no step written twice)."""
-        self.ledger.resync()
-        if self.probes is not None:
-            self.probes.start_step(self.step_index)
-        if self.recorder.sinks is not None and self._ran == 0:
-            self.recorder.sinks.resume(self.records)
+        self.state.continue_at(self._step, records=self.records if self._ran == 0 else None)
 
     def start_at(self, step: int) -> None:
         """Number the next step ``step``: the framework resumed at its own step ``step`` without
         the guard's state (with it, the state carries the number). Records of step ``step`` and
         later already in the metrics file are dropped: those steps run again. Call it before
         the guard's first step."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"guard.start_at(step={step!r}): step must be an int >= 0, the "
-                             "framework's step count at its resume")
-        if self._ran:
-            raise ValueError(f"guard.start_at({step}) after {self._ran} steps in this process; "
-                             "call it once, right after the framework's resume, before training")
-        self.step_index = step
-        self.ledger.resync()
-        if self.probes is not None:
-            self.probes.start_step(step)
-        if self.recorder.sinks is not None:
-            self.recorder.sinks.resume_at_step(step)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or self._ran:
+            raise ValueError(f"guard.start_at(step={step!r}) after {self._ran} steps in this "
+                             "process: call it once, before training, with an int >= 0 (the "
+                             "framework's step count at its resume)")
+        self._step = step
+        self.state.continue_at(step, at_step=True)
 
     def stateful(self) -> GuardState:
         """The guard's state as a torch.distributed.checkpoint Stateful, for a checkpointer
@@ -392,8 +391,8 @@ class Guard:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready: detector, device statistics, counters, recent batch ranges (syncs)."""
-        return self.state.state_dict(self.step_index)
+        return self.state.state_dict(self._step)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step_index = self.state.load_state_dict(state)
+        self._step = self.state.load_state_dict(state)
         self._window_alerts.clear()

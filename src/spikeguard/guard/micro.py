@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adapter import GuardMisuseWarning
 from .checks import check_loss
 
 __all__ = ["MicroBatches", "StepBatch"]
@@ -74,6 +76,7 @@ class MicroBatches:
         self._rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.rerunning = False
         """True inside a re-run: its forwards are not new micro-batches."""
+        self._warned_reduction = False
 
     def __len__(self) -> int:
         return len(self._items)
@@ -92,12 +95,14 @@ class MicroBatches:
             self._rng = _rng_state(self.device)
 
     def add(self, out: Any, *, log_z: torch.Tensor | None = None,
-            rerun: Callable[..., Any] | None = None) -> None:
-        """One micro-batch after its backward: ``out`` a LossOutput (its ``ce`` and ``log_z``)
-        or a 0-d loss; ``rerun`` re-runs its forward and backward."""
+            rerun: Callable[..., Any] | None = None) -> torch.Tensor:
+        """One micro-batch (after its backward, or before: only detached values are kept):
+        ``out`` a LossOutput (its ``ce`` and ``log_z``) or a 0-d loss; ``rerun`` re-runs its
+        forward and backward. Returns the differentiable loss (``out.loss``, or ``out``)."""
         seq = getattr(out, "sequences", None)
         if hasattr(out, "ce") and hasattr(out, "log_z"):
             loss, log_z = out.ce, out.log_z if log_z is None else log_z
+            self._check_reduction(getattr(out, "reduction", "mean"))
         else:
             loss = out
         check_loss(loss, self.device)
@@ -106,6 +111,19 @@ class MicroBatches:
              else log_z.detach().float().reshape(()).to(loss.device))
         self._items.append((loss, z, seq, rerun, self._rng))
         self._rng = None
+        return out.loss if hasattr(out, "ce") and hasattr(out, "log_z") else out
+
+    def _check_reduction(self, reduction: str) -> None:
+        if reduction in ("mean", "none") or self._warned_reduction:  # "none": check_loss refuses
+            return
+        self._warned_reduction = True
+        warnings.warn(f"the guard got a LossOutput with reduction {reduction!r}: its ce is a "
+                      "sum, or a share of a mean over more tokens than this micro-batch's, but "
+                      "the guard averages micro-batches and ranks, so it needs each "
+                      "micro-batch's own mean; keep backpropagating out.loss and pass the "
+                      "means: guard.accumulate(out.ce / n, log_z=out.log_z) for 'sum' (n: this "
+                      "micro-batch's counted tokens), guard.accumulate(out.ce * k / n, log_z="
+                      "out.log_z * k / n) for a normalizer k", GuardMisuseWarning, stacklevel=4)
 
     def redo(self, closure: Callable[..., Any]) -> None:
         """Replace this step's micro-batches by a re-run of ``closure`` (read_lag 1, after an

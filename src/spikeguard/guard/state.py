@@ -28,6 +28,23 @@ class PartsState:
     attribution: Any
     responder: Any
     recorder: Any
+    probes: Any
+
+    def continue_at(self, step: int, *, records: int | None = None,
+                    at_step: bool = False) -> None:
+        """The guard continues at ``step`` after a restore or a framework's resume: the data is
+        measured from where it stands, the probes count from ``step``; the metrics file keeps
+        its first ``records`` records, or (``at_step``) those before the first of step ``step``
+        or later (no step written twice). ``records=None`` without ``at_step`` keeps them all
+        (a rollback: the records stay in run order)."""
+        self.ledger.resync()
+        if self.probes is not None:
+            self.probes.start_step(step)
+        sinks = self.recorder.sinks
+        if sinks is not None and at_step:
+            sinks.resume_at_step(step)
+        elif sinks is not None and records is not None:
+            sinks.resume(records)
 
     def state_dict(self, step_index: int) -> dict[str, Any]:
         """JSON-ready: detector, device statistics, counters, recent batch ranges (syncs)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from ..detect.gradnorm import GradStats, grad_stats
 from ..detect.precision import PrecisionRuntime
 from ..detector.gate import DeviceGate
 from ..readback import Readback
+from .adapter import GuardMisuseWarning
 
 __all__ = ["Pending", "RerunUpdate", "ScalerState", "Updater", "apply_update", "gated_step",
            "loss_of"]
@@ -172,6 +174,7 @@ class Updater:
         self.lr_ramp: tuple[int, int, float] | None = None
         """(first step, last step, scale) of a replay after a rollback: the LR of step s in
         that stretch is multiplied by scale + (1 - scale) (s - first) / (last - first + 1)."""
+        self._warned_lr = False
         self.release_next = False
         """Withhold only non-finite steps from the next step on (read_lag 1, after the weights
         check found the weights at fault: the step it judged has lost its gradients already)."""
@@ -250,9 +253,22 @@ class Updater:
             self.scheduler.step()
 
     def current_lr(self) -> float | None:
+        """The first param group's LR (a number, or a 0-d CPU tensor: no device read); None,
+        with a GuardMisuseWarning once, when there is none (the record's ``lr`` is then null)."""
         groups = self.optimizer.param_groups
         lr = groups[0].get("lr") if groups else None
-        return float(lr) if isinstance(lr, (int, float)) else None
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device.type == "cpu":
+            lr = lr.item()
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            return float(lr)
+        if not self._warned_lr:
+            self._warned_lr = True
+            found = "no param groups" if not groups else f"param_groups[0]['lr'] = {lr!r}"
+            warnings.warn(f"the guard cannot read the learning rate ({type(self.optimizer).__name__}"
+                          f" has {found}), so the records' lr is null; give the guard the "
+                          "optimizer whose param_groups carry a float 'lr' (the inner one of a "
+                          "container)", GuardMisuseWarning, stacklevel=4)
+        return None
 
     def measure_rerun(self, out: Any, *, unscale: bool = False,
                       weight: float = 1.0) -> tuple[float, float, float, GradStats]:

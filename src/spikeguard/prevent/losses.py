@@ -87,12 +87,19 @@ class LossOutput(_LossTuple):
     four values above, as it always has."""
 
     sequences: SequenceStats | None = None
+    reduction: str = "mean"
+    """How ``ce`` was reduced: "mean" (over this call's counted tokens), "sum", "normalized"
+    (a sum over a ``normalizer``: a share of a larger mean) or "none". The guard takes each
+    micro-batch's own mean and warns about the others."""
 
     def __new__(cls, loss: torch.Tensor, ce: torch.Tensor, z_loss: torch.Tensor,
-                log_z: torch.Tensor, sequences: SequenceStats | None = None) -> LossOutput:
+                log_z: torch.Tensor, sequences: SequenceStats | None = None, *,
+                reduction: str = "mean") -> LossOutput:
         self = super().__new__(cls, loss, ce, z_loss, log_z)
         if sequences is not None:
             self.sequences = sequences
+        if reduction != "mean":
+            self.reduction = reduction
         return self
 
 
@@ -249,16 +256,16 @@ def cross_entropy(
     seq = _sequences(ce_t, lse_t, mask, lead) if per_sequence else None
     if reduction == "none":
         return LossOutput(loss_t.view(lead), ce_t.view(lead), (alpha * lse_t.square()).view(lead),
-                          lse_t.view(lead), seq)
+                          lse_t.view(lead), seq, reduction="none")
     total = loss_t.sum()
     ce, z = ce_t.sum(), alpha * lse_t.square().sum()
     inv_n = 1.0 / mask.sum().clamp(min=1).to(total.dtype)
     log_z = lse_t.sum() * inv_n
     if reduction == "sum":
-        return LossOutput(total, ce, z, log_z, seq)
+        return LossOutput(total, ce, z, log_z, seq, reduction="sum")
     if inv_norm is not None:
         return LossOutput(total * inv_norm, ce * inv_norm, z * inv_norm, lse_t.sum() * inv_norm,
-                          seq)
+                          seq, reduction="normalized")
     return LossOutput(total * inv_n, ce * inv_n, z * inv_n, log_z, seq)
 
 
@@ -335,7 +342,9 @@ def linear_cross_entropy(
                                                                cap, rows)
         return LossOutput(loss_t.view(lead), ce_t.view(lead), (alpha * lse_t.square()).view(lead),
                           lse_t.view(lead),
-                          _sequences(ce_t, lse_t, mask, lead) if per_sequence else None)
+                          _sequences(ce_t, lse_t, mask, lead) if per_sequence else None,
+                          reduction="none")
+    kind = "sum" if reduction == "sum" else "mean" if inv_norm is None else "normalized"
     if reduction == "sum":
         inv_norm = 1.0
     if inv_norm is None:  # the default: the mean over this call's counted tokens
@@ -346,7 +355,8 @@ def linear_cross_entropy(
                                          torch.is_grad_enabled(), inv_norm, reduction == "sum")
     loss, ce, z_term, log_z, ce_m, lse_m = out
     return LossOutput(loss, ce, z_term, log_z,
-                      _sequences(ce_m, lse_m, mask, lead) if per_sequence else None)
+                      _sequences(ce_m, lse_m, mask, lead) if per_sequence else None,
+                      reduction=kind)
 
 
 def router_z_loss(router_logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

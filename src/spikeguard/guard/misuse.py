@@ -1,0 +1,112 @@
+"""Warnings for a loop that uses the guard in a way that silently defeats it.
+
+Each is a ``GuardMisuseWarning`` with the numbers behind it and the fix, issued once per guard:
+
+- **a foreign GradScaler**: the loop still calls ``scaler.scale(loss).backward()`` with its own
+  ``torch.amp.GradScaler``, so the gradients the guard measures are multiplied by the scale
+  (65,536 at the start) and every norm and threshold is off by that factor. A large norm alone
+  cannot tell a scaled gradient from a real spike, so the norm only triggers the check: on the
+  first step whose norm is above ``_SUSPECT_NORM`` (or not finite) the guard looks once for a
+  live, enabled GradScaler that no spikeguard precision runtime owns whose scale is set (it has scaled a loss). That
+  is reliable (the scaler says so itself) and costs one walk of the live objects, once.
+- **a rollback without data=**: ``tier2="rollback"`` with no data source cannot leave the bad
+  batches out, so the replay draws them again (or the same random ones).
+- **a loop that does not follow step_index**: after a rollback the guard's ``step_index`` went
+  back; a loop that counts its own iterations never replays those steps and ends early (and an
+  LR schedule by iteration runs ahead). The guard notes whether ``step_index`` was read between
+  the rollback and the next step.
+
+The other two live where the value is read: an LR the guard cannot find (``step.Updater``,
+recorded as None) and a micro-batch loss whose reduction is not the micro-batch's own mean
+(``micro.MicroBatches``).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from ..detect.precision import PrecisionRuntime
+from .adapter import GuardMisuseWarning
+
+__all__ = ["MisuseWatch", "foreign_scaler"]
+
+_SUSPECT_NORM = 1e3
+"""A global gradient norm above this (unclipped) makes the guard look for a foreign GradScaler:
+unscaled gradients of a model at a sane LR are orders of magnitude below it, scaled ones (x 2^16
+at the start) are above it."""
+
+
+def foreign_scaler() -> torch.amp.GradScaler | None:
+    """A live, enabled ``torch.amp.GradScaler`` that no spikeguard precision runtime owns and
+    that has scaled a loss (its scale is set), or None. Walks the live objects once (tens of
+    milliseconds to a few tenths of a second in a large process)."""
+    scalers, owned = [], set()
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: that reads __class__, which some proxies warn about
+        if issubclass(kind, torch.amp.GradScaler):
+            scalers.append(obj)
+        elif issubclass(kind, PrecisionRuntime) and obj.scaler is not None:
+            owned.add(id(obj.scaler))
+    for s in scalers:
+        if id(s) not in owned and s.is_enabled() and getattr(s, "_scale", None) is not None:
+            return s
+    return None
+
+
+class MisuseWatch:
+    """The guard's once-only misuse warnings (module docstring), built with the config and the
+    data source."""
+
+    def __init__(self, config: Any, data: Any) -> None:
+        self.index_read = True
+        """Whether the loop read ``guard.step_index`` since the last rollback."""
+        self._rollback: tuple[int, int] | None = None
+        self._scanned = False
+        if config.tier2 == "rollback" and data is None and config.respond:
+            warnings.warn("GuardConfig(tier2='rollback') without Guard(data=...): a rollback "
+                          "restores the checkpoint but cannot leave the anomaly's batches out, so "
+                          "the replay draws them (or the same random ones) again; pass the data "
+                          "source (a TokenStream, or anything with position, skip, state_dict "
+                          "and load_state_dict: spikeguard.DataSource)", GuardMisuseWarning,
+                          stacklevel=3)
+
+    def rolled_back(self, detected: int, restored: int) -> None:
+        """A rollback at step ``detected`` set the guard back to step ``restored``."""
+        self._rollback = (detected, restored)
+        self.index_read = False
+
+    def before_step(self) -> None:
+        """A new step starts: after a rollback, the loop should have read ``step_index``."""
+        if self._rollback is None:
+            return
+        (detected, restored), self._rollback = self._rollback, None
+        if not self.index_read:
+            warnings.warn(f"the guard rolled back at step {detected} to step {restored}, but the "
+                          "loop has not read guard.step_index since: a loop that counts its own "
+                          f"iterations skips the {detected + 1 - restored} replayed steps and "
+                          "ends early, and an LR schedule by iteration runs ahead; drive the "
+                          "loop by the guard (while guard.step_index < max_steps: ...)",
+                          GuardMisuseWarning, stacklevel=3)
+
+    def judged(self, grad_norm: float) -> None:
+        """A step's norm reached the host: a suspect one makes the guard look, once, for a
+        foreign GradScaler."""
+        if self._scanned or (math.isfinite(grad_norm) and grad_norm <= _SUSPECT_NORM):
+            return
+        self._scanned = True
+        scaler = foreign_scaler()
+        if scaler is None:
+            return
+        scale = float(scaler.get_scale())
+        warnings.warn(f"a torch.amp.GradScaler other than the guard's has scaled a loss (scale "
+                      f"{scale:g}), and the gradient norm the guard measured is {grad_norm:g}: "
+                      "the gradients are still scaled, so every norm, threshold and clip is off "
+                      f"by about {scale:g}x. Drop scaler.scale(loss).backward() and scaler.step(): "
+                      "give the guard the policy instead (Guard(precision=sg.PrecisionPolicy("
+                      "kind='fp16-mixed')) and guard.backward(loss)), or train in bf16",
+                      GuardMisuseWarning, stacklevel=4)
