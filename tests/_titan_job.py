@@ -9,7 +9,7 @@ in one job (torchtitan's import is most of a short job's time):
   Saves, per rank, the params, AdamW moments and step counts, the LR and the scheduler position
   around steps 10 and 11, the steps each rank recorded and skipped, and step 2's mean loss and
   log Z over both ranks' tokens computed apart from the trainer, in float64.
-- ``rollback``: a clean run of 20 steps, then the same run with corrupt batches at steps 10-15
+- ``rollback``: a clean run of 20 steps (through examples/torchtitan_train.py), then the same run with corrupt batches at steps 10-15
   (six skips in a row: Tier 2) and ``tier2="rollback"``, replayed at the scheduled LR
   (``rollback_lr_scale=1``: this run's LR decays to 0 by step 20, and a half-LR replay of 12 of
   its 20 steps would leave it behind for that reason alone) and without the weights check (a
@@ -172,10 +172,13 @@ def outlier(out: Path) -> None:
 def rollback(out: Path) -> None:
     steps = 20
     detector = sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01)
-    clean = build(out / "clean", steps, sg.GuardConfig(detector=detector))
-    clean.train()
+    # the clean run through examples/torchtitan_train.py (torchtitan's train.py shape)
+    from examples import torchtitan_train
+
+    cfg = titan_cpu.debug_config(str(out / "clean"), steps=steps,
+                                 guard=sg.GuardConfig(detector=detector))
+    clean = torchtitan_train.main(cfg, guard=cfg.guard)
     clean_loss = held_out_loss(clean)
-    clean.close()
     guard = sg.GuardConfig(detector=detector, tier2="rollback", rollback_lr_scale=1.0,
                            weights_check=False)
     rolled = build(out / "rollback", steps, guard, poison=tuple(range(10, 16)))

@@ -256,8 +256,9 @@ def guarded(config: Any, *, guard: GuardConfig | None = None,
             loss: SpikeguardLoss.Config | None = None) -> GuardedTrainer.Config:
     """A torchtitan ``Trainer.Config`` (a model's registry entry, say) as the
     ``GuardedTrainer.Config`` with the same fields, ``guard`` (a GuardConfig, default
-    GuardConfig()) and ``loss`` (SpikeguardLoss.Config(), default: z-loss 1e-4) in place of
-    torchtitan's cross-entropy. The fields are shared, not copied."""
+    GuardConfig()) and ``loss`` (default: the SpikeguardLoss.Config already there, else
+    SpikeguardLoss.Config(), z-loss 1e-4) in place of torchtitan's cross-entropy. The fields
+    are shared, not copied."""
     if not isinstance(config, Trainer.Config):
         raise ValueError(f"guarded(config): config must be a torchtitan Trainer.Config, got "
                          f"{type(config).__name__}")
@@ -268,7 +269,10 @@ def guarded(config: Any, *, guard: GuardConfig | None = None,
                          "ChunkedLossWrapper) with SpikeguardLoss, the same loss with log Z")
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
               if f.init and f.name != "guard"}
-    fields["loss"] = loss if loss is not None else SpikeguardLoss.Config()
+    if loss is None:  # a SpikeguardLoss already there stays
+        loss = config.loss if isinstance(config.loss, SpikeguardLoss.Config) else \
+            SpikeguardLoss.Config()
+    fields["loss"] = loss
     return GuardedTrainer.Config(**fields, guard=guard if guard is not None else GuardConfig())
 
 
