@@ -246,6 +246,7 @@ class TitanCheckpoints:
             raise CheckpointError(f"no checkpoint at or before step {at_or_before} in "
                                   f"{self.folder}")
         info = infos[-1]
+        self.checkpointer.maybe_wait_for_saving()  # an async save still in flight finishes first
         self.checkpointer.load(step=info.step + 1)
         if self.on_restore is not None:
             self.on_restore(info.step)

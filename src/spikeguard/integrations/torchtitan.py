@@ -149,25 +149,28 @@ class GuardedTrainer(Trainer):
 
     def _draw(self, data_iterator: Any) -> tuple[list[list[tuple[dict, torch.Tensor]]],
                                                  torch.Tensor]:
-        """The step's micro-batches, grouped per forward-backward call, and this rank's count
-        of valid tokens (as torchtitan's train_step draws them)."""
+        """The step's micro-batches (on the CPU, as the dataloader gave them), grouped per
+        forward-backward call, and this rank's count of valid tokens (as torchtitan's train_step
+        draws them)."""
         groups, local = [], torch.tensor(0, dtype=torch.int64)
         for _ in range(self.gradient_accumulation_steps):
             group = []
             for _ in range(self.num_pipeline_parallel_microbatches):
                 input_dict, labels = next(data_iterator)
                 local += (labels != IGNORE_INDEX).sum()
-                input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                              for k, v in input_dict.items()}
-                group.append((input_dict, labels.to(self.device)))
+                group.append((input_dict, labels))
             groups.append(group)
         return groups, local
 
     def _forward_backward(self, groups: list, global_tokens: torch.Tensor) -> LossOutput:
-        """Every micro-batch group through ``forward_backward_step``; the step's cross-entropy
-        and log Z (this rank's share, scaled for the guard's mean over data ranks)."""
-        for group in groups:
-            pp = self.parallel_dims.pp_enabled
+        """Every micro-batch group through ``forward_backward_step``, each moved to the device
+        only for its own call (torchtitan's habit: a re-run closure keeps CPU copies); the
+        step's cross-entropy and log Z (this rank's share, scaled for the guard's mean over data
+        ranks)."""
+        pp = self.parallel_dims.pp_enabled
+        for cpu_group in groups:
+            group = [({k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                       for k, v in d.items()}, y.to(self.device)) for d, y in cpu_group]
             self.forward_backward_step(
                 input_dict=[d for d, _ in group] if pp else group[0][0],
                 labels=[y for _, y in group] if pp else group[0][1],
