@@ -252,11 +252,13 @@ class CorpusLoader(ParallelAwareDataloader):
 
 
 def debug_config(out: str, *, steps: int, guard: Any, poison: tuple[int, ...] = (),
-                 interval: int = 4, layers: int = 2, seq_len: int = 32, batch: int = 2) -> Any:
+                 interval: int = 4, layers: int = 2, seq_len: int = 32, batch: int = 2,
+                 accumulate: int = 1) -> Any:
     """torchtitan's llama3 debug model config (its own registry entry: dim 256, vocab 2,048,
     FlexAttention, AdamW, warmup + linear decay) made small for CPU: ``layers`` of its 6 layers,
     fp32 (FSDP2's bf16 parameters are slow on CPU), no activation checkpointing, no CUDA
-    graphs, no validation; the byte data above, checkpoints every ``interval`` steps in
+    graphs, no validation; ``accumulate`` micro-batches a step (torchtitan's gradient
+    accumulation); the byte data above, checkpoints every ``interval`` steps in
     ``out``; the guard's loss; FSDP2 over all ranks (torchtitan's default dp_shard=-1)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -268,7 +270,11 @@ def debug_config(out: str, *, steps: int, guard: Any, poison: tuple[int, ...] = 
     cfg = guarded(base, guard=guard)
     cfg.tokenizer = ByteTokenizer.Config()
     cfg.dataloader = CorpusLoader.Config(poison=tuple(poison))
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
     cfg.training = TrainingConfig(local_batch_size=batch, seq_len=seq_len, steps=steps,
+                                  global_batch_size=batch * world * accumulate,
                                   disable_cuda_graphs=True, mixed_precision_param="float32",
                                   max_norm=guard.clip)
     cfg.lr_scheduler.warmup_steps = 2

@@ -7,8 +7,7 @@ in one job (torchtitan's import is most of a short job's time):
 - ``outlier``: a corrupt batch at step 10 of 16; the job is stopped before torchtitan's step
   15 (a kill between checkpoints), then a second trainer resumes in the same folder to the end.
   Saves, per rank, the params, AdamW moments and step counts, the LR and the scheduler position
-  around steps 10 and 11, the steps each rank recorded and skipped, and step 2's mean loss and
-  log Z over both ranks' tokens computed apart from the trainer, in float64.
+  around steps 10 and 11, and the steps each rank recorded and skipped.
 - ``rollback``: a clean run of 20 steps (through examples/torchtitan_train.py), then the same run with corrupt batches at steps 10-15
   (six skips in a row: Tier 2) and ``tier2="rollback"``, replayed at the scheduled LR
   (``rollback_lr_scale=1``: this run's LR decays to 0 by step 20, and a half-LR replay of 12 of
@@ -16,8 +15,10 @@ in one job (torchtitan's import is most of a short job's time):
   re-run per skip, not what this scenario is about); saves both runs' final loss on fixed
   held-out sequences.
 - ``refusals``: the messages of the configurations GuardedTrainer and guarded() refuse.
-- ``nan``: a NaN in one gradient (rank 0's shard of ``layers.1.feed_forward.w2.weight``) at
-  step 6: the guard halts, ``report.json`` names the tensor, the job exits non-zero.
+- ``nan``: two micro-batches per step (gradient accumulation); step 2's sums of cross-entropy
+  and log Z per micro-batch and rank, computed apart from the trainer in float64; a NaN in one
+  gradient (rank 0's shard of ``layers.1.feed_forward.w2.weight``) at step 6: the guard halts,
+  ``report.json`` names the tensor, the job exits non-zero.
 
 Every scenario holds the grad rule at the flat 3x median (``grad_z`` near 0), as the HF and
 Lightning tests do: these test the framework's skip, rollback and halt, not the bar. The tests
@@ -85,9 +86,10 @@ class Probe(GuardedTrainer):
         super().__init__(config, sinks=[self.steps_seen])
         self.snaps: dict[str, Any] = {}
         self.first_step: int | None = None
+        self.out = Path(config.dump_folder)
 
-    def reference(self, input_dict: dict, labels: torch.Tensor) -> dict[str, float]:
-        """The step's mean cross-entropy and mean log Z over every rank's tokens, in float64
+    def reference(self, input_dict: dict, labels: torch.Tensor) -> list[float]:
+        """This micro-batch's sums of cross-entropy and log Z and its token count, in float64
         from torch's own functions (before the step's update: an independent reference)."""
         seen = self.ntokens_seen
         inputs, labels, extra = self.post_dataloading_process(dict(input_dict), labels)
@@ -95,12 +97,8 @@ class Probe(GuardedTrainer):
         with torch.no_grad():
             logits = self.model_parts[0](inputs, **extra).double().flatten(0, 1)
             labels = labels.flatten()
-            sums = torch.stack([
-                torch.nn.functional.cross_entropy(logits, labels, reduction="sum"),
-                torch.logsumexp(logits, dim=-1).sum(),
-                torch.tensor(float(labels.numel()), dtype=torch.float64)])
-        dist.all_reduce(sums)
-        return {"loss": float(sums[0] / sums[2]), "log_z": float(sums[1] / sums[2])}
+            return [float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum")),
+                    float(torch.logsumexp(logits, dim=-1).sum()), float(labels.numel())]
 
     def train_step(self, data_iterator: Any) -> None:
         if self.first_step is None:
@@ -115,8 +113,10 @@ class Probe(GuardedTrainer):
             self.snaps[step]["after"] = snapshot(self)
 
     def forward_backward_step(self, **kw: Any) -> torch.Tensor:
-        if self.step == self.reference_at and "reference" not in self.snaps:
-            self.snaps["reference"] = self.reference(kw["input_dict"], kw["labels"])
+        if self.step == self.reference_at:  # every micro-batch of the step, on this rank
+            sums = self.snaps.setdefault("reference", [])
+            sums.append(self.reference(kw["input_dict"], kw["labels"]))
+            (self.out / f"reference-rank{dist.get_rank()}.json").write_text(json.dumps(sums))
         loss = super().forward_backward_step(**kw)
         if self.step == self.nan_at and dist.get_rank() == 0:
             p = dict(self.model_parts[0].named_parameters())[NAN_PARAM]
@@ -152,7 +152,7 @@ def held_out_loss(trainer: GuardedTrainer, n: int = 16) -> float:
 def outlier(out: Path) -> None:
     guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(16, arm_after=5, grad_z=0.01))
     first = build(out, 16, guard, poison=(10,))
-    first.watch, first.stop_at, first.reference_at = (11, 12), 15, 3
+    first.watch, first.stop_at = (11, 12), 15
     try:
         first.train()
     except KeyboardInterrupt:
@@ -224,8 +224,8 @@ def refusals(out: Path) -> None:
 
 def nan(out: Path) -> None:
     guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(8, arm_after=5, grad_z=0.01))
-    trainer = build(out, 8, guard)
-    trainer.nan_at = 7
+    trainer = build(out, 8, guard, accumulate=2)
+    trainer.nan_at, trainer.reference_at = 7, 3
     try:
         trainer.train()
     finally:
