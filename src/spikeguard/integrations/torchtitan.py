@@ -2,19 +2,20 @@
 step and no LR scheduler step, a NaN halts naming the tensor, a Tier 2 rolls back through
 torchtitan's CheckpointManager with its dataloader rewound and the poisoned batches left out.
 
-    from spikeguard.integrations.torchtitan import GuardedTrainer, SpikeguardLoss
+    from spikeguard.integrations.torchtitan import guarded
 
     config = guarded(llama3_debugmodel(), guard=sg.GuardConfig(tier2="rollback"))
-    config.build().train()               # raises TrainingHalted on a halt
+    trainer = config.build()             # a GuardedTrainer
+    trainer.train()                      # raises TrainingHalted on a halt
 
 ``GuardedTrainer`` replaces the end of ``Trainer.train_step``: after ``forward_backward_step``,
 ``guard.decide()`` measures the global grad norm (FSDP2 shards and pipeline stages from
 ``model_parts``), gates, clips (in place of torchtitan's ``clip_grad_norm_``), judges, responds
 and records; the trainer calls ``optimizers.step()`` and ``lr_schedulers.step()`` only when it
-says apply. Its ``train()`` is torchtitan's loop with the
-checkpoint saves left to the guard (at torchtitan's own interval, by torchtitan's
-CheckpointManager, the guard's state inside as Statefuls) and the data drawn through a source
-that a rollback rewinds. docs/torchtitan.md has the whole recipe.
+says apply. Its ``train()`` is torchtitan's loop with the checkpoint saves left to the guard (at
+torchtitan's own interval, by torchtitan's CheckpointManager, the guard's state inside as
+Statefuls) and the data drawn through a source that a rollback rewinds. docs/torchtitan.md has
+the whole recipe; examples/torchtitan_train.py is torchtitan's train.py with it.
 
 torchtitan is imported with this module (its classes are subclassed here), not with
 ``spikeguard``.
@@ -252,7 +253,6 @@ class GuardedTrainer(Trainer):
                 self.guard.close()
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # every rank done (torchtitan sleeps 2 s on rank 0)
-
 
 
 def guarded(config: Any, *, guard: GuardConfig | None = None,
