@@ -253,12 +253,13 @@ class CorpusLoader(ParallelAwareDataloader):
 
 def debug_config(out: str, *, steps: int, guard: Any, poison: tuple[int, ...] = (),
                  interval: int = 4, layers: int = 2, seq_len: int = 32, batch: int = 2,
-                 accumulate: int = 1) -> Any:
+                 accumulate: int = 1, two_optimizers: bool = False) -> Any:
     """torchtitan's llama3 debug model config (its own registry entry: dim 256, vocab 2,048,
     FlexAttention, AdamW, warmup + linear decay) made small for CPU: ``layers`` of its 6 layers,
     fp32 (FSDP2's bf16 parameters are slow on CPU), no activation checkpointing, no CUDA
     graphs, no validation; ``accumulate`` micro-batches a step (torchtitan's gradient
-    accumulation); the byte data above, checkpoints every ``interval`` steps in
+    accumulation); ``two_optimizers``: the norms' params on an Adam of their own (half the LR),
+    the rest on the debug model's AdamW; the byte data above, checkpoints every ``interval`` steps in
     ``out``; the guard's loss; FSDP2 over all ranks (torchtitan's default dp_shard=-1)."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -285,6 +286,13 @@ def debug_config(out: str, *, steps: int, guard: Any, poison: tuple[int, ...] = 
     cfg.checkpoint = CheckpointManager.Config(enable=True, interval=interval,
                                               last_save_model_only=False, keep_latest_k=0)
     cfg.optimizer.implementation = "fused"
+    if two_optimizers:  # torchtitan's param groups: the norms on their own optimizer and LR
+        from torchtitan.components.optimizer import ParamGroupConfig
+
+        rest = cfg.optimizer.param_groups[0]
+        norms = ParamGroupConfig(pattern=r"norm", optimizer_name="Adam",
+                                 optimizer_kwargs={"lr": 4e-4, "betas": (0.9, 0.95), "eps": 1e-8})
+        cfg.optimizer.param_groups = [norms, rest]
     cfg.parallelism.spmd_backend = "partial_dtensor"
     cfg.debug.seed = 0  # the same initial weights in every run (a clean run is a baseline)
     return cfg

@@ -5,7 +5,8 @@ in one job (torchtitan's import is most of a short job's time):
         outlier rollback refusals nan
 
 - ``outlier``: a corrupt batch at step 10 of 16; the job is stopped before torchtitan's step
-  15 (a kill between checkpoints), then a second trainer resumes in the same folder to the end.
+  15 (a kill between checkpoints), then a second trainer resumes in the same folder to the end;
+  two inner optimizers (torchtitan's param groups: Adam for the norms, AdamW for the rest).
   Saves, per rank, the params, AdamW moments and step counts, the LR and the scheduler position
   around steps 10 and 11, and the steps each rank recorded and skipped.
 - ``rollback``: a clean run of 20 steps (through examples/torchtitan_train.py), then the same run with corrupt batches at steps 10-15
@@ -48,16 +49,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def snapshot(trainer: GuardedTrainer) -> dict[str, Any]:
-    """Full params, AdamW moments and step counts (gathered: every rank calls this), the first
-    group's LR and the LR schedulers' positions."""
+    """Full params, Adam(W) moments and step counts (gathered: every rank calls this), every
+    inner optimizer group's LR and the LR schedulers' positions."""
     named = list(trainer.model_parts[0].named_parameters())
-    opt = trainer.optimizers.optimizers[0]
+    inner = trainer.optimizers.optimizers
     moments = {}
     for name, p in named:
-        st = opt.state.get(p, {})
+        st = next((o.state[p] for o in inner if p in o.state), {})
         moments[name] = {k: _full(v) for k, v in st.items() if torch.is_tensor(v)}
     return {"params": {n: _full(p) for n, p in named}, "moments": moments,
-            "lr": opt.param_groups[0]["lr"],
+            "lr": [g["lr"] for o in inner for g in o.param_groups],
+            "optimizers": [type(o).__name__ for o in inner],
             "sched": [s.last_epoch for s in trainer.lr_schedulers.schedulers]}
 
 
@@ -151,7 +153,7 @@ def held_out_loss(trainer: GuardedTrainer, n: int = 16) -> float:
 
 def outlier(out: Path) -> None:
     guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(16, arm_after=5, grad_z=0.01))
-    first = build(out, 16, guard, poison=(10,))
+    first = build(out, 16, guard, poison=(10,), two_optimizers=True)
     first.watch, first.stop_at = (11, 12), 15
     try:
         first.train()
@@ -161,7 +163,7 @@ def outlier(out: Path) -> None:
     if dist.get_rank() == 0:
         shutil.copy(out / "metrics.jsonl", out / "metrics-first.jsonl")
     dist.barrier()
-    second = build(out, 16, guard, poison=(10,))
+    second = build(out, 16, guard, poison=(10,), two_optimizers=True)
     second.train()
     state = {"snaps": first.snaps, "first": first.steps_seen.steps,
              "second": second.steps_seen.steps, "resumed_at": second.first_step}

@@ -77,8 +77,10 @@ def test_outlier_batch_is_skipped_on_both_ranks_and_nothing_moves(job):
         assert [s for s, skipped in state["first"] if skipped] == [10]  # this rank skipped it
         skip, kept = state["snaps"][11], state["snaps"][12]  # torchtitan steps: guard's + 1
         b, a = skip["before"], skip["after"]
+        assert b["optimizers"] == ["Adam", "AdamW"]  # two inner optimizers, each its own LR
+        assert b["lr"][0] == b["lr"][1] / 2 == records[10]["lr"]  # recorded: the first group
         assert _same(b["params"], a["params"])
-        for name in b["moments"]:  # AdamW's exp_avg, exp_avg_sq and step, bit for bit
+        for name in b["moments"]:  # Adam(W)'s exp_avg, exp_avg_sq and step, bit for bit
             assert set(b["moments"][name]) == {"step", "exp_avg", "exp_avg_sq"}
             assert _same(b["moments"][name], a["moments"][name])
         assert b["lr"] == a["lr"] and b["sched"] == a["sched"]
