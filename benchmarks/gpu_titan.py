@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def torchtitan_guard(smoke: bool = False) -> tuple[bool, str]:
     """(passed, detail): the four torchtitan tests on this machine's GPUs."""
     if importlib.util.find_spec("torchtitan") is None:
-        return False, "torchtitan is not installed: run scripts/install_torchtitan.sh first"
+        return False, ("torchtitan is not installed: run scripts/install_torchtitan.sh first "
+                       "(WHEELS=folder for a machine without a package index)")
     world = min(2, torch.cuda.device_count())
     env = dict(os.environ, SPIKEGUARD_TITAN_NPROC=str(world), PYTHONPATH=os.pathsep.join(
         [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
