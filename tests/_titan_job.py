@@ -2,13 +2,16 @@
 in one job (torchtitan's import is most of a short job's time):
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests._titan_job OUT \
-        outlier rollback refusals nan
+        outlier outlier_lag1 rollback refusals nan
 
 - ``outlier``: a corrupt batch at step 10 of 16; the job is stopped before torchtitan's step
   15 (a kill between checkpoints), then a second trainer resumes in the same folder to the end;
   two inner optimizers (torchtitan's param groups: Adam for the norms, AdamW for the rest).
+- ``outlier_lag1``: the same with ``read_lag=1`` (a GPU's default: ``guard.step()`` skips
+  through fused AdamW's found_inf, and each checkpoint is written during the next step, with
+  the dataloader and counters as the step left them).
   Saves, per rank, the params, AdamW moments and step counts, the LR and the scheduler position
-  around steps 10 and 11, and the steps each rank recorded and skipped.
+  around steps 10, 11 and 12, and the steps each rank recorded and skipped.
 - ``rollback``: a clean run of 20 steps (through examples/torchtitan_train.py), then the same run with corrupt batches at steps 10-15
   (six skips in a row: Tier 2) and ``tier2="rollback"``, replayed at the scheduled LR
   (``rollback_lr_scale=1``: this run's LR decays to 0 by step 20, and a half-LR replay of 12 of
@@ -151,10 +154,11 @@ def held_out_loss(trainer: GuardedTrainer, n: int = 16) -> float:
     return float(ce) / dist.get_world_size()
 
 
-def outlier(out: Path) -> None:
-    guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(16, arm_after=5, grad_z=0.01))
+def outlier(out: Path, read_lag: int = 0) -> None:
+    guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(16, arm_after=5, grad_z=0.01),
+                           read_lag=read_lag)
     first = build(out, 16, guard, poison=(10,), two_optimizers=True)
-    first.watch, first.stop_at = (11, 12), 15
+    first.watch, first.stop_at = (11, 12, 13), 15
     try:
         first.train()
     except KeyboardInterrupt:
@@ -203,7 +207,6 @@ def refusals(out: Path) -> None:
         "clip": lambda c: setattr(c.training, "max_norm", 0.5),
         "rollback": lambda c: (setattr(c, "guard", sg.GuardConfig(tier2="rollback")),
                                setattr(c.checkpoint, "enable", False)),
-        "read_lag": lambda c: setattr(c, "guard", sg.GuardConfig(read_lag=1)),
         "loss": lambda c: setattr(c, "loss", MSELoss.Config()),
     }
     messages = {}
@@ -243,8 +246,8 @@ def main() -> None:
         for name in sys.argv[2:]:
             folder = out / name
             folder.mkdir(parents=True, exist_ok=True)
-            {"outlier": outlier, "rollback": rollback, "refusals": refusals,
-             "nan": nan}[name](folder)
+            {"outlier": outlier, "outlier_lag1": lambda f: outlier(f, read_lag=1),
+             "rollback": rollback, "refusals": refusals, "nan": nan}[name](folder)
             if dist.get_rank() == 0:
                 (folder / "done").write_text(", ".join(titan_cpu.PATCHES))
             dist.barrier()

@@ -10,9 +10,11 @@ so it is tested where torchtitan is installed and imported by ``integrations/tor
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
+import pickle
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,8 +33,10 @@ class OptimizersView(torch.optim.Optimizer):
     The container's own ``param_groups`` is a single group without an ``lr`` (it calls
     ``Optimizer.__init__(all_params, {})``), so the guard would record no LR, and a replay's LR
     ramp and a reconfigure's ``lr_scale`` would change nothing; this view's groups are the inner
-    optimizers' own, in order (the first group's LR is the one recorded). ``step()`` steps the
-    container (GuardedTrainer calls the container itself, after ``guard.decide()``).
+    optimizers' own, in order (the first group's LR is the one recorded). ``step()`` steps every
+    inner optimizer; a ``found_inf`` the guard sets for one step (its skip gate, a 0-d tensor,
+    with read_lag 1) goes to each of them, so fused Adam/AdamW leave params, moments and step
+    counts untouched with no host read.
     """
 
     def __init__(self, container: Any) -> None:
@@ -43,6 +47,8 @@ class OptimizersView(torch.optim.Optimizer):
                              f"'optimizers' list); got a {type(container).__name__}")
         self.container, self.inner = container, inner
         self.defaults = inner[0].defaults
+        self._step_supports_amp_scaling = all(
+            getattr(o, "_step_supports_amp_scaling", False) for o in inner)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -59,7 +65,15 @@ class OptimizersView(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("OptimizersView.step takes no closure (torchtitan's container "
                              "takes none either)")
-        self.container.step()
+        found_inf = getattr(self, "found_inf", None)
+        for o in self.inner:
+            if found_inf is not None:
+                o.found_inf = found_inf
+            try:
+                o.step()
+            finally:
+                if found_inf is not None:
+                    del o.found_inf
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.container.zero_grad(set_to_none=set_to_none)
@@ -102,11 +116,15 @@ class TitanBatches:
     resumes its next ``iter()`` from the state it was given).
     """
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, *, counters: Callable[[], dict[str, Any]] | None = None
+                 ) -> None:
         self.loader = loader
         self.position = 0
         self.skip_ranges: list[tuple[int, int]] = []
         self._it: Iterator[Any] | None = None
+        self.counters = counters
+        """With read_lag 1: the trainer's own counters (its ``state_dict``), which ``snapshot``
+        takes with the dataloader's state for a checkpoint written a step late."""
 
     def __iter__(self) -> TitanBatches:
         return self
@@ -126,12 +144,33 @@ class TitanBatches:
             self.skip_ranges.append((int(lo), int(hi)))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "skip_ranges": [list(r) for r in self.skip_ranges]}
+        """Position and skip ranges; with ``counters`` (read_lag 1) also the dataloader's state
+        (pickled, base64) and the trainer's counters as they are now: the guard takes this at
+        each step for a checkpoint of that step written during the next one."""
+        state: dict[str, Any] = {"position": self.position,
+                                 "skip_ranges": [list(r) for r in self.skip_ranges]}
+        if self.counters is not None:
+            state["loader"] = base64.b64encode(pickle.dumps(self.loader.state_dict())).decode()
+            state["counters"] = dict(self.counters())
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
         self.skip_ranges = [(int(lo), int(hi)) for lo, hi in state["skip_ranges"]]
         self._it = None  # the dataloader was rewound with this state: iterate it anew
+
+
+class _Frozen:
+    """A Stateful that saves a state taken earlier (a checkpoint written a step late)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise AssertionError("a frozen state is only saved")
 
 
 class JsonState:
@@ -160,8 +199,9 @@ class TitanCheckpoints:
     """torchtitan's CheckpointManager behind the interface the guard saves and rolls back
     through (``register``, ``should_save``, ``save``, ``list``, ``restore``, ``wait``).
 
-    ``save`` only notes the step: the trainer calls ``commit()`` once it has stepped the
-    optimizers (or not), and torchtitan writes the checkpoint then. Step numbers: the guard
+    With ``defer`` (``guard.decide()``, read_lag 0) ``save`` only notes the step: the trainer
+    calls ``commit()`` once it has stepped the optimizers (or not), and torchtitan writes the
+    checkpoint then; without (``guard.step()``, read_lag 1) ``save`` writes it. Step numbers: the guard
     counts from 0, torchtitan from 1, so the guard's step ``s`` is
     torchtitan's ``s + 1`` (its folder ``step-{s + 1}``). ``should_save`` is torchtitan's own
     rule (``interval``, the last step, ``enable_first_step_checkpoint``), so a checkpoint is
@@ -170,10 +210,10 @@ class TitanCheckpoints:
     ``on_restore(step)`` runs after each load (the trainer starts a new data iterator).
     """
 
-    def __init__(self, checkpointer: Any, config: Any, *, steps: int,
+    def __init__(self, checkpointer: Any, config: Any, *, steps: int, defer: bool,
                  on_restore: Callable[[int], None] | None = None) -> None:
         self.checkpointer, self.config, self.steps = checkpointer, config, steps
-        self.on_restore = on_restore
+        self.defer, self.on_restore = defer, on_restore
         self.folder = Path(checkpointer.folder)
         self.alerts: dict[int, list[str]] = {}
         """The guard's step of each checkpoint saved -> the alerts raised in its window."""
@@ -203,12 +243,29 @@ class TitanCheckpoints:
 
     def save(self, step: int, *, alerts: list[str] | tuple[str, ...] = (),
              snapshot: Any = None, **_: Any) -> None:
-        if snapshot is not None:
-            raise ValueError("a checkpoint written one step late (read_lag 1) is not supported "
-                             "under torchtitan: its dataloader and step counter would be a "
-                             "step ahead of the model; use GuardConfig(read_lag=0)")
+        """Note the checkpoint of the guard's ``step`` (``defer``: ``commit`` writes it), or
+        write it now. ``snapshot["data"]`` (read_lag 1: the step is written during the next one,
+        whose batches are drawn already) is ``TitanBatches.state_dict()`` from the step itself:
+        the dataloader, the data position and the trainer's counters are saved as they were
+        then; the model, optimizers and LR schedulers are as the step left them."""
         self.alerts[step] = list(alerts)
-        self.pending = step
+        if self.defer:
+            self.pending = step
+            return
+        data = snapshot.get("data") if snapshot else None
+        if data is None or "loader" not in data:
+            self.checkpointer.save(step + 1, last_step=step + 1 == self.steps)
+            return
+        states = self.checkpointer.states
+        frozen = {"dataloader": pickle.loads(base64.b64decode(data["loader"])),
+                  "spikeguard_data": {"json": json.dumps(data)},
+                  "train_state": data["counters"]}
+        live = {name: states[name] for name in frozen}
+        states.update({name: _Frozen(state) for name, state in frozen.items()})
+        try:
+            self.checkpointer.save(step + 1, last_step=step + 1 == self.steps)
+        finally:
+            states.update(live)
 
     def commit(self) -> None:
         """Write the checkpoint ``save`` asked for, now that the trainer applied (or withheld)

@@ -121,7 +121,11 @@ class GuardedTrainer(Trainer):
         super().__init__(config)
         pd = self.parallel_dims
         self.guard_records = RecordSink()
-        self.batches = TitanBatches(self.dataloader)
+        self._logged: int | None = None
+        lag = config.guard.read_lag
+        self.read_lag = lag if lag is not None else int(self.device.type == "cuda")
+        self.batches = TitanBatches(self.dataloader,
+                                    counters=self.state_dict if self.read_lag else None)
         parts = self.model_parts
         model: nn.Module = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
         pp_mesh = pd.get_optional_mesh("pp") if pd.pp_enabled else None
@@ -132,12 +136,13 @@ class GuardedTrainer(Trainer):
         if config.checkpoint.enable:
             checkpoints = TitanCheckpoints(self.checkpointer, config.checkpoint,
                                            steps=config.training.steps,
-                                           on_restore=self._restored)
-        guard_cfg = dataclasses.replace(config.guard, read_lag=0)
+                                           defer=self.read_lag == 0, on_restore=self._restored)
+        guard_cfg = dataclasses.replace(config.guard, read_lag=self.read_lag)
         self.optimizers_view = OptimizersView(self.optimizers)
-        # no scheduler for the guard: this trainer steps the optimizers and LR schedulers itself,
-        # when guard.decide() says apply
-        self.guard = Guard(model, self.optimizers_view, config=guard_cfg, scheduler=None,
+        # read_lag 0: guard.decide(), and this trainer steps the optimizers and LR schedulers;
+        # read_lag 1: guard.step() steps them (the skip is fused AdamW's found_inf, no host read)
+        self.guard = Guard(model, self.optimizers_view, config=guard_cfg,
+                           scheduler=self.lr_schedulers if self.read_lag else None,
                            checkpoints=checkpoints, data=self.batches,
                            sinks=[self.guard_records,
                                   JsonlSink(Path(config.dump_folder) / "metrics.jsonl"),
@@ -202,18 +207,27 @@ class GuardedTrainer(Trainer):
         if step != self.step - 1:
             raise RuntimeError(f"torchtitan's step {self.step} and the guard's {step} are out of "
                                "step; drive the loop with GuardedTrainer.train()")
-        decision = self.guard.decide(out, rerun=rerun)
-        if decision.apply:  # else: skipped (no optimizer, no LR step) or rolled back
-            with scaled_lr(self.optimizers_view, decision.lr_factor):
-                self.optimizers.step()
-            self.lr_schedulers.step()
-        if self.guard.checkpoints is not None:  # the save decide() asked for, after the update
-            self.guard.checkpoints.commit()
+        if self.read_lag:
+            self.guard.step(out, rerun=rerun)  # resolves the step before, then steps or skips
+        else:
+            decision = self.guard.decide(out, rerun=rerun)
+            if decision.apply:  # else: skipped (no optimizer, no LR step) or rolled back
+                with scaled_lr(self.optimizers_view, decision.lr_factor):
+                    self.optimizers.step()
+                self.lr_schedulers.step()
+            if self.guard.checkpoints is not None:  # the save decide() asked for, now
+                self.guard.checkpoints.commit()
+        self._log(lr_metrics)
+
+    def _log(self, lr_metrics: dict[str, Any]) -> None:
+        """The newest record to torchtitan's metrics (its loggers), at torchtitan's step."""
         record = self.guard_records.last
-        if record is not None and record.get("step") == step and \
-                self.metrics_processor.should_log(self.step):
+        if record is None or record.get("step") == self._logged:
+            return
+        self._logged = record["step"]
+        if self.metrics_processor.should_log(self._logged + 1):
             loss, norm = float(record["loss"]), float(record["grad_norm"])
-            self.metrics_processor.log(self.step, loss, loss, norm,
+            self.metrics_processor.log(self._logged + 1, loss, loss, norm,
                                        extra_metrics={"n_tokens_seen": self.ntokens_seen,
                                                       **lr_metrics})
 
@@ -290,10 +304,6 @@ def _check_config(config: Any) -> None:
                          "the loss and log Z from the logits: set config.loss = "
                          "SpikeguardLoss.Config() (it replaces ChunkedLossWrapper/"
                          "CrossEntropyLoss with the same sum / global token count)")
-    if guard.read_lag == 1:
-        raise ValueError("GuardConfig.read_lag=1 is not supported under torchtitan: its "
-                         "checkpoint saves the dataloader and step counter as they are, a step "
-                         "ahead of a model saved one step late; leave read_lag=None (0 here)")
     if guard.clip != config.training.max_norm:
         raise ValueError(f"GuardConfig.clip={guard.clip} and training.max_norm="
                          f"{config.training.max_norm}: the guard clips in place of torchtitan's "
