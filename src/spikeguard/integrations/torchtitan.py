@@ -8,11 +8,13 @@ torchtitan's CheckpointManager with its dataloader rewound and the poisoned batc
     trainer = config.build()             # a GuardedTrainer
     trainer.train()                      # raises TrainingHalted on a halt
 
-``GuardedTrainer`` replaces the end of ``Trainer.train_step``: after ``forward_backward_step``,
-``guard.decide()`` measures the global grad norm (FSDP2 shards and pipeline stages from
+``GuardedTrainer`` replaces the end of ``Trainer.train_step``: after ``forward_backward_step``
+the guard measures the global grad norm (FSDP2 shards and pipeline stages from
 ``model_parts``), gates, clips (in place of torchtitan's ``clip_grad_norm_``), judges, responds
-and records; the trainer calls ``optimizers.step()`` and ``lr_schedulers.step()`` only when it
-says apply. Its ``train()`` is torchtitan's loop with the checkpoint saves left to the guard (at
+and records. With read_lag 0 (the CPU's default) ``guard.decide()`` decides and the trainer
+calls ``optimizers.step()`` and ``lr_schedulers.step()`` only when it says apply; with read_lag
+1 (a GPU's) ``guard.step()`` steps them, a skip being fused AdamW's ``found_inf`` (no host
+read), and judges each step during the next. Its ``train()`` is torchtitan's loop with the checkpoint saves left to the guard (at
 torchtitan's own interval, by torchtitan's CheckpointManager, the guard's state inside as
 Statefuls) and the data drawn through a source that a rollback rewinds. docs/torchtitan.md has
 the whole recipe; examples/torchtitan_train.py is torchtitan's train.py with it.
@@ -104,10 +106,10 @@ class SpikeguardLoss(BaseLoss):
 class GuardedTrainer(Trainer):
     """torchtitan's Trainer with the guard deciding every optimizer step (module docstring).
 
-    ``config.guard`` is the GuardConfig; ``config.loss`` must be ``SpikeguardLoss.Config`` (the
-    guard needs the loss and log Z); ``training.max_norm`` must equal ``GuardConfig.clip`` (the
-    guard clips in place of torchtitan); with ``tier2="rollback"`` ``checkpoint.enable`` must be
-    on. ``metrics.jsonl`` (one record per step) and, on a halt, ``report.json`` go into
+    ``config.guard`` is the GuardConfig (``read_lag`` None: 1 on CUDA, else 0); ``config.loss``
+    must be ``SpikeguardLoss.Config`` (the guard needs the loss and log Z); ``training.max_norm``
+    must equal ``GuardConfig.clip`` (the guard clips in place of torchtitan); with
+    ``tier2="rollback"`` ``checkpoint.enable`` must be on. ``metrics.jsonl`` (one record per step) and, on a halt, ``report.json`` go into
     ``dump_folder``. ``self.guard`` is the Guard."""
 
     @dataclass(kw_only=True, slots=True)
