@@ -122,8 +122,10 @@ def test_start_at_continues_the_numbering_and_drops_the_records_that_run_again(t
     guard.close()
     steps = [r["step"] for r in sg.read_metrics(tmp_path / "m.jsonl")]
     assert steps == list(range(8))
-    with pytest.raises(ValueError, match="after 3 steps"):
-        guard.start_at(9)
+    with pytest.raises(ValueError, match="at step 8 after 3 steps"):
+        guard.start_at(6)  # behind: only a rollback goes back
+    guard.start_at(10)  # ahead: the framework skipped steps 8 and 9 itself
+    assert guard.step_index == 10
 
 
 def test_guard_state_round_trips_through_dcp_and_the_metrics_continue(tmp_path):

@@ -151,8 +151,9 @@ def test_logger_metrics_keep_the_known_numbers():
 
 
 def test_importing_the_integrations_imports_neither_framework():
-    code = ("import sys, spikeguard.integrations.hf, spikeguard.integrations.lightning;"
-            "print(sorted(m for m in ('transformers', 'lightning', 'accelerate') "
+    code = ("import sys, spikeguard.integrations.hf, spikeguard.integrations.lightning, "
+            "spikeguard.integrations.olmo_core;"
+            "print(sorted(m for m in ('transformers', 'lightning', 'accelerate', 'olmo_core') "
             "if m in sys.modules))")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"PYTHONPATH": str(Path(__file__).parents[1] / "src")}, check=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -201,6 +202,22 @@ def test_gradient_accumulation_is_one_guard_step_of_the_whole_batch(tmp_path):
     assert first["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
     assert first["loss"] == pytest.approx(ce.item(), rel=1e-5)
     assert first["log_z"] == pytest.approx(lse.mean().item(), rel=1e-5)
+
+
+def test_a_resume_continues_the_guard_steps_with_one_record_each(tmp_path):
+    trainer = make_trainer(tmp_path, steps=6, save_strategy="steps", save_steps=4)
+    callback = sg_hf.guard_trainer(trainer, config=guard_config(6))
+    trainer.train()
+    saved = tmp_path / "checkpoint-4" / sg_hf.GUARD_STATE
+    assert json.loads(saved.read_text())["step_index"] == 4
+    del callback
+    shutil.rmtree(tmp_path / "checkpoint-6", ignore_errors=True)  # the run died after step 5
+    again = make_trainer(tmp_path, steps=6, save_strategy="steps", save_steps=4)
+    resumed = sg_hf.guard_trainer(again, config=guard_config(6))
+    again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    steps = [r["step"] for r in sg.read_metrics(tmp_path / "metrics.jsonl")]
+    assert steps == list(range(6))  # steps 4 and 5 ran again, once each; none restarted at 0
+    assert resumed.guard.step_index == again.state.global_step == 6
 
 
 def test_refuses_what_would_hide_a_spike(tmp_path):

@@ -103,15 +103,32 @@ def logged_rows(tmp_path):
         return [r for r in csv.DictReader(f) if r.get("spikeguard/loss")]
 
 
+class HookCount(L.Callback):
+    """How often Lightning's closure ran its hooks (once per step, skip or not)."""
+
+    def __init__(self):
+        self.backward = self.before_step = 0
+
+    def on_after_backward(self, trainer, pl_module):
+        self.backward += 1
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before_step += 1
+
+
 def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
-    guard_cb = sg_lightning.SpikeguardCallback(config=guard_config())
+    guard_cb, hooks = sg_lightning.SpikeguardCallback(config=guard_config()), HookCount()
     module = LitGPT(guard_cb)
     trainer, loader = make_trainer(tmp_path, guard_cb, outlier=OUTLIER)
+    trainer.callbacks.append(hooks)
     trainer.fit(module, loader)
+    # the skip's re-run is training_step and backward only: no callback hook ran twice
+    assert hooks.backward == hooks.before_step == STEPS
     out = tmp_path / "run" / "version_0"
     records = sg.read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
     assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
+    assert records[OUTLIER]["rerun"] is not None  # the skip was re-run (attribution)
     window = guard_config().detector.median_window
     prior = sorted(r["grad_norm"] for r in records[OUTLIER - window:OUTLIER])
     assert records[OUTLIER]["grad_norm"] > 3 * (prior[(window - 1) // 2] + prior[window // 2]) / 2
@@ -186,3 +203,31 @@ def test_checkpoint_carries_the_detector(tmp_path):
     trainer.fit(LitGPT(resumed_cb), loader, ckpt_path=tmp_path / "a.ckpt")
     assert resumed_cb.guard.step_index == state["step_index"] == 6
     assert resumed_cb.guard.detector.state_dict() == state["detector"]
+
+
+def test_a_resume_in_the_same_folder_keeps_one_record_per_step(tmp_path):
+    guard_cb = sg_lightning.SpikeguardCallback(config=guard_config(8), out_dir=tmp_path)
+    trainer, loader = make_trainer(tmp_path, guard_cb, steps=4)
+    trainer.fit(LitGPT(guard_cb), loader)
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    trainer, loader = make_trainer(tmp_path, guard_cb, steps=6)
+    trainer.fit(LitGPT(guard_cb), loader)  # the run went on past its checkpoint, then died
+    resumed_cb = sg_lightning.SpikeguardCallback(config=guard_config(8), out_dir=tmp_path)
+    trainer, loader = make_trainer(tmp_path, resumed_cb, steps=6)
+    trainer.fit(LitGPT(resumed_cb), loader, ckpt_path=tmp_path / "a.ckpt")
+    steps = [r["step"] for r in sg.read_metrics(tmp_path / "metrics.jsonl")]
+    assert steps == list(range(6))  # steps 4 and 5 ran again and were written once
+
+
+def test_a_checkpoint_without_the_guard_state_still_continues_the_numbering(tmp_path):
+    guard_cb = sg_lightning.SpikeguardCallback(config=guard_config(8), out_dir=tmp_path / "a")
+    trainer, loader = make_trainer(tmp_path, guard_cb, steps=4)
+    trainer.fit(LitGPT(guard_cb), loader)
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    ckpt = torch.load(tmp_path / "a.ckpt", weights_only=False)
+    ckpt["callbacks"] = {}  # a guard added to a run that had none
+    torch.save(ckpt, tmp_path / "b.ckpt")
+    fresh = sg_lightning.SpikeguardCallback(config=guard_config(8), out_dir=tmp_path / "b")
+    trainer, loader = make_trainer(tmp_path, fresh, steps=6)
+    trainer.fit(LitGPT(fresh), loader, ckpt_path=tmp_path / "b.ckpt")
+    assert [r["step"] for r in sg.read_metrics(tmp_path / "b" / "metrics.jsonl")] == [4, 5]

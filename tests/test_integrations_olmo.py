@@ -25,18 +25,19 @@ from olmo_core.train import Duration, TrainerConfig  # noqa: E402
 from olmo_core.train.callbacks import Callback, CheckpointerCallback  # noqa: E402
 from olmo_core.train.train_module import TransformerTrainModuleConfig  # noqa: E402
 
-from spikeguard.integrations.olmo_core import SpikeguardCallback  # noqa: E402
+from spikeguard.integrations.olmo_core import SpikeguardCallback, relaunch_config  # noqa: E402
 
 SEQ, ROWS, STEPS, OUTLIER = 32, 8, 12, 10
 
 
 class ByteLoader(DataLoaderBase):
     """Consecutive windows of the corpus' bytes; batch ``outlier`` (1-based, as the Trainer's
-    steps) is NUL bytes."""
+    steps; or a range of them) is NUL bytes."""
 
     def __init__(self, work_dir, outlier=None):
         super().__init__(work_dir=work_dir, global_batch_size=ROWS * SEQ)
-        self.tokens, self.outlier = sg.load_corpus("pydoc").train, outlier
+        self.tokens = sg.load_corpus("pydoc").train
+        self.outliers = set(outlier) if isinstance(outlier, range) else {outlier}
 
     @property
     def total_batches(self):
@@ -56,7 +57,7 @@ class ByteLoader(DataLoaderBase):
         while True:
             ids = self.tokens[i * ROWS * SEQ:(i + 1) * ROWS * SEQ].astype(np.int64)
             ids = torch.from_numpy(ids).view(ROWS, SEQ)
-            yield {"input_ids": torch.zeros_like(ids) if i + 1 == self.outlier else ids}
+            yield {"input_ids": torch.zeros_like(ids) if i + 1 in self.outliers else ids}
             i += 1
 
     def get_mock_batch(self):
@@ -94,7 +95,17 @@ class Probe(Callback):
         self.after[self.step] = self._snap()
 
 
-def make_trainer(tmp_path, *, outlier=None, probe=None, steps=STEPS, save=None):
+def trainer_config(tmp_path, *, probe=None, steps=STEPS, save=None):
+    callbacks = {"checkpointer": CheckpointerCallback(save_interval=save or 1000)}
+    if probe is not None:
+        callbacks["probe"] = probe
+    return TrainerConfig(save_folder=str(tmp_path / "save"), save_overwrite=True,
+                         max_duration=Duration.steps(steps), device="cpu",
+                         metrics_collect_interval=1, callbacks=callbacks)
+
+
+def make_trainer(tmp_path, *, outlier=None, probe=None, steps=STEPS, save=None, config=None,
+                 storm=2, **guard_kw):
     torch.manual_seed(0)
     model = TransformerConfig.llama_like(vocab_size=256, d_model=32, n_layers=1,
                                          n_heads=2).build(init_device="cpu")
@@ -102,15 +113,11 @@ def make_trainer(tmp_path, *, outlier=None, probe=None, steps=STEPS, save=None):
         rank_microbatch_size=ROWS // 2 * SEQ, max_sequence_length=SEQ,  # 2 micro-batches
         optim=AdamWConfig(lr=3e-3), scheduler=CosWithWarmup(warmup_steps=3),
         max_grad_norm=None).build(model, device=torch.device("cpu"))
-    callbacks = {"checkpointer": CheckpointerCallback(save_interval=save or 1000)}
-    if probe is not None:
-        callbacks["probe"] = probe
-    trainer = TrainerConfig(save_folder=str(tmp_path / "save"), save_overwrite=True,
-                            max_duration=Duration.steps(steps), device="cpu",
-                            metrics_collect_interval=1, callbacks=callbacks).build(
-        tm, ByteLoader(tmp_path / "work", outlier))
-    det = sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01)
-    cb = SpikeguardCallback(config=sg.GuardConfig(detector=det), out_dir=tmp_path)
+    config = config or trainer_config(tmp_path, probe=probe, steps=steps, save=save)
+    trainer = config.build(tm, ByteLoader(tmp_path / "work", outlier))
+    det = sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01, max_consecutive_skips=storm)
+    cb = SpikeguardCallback(config=sg.GuardConfig(detector=det), out_dir=guard_kw.pop(
+        "out_dir", tmp_path), **guard_kw)
     trainer.add_callback("spikeguard", cb)
     return trainer, cb
 
@@ -163,3 +170,28 @@ def test_a_resume_continues_the_steps_and_the_lr(tmp_path):
     assert [r["lr"] for r in records] == [r["lr"] for r in want]
     assert [r["loss"] for r in records] == [r["loss"] for r in want]  # bit-identical run
     assert cb.guard.applied == 6
+
+
+def test_a_tier2_cancel_and_relaunch_leaves_the_anomaly_out(tmp_path):
+    # (against a clean run: 30 steps ended 3.8% above it, the relaunch two updates behind on a
+    # still-falling curve; a run long enough to show 2% is beyond a CI test on CPU)
+    steps, bad = 16, range(9, 11)  # two NUL batches in a row: a skip storm (Tier 2)
+    config = trainer_config(tmp_path / "run", steps=steps, save=4)
+    run, cb = make_trainer(tmp_path / "run", steps=steps, outlier=bad, config=config,
+                           storm=1, cancel_on_tier2=True)
+    run.fit()  # canceled at the detection
+    summary = cb.tier2_summary
+    assert summary is not None and run.global_step == summary["step"] < steps
+    again = relaunch_config(config, summary, save_folder=tmp_path / "again")
+    target = max(s for s in range(4, steps, 4) if s <= summary["onset_step"] - 2)
+    assert again.load_path == str(tmp_path / "run" / "save" / f"step{target}")
+    relaunched, cb2 = make_trainer(tmp_path / "again", steps=steps, outlier=bad, config=again,
+                                   storm=1)
+    relaunched.fit()
+    records = sg.read_metrics(tmp_path / "again" / "metrics.jsonl")
+    skipped = set(range(summary["onset_step"], summary["step"] + 1))
+    assert [r["step"] for r in records] == [t for t in range(target + 1, steps + 1)
+                                            if t not in skipped]  # the Trainer left them out
+    assert not any(r["skipped"] for r in records) and cb2.tier2_summary is None
+    first = sg.read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["loss"] for r in records[:2]] == [r["loss"] for r in first[target:target + 2]]

@@ -374,13 +374,14 @@ class Guard:
 
     def start_at(self, step: int) -> None:
         """Number the next step ``step``: the framework resumed at its own step ``step`` without
-        the guard's state (with it, the state carries the number). Records of step ``step`` and
-        later already in the metrics file are dropped: those steps run again. Call it before
-        the guard's first step."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or self._ran:
-            raise ValueError(f"guard.start_at(step={step!r}) after {self._ran} steps in this "
-                             "process: call it once, before training, with an int >= 0 (the "
-                             "framework's step count at its resume)")
+        the guard's state (with it, the state carries the number), or skipped steps itself.
+        Records of step ``step`` and later already in the metrics file are dropped: those steps
+        run again. Before the guard's first step in this process any step; after, only ahead."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or (
+                self._ran and step < self._step):
+            raise ValueError(f"guard.start_at(step={step!r}) at step {self._step} after "
+                             f"{self._ran} steps in this process: give an int >= 0 (the "
+                             "framework's step count), never behind the guard's once it stepped")
         self._step = step
         self.state.continue_at(step, at_step=True)
 

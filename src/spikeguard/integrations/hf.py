@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 
+from .. import _dist
 from ..guard import GuardConfig, GuardedOptimizer
 from ..prevent.losses import cross_entropy
 from ._common import GuardParts, HeldScheduler, build_guard, logger_metrics, write_report
@@ -37,6 +38,9 @@ from ._common import GuardParts, HeldScheduler, build_guard, logger_metrics, wri
 __all__ = ["SpikeguardLoss", "guard_trainer"]
 
 log = logging.getLogger("spikeguard")
+
+GUARD_STATE = "spikeguard_guard.json"
+"""The guard's state in each of the Trainer's checkpoint folders (``checkpoint-<step>``)."""
 
 
 class SpikeguardLoss:
@@ -207,6 +211,18 @@ class _GuardCallbackLogic:
         if sched is not None and not isinstance(sched, HeldScheduler):
             self.trainer.lr_scheduler = HeldScheduler(sched, self.guard, self.optimizer)
             self.trainer.callback_handler.lr_scheduler = self.trainer.lr_scheduler
+        if state.global_step > 0:  # resumed: the guard's steps continue the Trainer's
+            saved = Path(args.output_dir) / f"checkpoint-{state.global_step}" / GUARD_STATE
+            if saved.is_file():  # its state, and the metrics file after its records
+                self.guard.stateful().load_state_dict({"json": saved.read_text()})
+            else:
+                self.guard.start_at(state.global_step)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if _dist.rank() == 0:  # beside the Trainer's own checkpoint files
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if folder.is_dir():
+                (folder / GUARD_STATE).write_text(self.guard.stateful().state_dict()["json"])
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = kwargs.get("optimizer")

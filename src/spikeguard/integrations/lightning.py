@@ -32,6 +32,7 @@ lightning (``lightning.pytorch``) is imported on first use of ``SpikeguardCallba
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -64,6 +65,10 @@ class _LightningGuardLogic:
         """Where the halt report went (None while the run is healthy)."""
         self._logged = 0
         self._restored: dict[str, Any] | None = None
+        self._rerunning = False
+        self._trainer_ref: Any = None
+        self._batch: tuple[Any, int] | None = None
+        self._state_loaded = False
 
     # -- what the LightningModule calls ---------------------------------------------------------
     @property
@@ -82,7 +87,25 @@ class _LightningGuardLogic:
     def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None) -> None:
         """Record a micro-batch's loss and log Z with the guard (``guard.accumulate``): call it
         in ``training_step`` with a LossOutput, or a 0-d mean loss and ``log_z``."""
-        self.guard.accumulate(out, log_z=log_z)
+        if not self._rerunning:  # a re-run's training_step is not a new micro-batch
+            self.guard.accumulate(out, log_z=log_z)
+
+    def _rerun(self) -> None:
+        """Re-run the step's batch: ``training_step`` through the strategy (its precision
+        context) and a plain backward, without Lightning's closure, so no callback hook runs
+        twice on a skip (the closure would run on_before_backward, on_after_backward and
+        on_before_optimizer_step again)."""
+        trainer, batch = self._trainer_ref, self._batch
+        if trainer is None or batch is None:
+            return
+        self._rerunning = True
+        try:
+            out = trainer.strategy.training_step(*batch)
+            loss = out["loss"] if isinstance(out, dict) else out
+            if loss is not None:
+                loss.backward()
+        finally:
+            self._rerunning = False
 
     def configure_optimizers(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                              scheduler: Any = None, *,
@@ -101,8 +124,9 @@ class _LightningGuardLogic:
                                  out_dir=self.out_dir, framework="Lightning",
                                  **self.guard_kwargs)
         if self._restored is not None:
-            self.parts.guard.load_state_dict(self._restored)
+            self.parts.guard.stateful().load_state_dict(self._restored)
             self._restored = None
+        self.parts.optimizer.rerun = self._rerun
         conf: dict[str, Any] = {"optimizer": self.parts.optimizer}
         if scheduler is not None:
             held = HeldScheduler(scheduler, self.parts.guard, self.parts.optimizer,
@@ -136,6 +160,11 @@ class _LightningGuardLogic:
                              batch_idx: int) -> None:
         if self.halted is not None:  # min_steps or min_epochs kept the loop going
             raise self.halted
+        self._trainer_ref, self._batch = trainer, (batch, batch_idx)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.global_step > 0 and not self._state_loaded and self.parts is not None:
+            self.parts.guard.start_at(trainer.global_step)  # a checkpoint without our state
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -166,10 +195,13 @@ class _LightningGuardLogic:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
+        self._state_loaded = True
+        if "json" not in state_dict:  # saved as the guard's plain state_dict
+            state_dict = {"json": json.dumps(state_dict)}
         if self.parts is None:  # restored before configure_optimizers built the guard
             self._restored = state_dict
-        else:
-            self.parts.guard.load_state_dict(state_dict)
+        else:  # the metrics file continues after the restored records
+            self.parts.guard.stateful().load_state_dict(state_dict)
 
 
 @functools.cache

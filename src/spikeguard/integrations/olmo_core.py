@@ -44,7 +44,7 @@ import torch
 from ..guard import GuardConfig, TrainingHalted
 from ._common import GuardParts, build_guard, logger_metrics, write_report
 
-__all__ = ["HeldSchedule", "SpikeguardCallback"]  # noqa: F822 (SpikeguardCallback: __getattr__)
+__all__ = ["HeldSchedule", "SpikeguardCallback", "relaunch_config"]  # noqa: F822 (__getattr__)
 
 log = logging.getLogger("spikeguard")
 
@@ -93,12 +93,19 @@ class _OlmoGuardLogic:
     priority = -10  # after OLMo-core's own callbacks: the checkpointer has saved when it runs
 
     def __init__(self, *, config: GuardConfig | None = None, sinks: Iterable[Any] | None = None,
-                 out_dir: str | Path | None = None, **guard_kwargs: Any) -> None:
+                 out_dir: str | Path | None = None, cancel_on_tier2: bool = False,
+                 **guard_kwargs: Any) -> None:
         """``config`` is the GuardConfig (``read_lag`` 0; ``tier2="rollback"`` is refused);
         ``sinks`` more record sinks; the records go to ``metrics.jsonl`` and a halt report to
         ``report.json``/``report.txt`` in ``out_dir`` (default: the Trainer's ``save_folder``).
-        ``guard_kwargs`` go to ``Guard`` (``on_alert``, ``probes``)."""
+        ``cancel_on_tier2``: a Tier 2 alert cancels the run (every rank decides alike), keeping
+        the summary in ``tier2_summary`` for ``relaunch_config``. ``guard_kwargs`` go to
+        ``Guard`` (``on_alert``, ``probes``)."""
         self.config, self.sinks, self.out_dir = config, sinks, out_dir
+        self.cancel_on_tier2 = cancel_on_tier2
+        self.tier2_summary: dict[str, Any] | None = None
+        """The summary of the last Tier 2 alert (None while there was none)."""
+        self._on_alert = guard_kwargs.pop("on_alert", None)
         self.guard_kwargs = guard_kwargs
         self.parts: GuardParts | None = None
         self.schedule: HeldSchedule | None = None
@@ -130,12 +137,21 @@ class _OlmoGuardLogic:
         out = self.out_dir if self.out_dir is not None else self.trainer.save_folder
         self.out_dir = Path(out)
         self.parts = build_guard(tm.model, tm.optim, self.config, sinks=self.sinks,
-                                 out_dir=self.out_dir, framework="OLMo-core", **self.guard_kwargs)
+                                 out_dir=self.out_dir, framework="OLMo-core",
+                                 on_alert=self._alert, **self.guard_kwargs)
         self.parts.optimizer.defer_halt = False  # the Trainer's own error path stops the run
         if tm.scheduler is not None:
             self.schedule = HeldSchedule(tm.scheduler)
             tm.scheduler = self.schedule
         self._hook_losses(tm)
+
+    def _alert(self, summary: dict[str, Any]) -> None:
+        self.tier2_summary = summary
+        if self._on_alert is not None:
+            self._on_alert(summary)
+        if self.cancel_on_tier2:  # the guard's numbers are all-reduced: every rank is here
+            self.trainer.cancel_run(f"spikeguard: Tier 2 at step {summary['step']} "
+                                    f"({'; '.join(summary['reasons'])})", no_sync=True)
 
     def _hook_losses(self, tm: Any) -> None:
         """Each micro-batch's mean cross-entropy (from model_forward) and log Z (from the
@@ -181,6 +197,8 @@ class _OlmoGuardLogic:
         self._batch_tokens = int(tokens) if tokens is not None else 0
 
     def pre_optim_step(self) -> None:
+        if self.guard.step_index < self.trainer.global_step:  # after TrainerConfig.steps_to_skip
+            self.guard.start_at(self.trainer.global_step)
         tm = self.trainer.train_module
         self._plain, tm.optim = tm.optim, self.parts.optimizer
 
@@ -224,6 +242,27 @@ class _OlmoGuardLogic:
             self.schedule.held_steps, self.schedule.held_tokens = (int(x) for x in
                                                                    state_dict["held"])
         self._restored = True
+
+
+def relaunch_config(config: Any, summary: dict[str, Any], *, save_folder: str | Path) -> Any:
+    """The rollback as a relaunch: ``config`` (the run's TrainerConfig) starting from the newest
+    checkpoint in its save folder at or before ``onset - 2`` (the guard's rollback rule), with the
+    steps ``onset..detection`` of the Tier 2 ``summary`` skipped (``steps_to_skip``), saving to a
+    new ``save_folder`` (the old one's newest checkpoint would win over ``load_path``)."""
+    from olmo_core.train import StepSkipRange
+
+    from ..checkpoint.info import rollback_target
+
+    old = Path(config.save_folder)
+    steps = [int(d.name[4:]) for d in old.glob("step*") if d.name[4:].isdigit() and d.is_dir()]
+    onset, detected = int(summary["onset_step"]), int(summary["step"])
+    target = rollback_target(onset, steps)
+    if target is None:
+        raise ValueError(f"no checkpoint in {old} at or before step {onset - 2} (the anomaly "
+                         f"began at {onset}; found {sorted(steps)}): nothing to roll back to")
+    skips = [*(config.steps_to_skip or []), StepSkipRange(start=onset, stop=detected + 1)]
+    return config.replace(save_folder=str(save_folder), load_path=str(old / f"step{target}"),
+                          steps_to_skip=skips)
 
 
 @functools.cache
