@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -51,8 +52,15 @@ def job(tmp_path_factory):
            f"--nproc-per-node={WORLD}",
            "-m", "tests._titan_job", str(out), "outlier", "outlier_lag1", "rollback", "refusals",
            "nan"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    log = proc.stdout + proc.stderr
+    # its own session: a job that hangs is killed whole (torchrun and every rank)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"the torchtitan job hung for 300 s:\n{log[-4000:]}")
     (out / "torchrun.log").write_text(log)
     for name in ("outlier", "outlier_lag1", "rollback", "refusals"):
         assert (out / name / "done").exists(), f"scenario {name} did not finish:\n{log[-4000:]}"
