@@ -123,8 +123,9 @@ class TitanBatches:
         self.skip_ranges: list[tuple[int, int]] = []
         self._it: Iterator[Any] | None = None
         self.counters = counters
-        """With read_lag 1: the trainer's own counters (its ``state_dict``), which ``snapshot``
-        takes with the dataloader's state for a checkpoint written a step late."""
+        """With read_lag 1: the trainer's own counters (its ``state_dict``), which
+        ``state_dict`` then carries with the dataloader's state (for a checkpoint written a step
+        late: torchtitan pickles the same dataloader state in its own checkpoints)."""
 
     def __iter__(self) -> TitanBatches:
         return self
