@@ -11,7 +11,8 @@ Each check is a function returning (passed, detail); add yours to CHECKS.
 - guard_no_sync: guarded fused-AdamW steps (healthy and skipped) under set_sync_debug_mode("error"),
   and the guard's overhead beyond clip + step on the GPU;
 - nccl_collectives: spikeguard._dist on a one-rank NCCL group without the one-rank shortcut (the
-  CUDA path of a CPU vote), and checkpoints saved and restored under NCCL alone.
+  CUDA path of a CPU vote), and checkpoints saved and restored under NCCL alone;
+- torchtitan_guard: the torchtitan integration's tests on the GPUs (benchmarks/gpu_titan.py).
 
     PYTHONPATH=src:. python benchmarks/gpu_check.py [--smoke]
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 import spikeguard as sg
+from benchmarks import gpu_titan
 
 __all__ = [
     "CHECKS",
@@ -361,6 +363,7 @@ def nccl_collectives(smoke: bool = False) -> tuple[bool, str]:
 
 
 CHECKS["nccl_collectives"] = nccl_collectives
+CHECKS["torchtitan_guard"] = gpu_titan.torchtitan_guard
 
 
 def main(argv: list[str] | None = None) -> int:
