@@ -101,8 +101,8 @@ class Guard:
         if not isinstance(precision, PrecisionRuntime):
             precision = (precision or PrecisionPolicy(kind="fp32")).runtime(model)
         self.recorder = Recorder(Sinks(sinks) if sinks is not None else None)
-        self.probes: Probes | None = (Probes(model, cfg.probes) if probes is True
-                                      else probes or None)
+        self.probes: Probes | None = (Probes(model, cfg.probes, optimizer=optimizer)
+                                      if probes is True else probes or None)
         self.named_params = list(model.named_parameters())
         self.params = [p for _, p in self.named_params]
         lag = cfg.read_lag

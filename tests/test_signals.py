@@ -1,0 +1,255 @@
+"""The early-warning signals (detect/signals.py) against float64 references, and sharded."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spikeguard as sg
+from spikeguard.detect.probes import ProbeConfig, Probes
+from spikeguard.detect.signals import SignalConfig, layer_of
+from tests.dist import run_distributed
+
+EVERY = SignalConfig(update_ratio_every=1, spike_share_every=1, logit_bound_every=1, spike_k=3.0)
+
+
+def _batch(seed=0, b=2, t=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (b, t), generator=g), torch.randint(0, 256, (b, t), generator=g)
+
+
+def _run(model, opt, probes, steps=3, seed=0, hook=None):
+    records = []
+    for t in range(steps):
+        probes.start_step(t)
+        x, y = _batch(seed + t)
+        model.loss(model(x), y).loss.backward()
+        if hook is not None:
+            hook(t)
+        opt.step()
+        records.append(probes.collect())
+        opt.zero_grad(set_to_none=True)
+    return records
+
+
+def test_update_ratio_and_spike_share_equal_float64_references():
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    probes = Probes(model, ProbeConfig(activation_max=False, layer_grad_norms=False,
+                                       signals=EVERY), optimizer=opt)
+    named = list(model.named_parameters())
+
+    def before(t):  # float64: the weights, and the spike test on the gradient and v
+        before.w = [p.detach().double().clone() for _, p in named]
+        hits = total = 0
+        for _, p in named:
+            v = opt.state.get(p, {}).get("exp_avg_sq")
+            if v is not None:
+                hits += int((p.grad.double() ** 2 > 3.0 * v.double()).sum())
+                total += p.numel()
+        before.spike = hits / max(total, 1)
+
+    records = []
+    for t in range(3):
+        probes.start_step(t)
+        x, y = _batch(t)
+        model.loss(model(x), y).loss.backward()
+        before(t)
+        w0, spike = before.w, before.spike
+        opt.step()
+        rec = probes.collect()
+        opt.zero_grad(set_to_none=True)
+        groups: dict[str, list[int]] = {}
+        for i, (n, _) in enumerate(named):
+            groups.setdefault(layer_of(n), []).append(i)
+        for g, idx in groups.items():
+            du = math.sqrt(sum(float(((named[i][1].detach().double() - w0[i]) ** 2).sum())
+                               for i in idx))
+            wn = math.sqrt(sum(float((w0[i] ** 2).sum()) for i in idx))
+            assert rec[f"update_ratio/{g}"] == pytest.approx(du / wn, rel=1e-5), (t, g)
+        assert rec["update_ratio"] == max(rec[f"update_ratio/{g}"] for g in groups)
+        assert rec["spike_share"] == pytest.approx(spike, abs=1e-6)
+        records.append(rec)
+    assert records[0]["spike_share"] == 0.0  # no second moment before the first step
+    assert 0.0 < records[1]["spike_share"] < 1.0
+
+
+def _max_logit(model, x):
+    """Largest |scale q.k| over every layer, head and visible pair, recomputed from the blocks'
+    inputs (an independent forward of the attention scores)."""
+    seen = []
+    hooks = [b.ln1.register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+             for b in model.blocks]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    best = 0.0
+    torch.set_grad_enabled(False)
+    try:
+        best = _scores_max(model, seen)
+    finally:
+        torch.set_grad_enabled(True)
+    return best
+
+
+def _scores_max(model, seen):
+    best = 0.0
+    for blk, xin in zip(model.blocks, seen):
+        cfg, attn = model.cfg, blk.attn
+        hd, h, hkv = cfg.head_dim, cfg.n_head, cfg.kv_heads
+        qkv = F.linear(xin.double(), attn.qkv.weight.double())
+        q, k, _ = qkv.split((h * hd, hkv * hd, hkv * hd), dim=-1)
+        q = q.view(*q.shape[:2], h, hd).transpose(1, 2)
+        k = k.view(*k.shape[:2], hkv, hd).transpose(1, 2).repeat_interleave(h // hkv, dim=1)
+        if attn.qk_norm is not None:
+            q = F.rms_norm(q, (hd,), attn.qk_norm.q_weight.double(), attn.qk_norm.eps)
+            k = F.rms_norm(k, (hd,), attn.qk_norm.k_weight.double(), attn.qk_norm.eps)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        t = s.shape[-1]
+        s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), 0.0)
+        best = max(best, float(s.abs().max()))
+    return best
+
+
+@pytest.mark.parametrize("knobs", [dict(n_head=4, n_kv_head=2), dict(qk_norm=True, pos="rope")])
+def test_logit_bound_is_never_below_the_measured_max_logit(knobs):
+    torch.manual_seed(1)
+    model = sg.GPT(sg.GPTConfig.tiny(**knobs))
+    with torch.no_grad():  # make the logits large: scale the query/key rows and the gains
+        qk_rows = model.cfg.d_model + model.cfg.kv_heads * model.cfg.head_dim
+        for i, blk in enumerate(model.blocks):
+            blk.attn.qkv.weight[:qk_rows].mul_(6.0 + 4 * i)
+            blk.ln1.weight.uniform_(0.5, 3.0)
+            blk.ln1.bias.normal_(0.0, 0.5)
+            if blk.attn.qk_norm is not None:
+                blk.attn.qk_norm.q_weight.uniform_(0.5, 4.0)
+                blk.attn.qk_norm.k_weight.uniform_(0.5, 4.0)
+    probes = Probes(model, ProbeConfig(activation_max=False, layer_grad_norms=False,
+                                       signals=EVERY))
+    probes.start_step(0)
+    rec = probes.collect()
+    bound = rec["attn_logit_bound"]
+    heads = rec["attn_logit_bound_heads"]
+    assert len(heads) == model.cfg.n_layer and len(heads[0]) == model.cfg.n_head
+    measured = max(_max_logit(model, _batch(s, b=4, t=64)[0]) for s in range(2))
+    # an input made of one repeated token maximises alignment of queries and keys
+    measured = max(measured, *(_max_logit(model, torch.full((1, 64), tok))
+                               for tok in range(0, 256, 51)))
+    assert bound >= measured > 1.0
+    _check_formula(model, heads)
+
+
+@torch.no_grad()
+def _check_formula(model, heads):
+    """The float64 formula, layer 0: QK-norm gains, or the rows' norms and ln1's gain and bias."""
+    cfg, blk = model.cfg, model.blocks[0]
+    hd = cfg.head_dim
+    if blk.attn.qk_norm is not None:
+        ref = (hd / math.sqrt(hd) * float(blk.attn.qk_norm.q_weight.double().norm(32))
+               * float(blk.attn.qk_norm.k_weight.double().norm(32)))
+        assert heads[0] == pytest.approx([ref] * cfg.n_head, rel=1e-6)
+    else:
+        w = blk.attn.qkv.weight.double()
+        x = (float(blk.ln1.weight.double().norm(32)) * math.sqrt(cfg.d_model)
+             + float(blk.ln1.bias.double().norm()))
+        kv = cfg.n_head // cfg.kv_heads
+        ref = [float(w[h * hd:(h + 1) * hd].norm()) * float(
+            w[cfg.d_model + (h // kv) * hd:cfg.d_model + (h // kv + 1) * hd].norm()) * x * x
+               / math.sqrt(hd) for h in range(cfg.n_head)]
+        assert heads[0] == pytest.approx(ref, rel=1e-5)
+
+
+def test_signal_intervals_and_a_step_without_update():
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = SignalConfig(update_ratio_every=2, spike_share_every=3, logit_bound_every=0)
+    probes = Probes(model, ProbeConfig(activation_max=False, layer_grad_norms=False,
+                                       signals=cfg), optimizer=opt)
+    recs = _run(model, opt, probes, steps=4)
+    assert [("update_ratio" in r) for r in recs] == [True, False, True, False]
+    assert [("spike_share" in r) for r in recs] == [True, False, False, True]
+    assert not any("attn_logit_bound" in r for r in recs)
+    probes.start_step(4)  # a step whose optimizer never ran (a skip off the fused path)
+    assert probes.collect()["update_ratio"] == 0.0
+    with pytest.raises(ValueError, match="spike_k"):
+        SignalConfig(spike_k=0.0)
+
+
+def _sharded_signals(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for kind in ("plain", "fsdp"):
+        torch.manual_seed(0)
+        model = sg.GPT(sg.GPTConfig.tiny(n_head=4, n_kv_head=2))
+        if kind == "fsdp":
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+        probes = Probes(model, ProbeConfig(activation_max=False, layer_grad_norms=False,
+                                           signals=EVERY), optimizer=opt)
+        calls: list[int] = []
+        real = torch.distributed.all_reduce
+
+        def spy(t, *a, calls=calls, real=real, **k):
+            calls.append(t.numel())
+            return real(t, *a, **k)
+
+        recs = []
+        for t in range(3):
+            probes.start_step(t)
+            x, y = _batch(t)  # the same batch on every rank: the mean gradient is one rank's
+            model.loss(model(x), y).loss.backward()
+            opt.step()
+            torch.distributed.all_reduce = spy
+            try:
+                recs.append(probes.collect())
+            finally:
+                torch.distributed.all_reduce = real
+            opt.zero_grad(set_to_none=True)
+        out[kind] = (recs, len(calls))
+    return out
+
+
+def test_sharded_signals_equal_one_process():
+    results = run_distributed(_sharded_signals, 2)
+    for rank in results:
+        plain, _ = rank["plain"]
+        fsdp, calls = rank["fsdp"]
+        assert calls == 3  # one all-reduce per signal step
+        for p, f in zip(plain, fsdp):
+            assert set(p) == set(f)
+            for key in p:
+                if key.endswith("_heads"):
+                    flat_f = [v for row in f[key] for v in row]
+                    assert flat_f == pytest.approx([v for row in p[key] for v in row], rel=1e-5)
+                else:
+                    assert f[key] == pytest.approx(p[key], rel=1e-5, abs=1e-9), key
+    assert results[0]["fsdp"][0] == results[1]["fsdp"][0]  # every rank holds the same numbers
+
+
+def test_a_guarded_run_records_the_signals_and_diagnose_reads_them(tmp_path):
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    cfg = sg.GuardConfig(probes=ProbeConfig(signals=SignalConfig(update_ratio_every=2)))
+    guard = sg.Guard(model, opt, config=cfg, probes=True,
+                     sinks=[sg.JsonlSink(tmp_path / "metrics.jsonl")])
+    for t in range(5):
+        x, y = _batch(t)
+        out = model.loss(model(x), y)
+        out.loss.backward()
+        guard.step(out)
+    guard.close()
+    from spikeguard.diagnose import read_log
+
+    log = read_log(tmp_path / "metrics.jsonl")
+    ratio = log.columns["update_ratio"]
+    assert list(log.missing["update_ratio"]) == [False, True, False, True, False]
+    assert (ratio[~log.missing["update_ratio"]] > 0).all()
+    assert set(log.columns) >= {"spike_share", "attn_logit_bound"}
