@@ -113,7 +113,7 @@ class Guard:
         self.updater = Updater(self.params, optimizer, precision,
                                DeviceGate(cfg.detector, precision.device), clip=cfg.clip,
                                respond=cfg.respond, scheduler=scheduler, pp_group=pp_group,
-                               tp_group=tp_group)
+                               tp_group=tp_group, clipping=cfg.clipping)
         self.attribution = Attribution(cfg.attribution, measure=self.updater.measure_rerun,
                                        ledger=self.ledger, sinks=self.recorder.sinks)
         self.weights = (WeightsProbe(self.updater, self.probes, read_lag=self.read_lag,
@@ -375,7 +375,8 @@ class Guard:
                 "detector": self.detector.state_dict(), "gate": self.gate.state_dict(),
                 "history": self.history.state_dict(), "batches": self.ledger.state_dict(),
                 "attribution": self.attribution.state_dict(),
-                "lr_ramp": self.updater.lr_ramp, "replay": self.responder.replay}
+                "lr_ramp": self.updater.lr_ramp, "replay": self.responder.replay,
+                "clip": self.updater.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
@@ -391,8 +392,7 @@ class Guard:
         # a rollback restores an older state: the budget already spent stays spent
         self.responder.rollbacks = max(self.rollbacks, int(state["rollbacks"]))
         self.ledger.load_state_dict(state["batches"])
-        ramp = state.get("lr_ramp")
-        self.updater.lr_ramp = tuple(ramp) if ramp else None
+        self.updater.load_state(state)  # the replay's LR ramp, the clipping statistics
         # like the budget, the last replay is outside the timeline a rollback restores
         if self.responder.replay is None and state.get("replay"):
             self.responder.replay = tuple(state["replay"])
