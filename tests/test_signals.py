@@ -1,5 +1,6 @@
 """The early-warning signals (detect/signals.py) against float64 references, and sharded."""
 
+import dataclasses
 import math
 
 import pytest
@@ -191,8 +192,10 @@ def _sharded_signals(rank, world):
                 fully_shard(block)
             fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+        # QK-Clip on too (below the start's bounds, so it rescales): the sharded rows and gains
+        signals = dataclasses.replace(EVERY, qk_clip=6.0)
         probes = Probes(model, ProbeConfig(activation_max=False, layer_grad_norms=False,
-                                           signals=EVERY), optimizer=opt)
+                                           signals=signals), optimizer=opt)
         calls: list[int] = []
         real = torch.distributed.all_reduce
 
@@ -221,7 +224,8 @@ def test_sharded_signals_equal_one_process():
     for rank in results:
         plain, _ = rank["plain"]
         fsdp, calls = rank["fsdp"]
-        assert calls == 3  # one all-reduce per signal step
+        assert calls == 3  # one all-reduce per signal step (QK-Clip's runs in the step)
+        assert max(f["attn_logit_bound"] for f in fsdp) <= 6.0 * (1 + 1e-5)
         for p, f in zip(plain, fsdp):
             assert set(p) == set(f)
             for key in p:
@@ -253,3 +257,45 @@ def test_a_guarded_run_records_the_signals_and_diagnose_reads_them(tmp_path):
     assert list(log.missing["update_ratio"]) == [False, True, False, True, False]
     assert (ratio[~log.missing["update_ratio"]] > 0).all()
     assert set(log.columns) >= {"spike_share", "attn_logit_bound"}
+
+
+@torch.no_grad()
+def _bound64(model):
+    """Every head's bound from the weights, float64 (the formula of detect/logit_bound.py)."""
+    cfg, out = model.cfg, []
+    hd, kv = cfg.head_dim, cfg.n_head // cfg.kv_heads
+    for blk in model.blocks:
+        qk = blk.attn.qk_norm
+        if qk is not None:
+            out += [math.sqrt(hd) * float(qk.q_weight.double().norm(32))
+                    * float(qk.k_weight.double().norm(32))] * cfg.n_head
+            continue
+        w = blk.attn.qkv.weight.double()
+        x = (float(blk.ln1.weight.double().norm(32)) * math.sqrt(cfg.d_model)
+             + float(blk.ln1.bias.double().norm()))
+        out += [float(w[h * hd:(h + 1) * hd].norm()) * float(
+            w[cfg.d_model + (h // kv) * hd:cfg.d_model + (h // kv + 1) * hd].norm())
+            * x * x / math.sqrt(hd) for h in range(cfg.n_head)]
+    return out
+
+
+@pytest.mark.parametrize("knobs", [dict(n_head=4, n_kv_head=2), dict(qk_norm=True)])
+def test_qk_clip_holds_the_bound_after_every_step(knobs):
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny(**knobs))
+    tau = 0.8 * min(_bound64(model))  # below every head's bound at the start: it must fire
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    probes = Probes(model, ProbeConfig(activation_max=False, layer_grad_norms=False,
+                                       signals=SignalConfig(qk_clip=tau)), optimizer=opt)
+    for t in range(3):
+        probes.start_step(t)
+        x, y = _batch(t)
+        model.loss(model(x), y).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        after = _bound64(model)
+        assert max(after) <= tau * (1 + 1e-5)
+        assert _max_logit(model, _batch(t, b=2, t=64)[0]) <= tau
+    assert max(after) == pytest.approx(tau, rel=1e-4)  # the worst head sits at tau, not below
+    with pytest.raises(ValueError, match="qk_clip"):
+        SignalConfig(qk_clip=-1.0)

@@ -15,14 +15,10 @@ ride in the guard's read-back vector, like the probes'):
   (Huang et al., 2025). Measured on the gradient the optimizer takes (after clipping), in the
   optimizer's step pre-hook; elements without a second moment yet do not count.
 - ``attn_logit_bound``: an upper bound on every attention logit of the next forward, from the
-  weights alone (no attention pass), with its layer and the [layer][head] table. For a block
-  ``x -> ln1 -> attn`` of the reference GPT: with QK-norm, ``scale * hd * max|g_q| * max|g_k|``
-  (a normalised vector of hd channels has norm at most ``sqrt(hd) * max gain``); without it,
-  ``scale * ||W_q^h||_F * ||W_k^h||_F * X^2`` with ``X = max|g| sqrt(d) + ||b||`` for ln1's
-  gain g and bias b (``||x||`` after a LayerNorm) and the Frobenius norm bounding the spectral
-  one. RoPE rotates and keeps norms; a cap only lowers logits. Each max is taken as a 32-norm
-  (``max|g| <= ||g||_32``: a sum, so it reduces like the others, at most ``n^(1/32)`` above
-  the max), which keeps the bound an upper bound under any sharding.
+  weights alone (no attention pass), with its layer and the [layer][head] table
+  (``detect/logit_bound.py`` derives it). With ``qk_clip`` set, QK-Clip (Kimi K2) rescales the
+  query and key weights of each head whose bound passes it after every update (an all-reduce a
+  step), so the bound holds after each step.
 
 Sharding (FSDP2, HSDP, TP through DTensor placements; plain tensors count as replicated, DDP):
 each rank sums its local pieces weighted by how many ranks hold a copy (``_grad_layout``), and
@@ -34,7 +30,6 @@ steps alike (they follow the step index).
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -43,14 +38,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._dist import world_size
+from .._dist import collective_device, world_size
 from .._validate import check_int, check_positive
-from ._grad_layout import _dtensor_piece
+from .logit_bound import attention_blocks, bound_parts, bounds, local_piece, qk_clip_, sumsq
 
 __all__ = ["SignalConfig", "SignalValues", "Signals", "layer_of"]
 
 _F64 = torch.float64
-_P = 32.0  # the p of the p-norm that stands in for a max (see the module docstring)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -66,12 +60,18 @@ class SignalConfig:
     """A gradient element is a spike when g^2 > spike_k x its second moment (SPAM's 5,000)."""
     logit_bound_every: int = 10
     """Steps between attention-logit bound readings (0: off); reads only the attention weights."""
+    qk_clip: float | None = None
+    """QK-Clip: after each update, rescale the query and key weights of a head whose logit
+    bound passes this (Kimi K2's tau: 100); None: off."""
 
     def __post_init__(self) -> None:
         for name in ("update_ratio_every", "spike_share_every", "logit_bound_every"):
             check_int(getattr(self, name), f"SignalConfig.{name}", minimum=0,
                       default=getattr(type(self), name))
         check_positive(self.spike_k, "SignalConfig.spike_k", default=5000.0)
+        if self.qk_clip is not None:
+            check_positive(self.qk_clip, "SignalConfig.qk_clip", default=100.0,
+                           hint="None turns QK-Clip off")
 
 
 def layer_of(name: str) -> str:
@@ -80,48 +80,6 @@ def layer_of(name: str) -> str:
     if len(parts) > 2 and parts[1].isdigit():
         return ".".join(parts[:2])
     return parts[0] if len(parts) > 1 else name
-
-
-def _local(t: torch.Tensor, world: int) -> tuple[torch.Tensor, int, int]:
-    """(local piece, copies, global row offset of the piece) of a parameter-like tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        local, copies, _ = _dtensor_piece(t, world, 1)
-        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return local, copies, int(offset[0]) if offset else 0
-    return t, world, 0
-
-
-def _sumsq(t: torch.Tensor) -> torch.Tensor:
-    dtype = _F64 if t.dtype == _F64 else torch.float32
-    return torch.linalg.vector_norm(t, dtype=dtype).to(_F64).square()
-
-
-def _psum(t: torch.Tensor) -> torch.Tensor:
-    """sum |t|^P in float64 (an empty piece adds 0)."""
-    return t.detach().to(_F64).abs().pow(_P).sum()
-
-
-@dataclass
-class _Head:
-    """One attention block whose logits the bound covers."""
-
-    ln: nn.Module
-    attn: nn.Module
-
-
-def _attention_blocks(model: nn.Module) -> list[_Head]:
-    """Blocks ``x -> ln1 -> attn`` of the reference GPT layout (attn with ``qkv`` and ``cfg``)."""
-    found = []
-    for m in model.modules():
-        ln, attn = getattr(m, "ln1", None), getattr(m, "attn", None)
-        if (isinstance(ln, nn.LayerNorm) and attn is not None and hasattr(attn, "qkv")
-                and hasattr(attn, "cfg")):
-            found.append(_Head(ln, attn))
-    return found
 
 
 @dataclass
@@ -173,7 +131,7 @@ class Signals:
         for i, (name, _) in enumerate(self.named):
             groups[layer_of(name)].append(i)
         self.groups = dict(groups)
-        self.blocks = _attention_blocks(model) if cfg.logit_bound_every else []
+        self.blocks = attention_blocks(model)
         self._step = 0
         self._snapshot: list[torch.Tensor] | None = None
         self._update: torch.Tensor | None = None
@@ -181,7 +139,8 @@ class Signals:
         self._hooks = []
         self.paused = False
         """True while a re-run's update is applied (Probes.quiet): the step's readings stay."""
-        if optimizer is not None and (cfg.update_ratio_every or cfg.spike_share_every):
+        if optimizer is not None and (cfg.update_ratio_every or cfg.spike_share_every
+                                      or cfg.qk_clip is not None):
             self._hooks = [optimizer.register_step_pre_hook(self._pre),
                            optimizer.register_step_post_hook(self._post)]
 
@@ -209,21 +168,23 @@ class Signals:
         if self._due(self._step, self.config.spike_share_every):
             self._spike = self.spike_counts(world)
         if self._due(self._step, self.config.update_ratio_every):
-            self._snapshot = [_local(p.detach(), world)[0].clone() for _, p in self.named]
+            self._snapshot = [local_piece(p.detach(), world)[0].clone() for _, p in self.named]
 
     @torch.no_grad()
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.config.qk_clip is not None and self.blocks:  # after every applied update
+            qk_clip_(self.blocks, self.config.qk_clip, self._device())
         if self._snapshot is None or self.paused:
             return
         world = world_size()
         sums = torch.zeros(2 * len(self.groups), dtype=_F64, device=self._device())
         for j, idx in enumerate(self.groups.values()):
             for i in idx:
-                now, copies, _ = _local(self.named[i][1].detach(), world)
+                now, copies, _ = local_piece(self.named[i][1].detach(), world)
                 before = self._snapshot[i]
                 if before.numel():
-                    sums[j] += _sumsq(now - before).to(sums.device) / copies
-                    sums[len(self.groups) + j] += _sumsq(before).to(sums.device) / copies
+                    sums[j] += sumsq(now - before).to(sums.device) / copies
+                    sums[len(self.groups) + j] += sumsq(before).to(sums.device) / copies
         self._update, self._snapshot = sums, None
 
     def spike_counts(self, world: int) -> torch.Tensor:
@@ -235,8 +196,8 @@ class Signals:
             v = state.get(p, {}).get("exp_avg_sq") if p.grad is not None else None
             if v is None:  # no second moment before the optimizer's first step
                 continue
-            g, copies, _ = _local(p.grad, world)
-            v, _, _ = _local(v, world)
+            g, copies, _ = local_piece(p.grad, world)
+            v, _, _ = local_piece(v, world)
             if not g.numel():
                 continue
             hit = (g.float().square() > self.config.spike_k * v.float()).sum()
@@ -244,60 +205,8 @@ class Signals:
             out[1] += g.numel() / copies
         return out
 
-    # -- the bound ------------------------------------------------------------------------------
-    def _bound_parts(self, world: int) -> tuple[torch.Tensor, int]:
-        """This rank's share of, per block: [sum |ln g|^P, ||ln b||^2, sum |g_q|^P, sum |g_k|^P,
-        q rows' sums of squares per head, k rows' per kv head]; and the heads per block."""
-        dev = self._device()
-        parts, n_heads = [], 0
-        for blk in self.blocks:
-            cfg = blk.attn.cfg
-            h, h_kv, hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
-            n_heads = h
-            vec = torch.zeros(4 + h + h_kv, dtype=_F64, device=dev)
-            g, c, _ = _local(blk.ln.weight.detach(), world)
-            vec[0] += _psum(g).to(dev) / c
-            if blk.ln.bias is not None:
-                b, c, _ = _local(blk.ln.bias.detach(), world)
-                vec[1] += _sumsq(b).to(dev) / c
-            qk = blk.attn.qk_norm
-            if qk is not None:
-                for slot, w in ((2, qk.q_weight), (3, qk.k_weight)):
-                    w, c, _ = _local(w.detach(), world)
-                    vec[slot] += _psum(w).to(dev) / c
-            else:
-                w, c, offset = _local(blk.attn.qkv.weight.detach(), world)
-                rows = torch.zeros(h * hd + 2 * h_kv * hd, dtype=_F64, device=dev)
-                if w.numel():
-                    rows[offset:offset + w.shape[0]] = torch.linalg.vector_norm(
-                        w, dim=1, dtype=torch.float32).to(dev, _F64).square() / c
-                vec[4:4 + h] = rows[:h * hd].view(h, hd).sum(1)
-                vec[4 + h:] = rows[h * hd:h * hd + h_kv * hd].view(h_kv, hd).sum(1)
-            parts.append(vec)
-        return torch.cat(parts), n_heads
-
-    def _bound(self, sums: torch.Tensor) -> torch.Tensor:
-        """[layers * heads] bounds from the all-reduced parts."""
-        out, at = [], 0
-        for blk in self.blocks:
-            cfg = blk.attn.cfg
-            h, h_kv, hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
-            vec = sums[at:at + 4 + h + h_kv]
-            at += 4 + h + h_kv
-            scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(hd)
-            if blk.attn.qk_norm is not None:
-                b = scale * hd * vec[2].pow(1 / _P) * vec[3].pow(1 / _P)
-                out.append(b.expand(h))
-            else:
-                x = vec[0].pow(1 / _P) * math.sqrt(cfg.d_model) + vec[1].sqrt()
-                q, k = vec[4:4 + h].sqrt(), vec[4 + h:].sqrt()
-                out.append(scale * q * k.repeat_interleave(h // h_kv) * x.square())
-        return torch.cat(out)
-
     # -- the step's values ----------------------------------------------------------------------
     def _device(self) -> torch.device:
-        from .._dist import collective_device
-
         dev = self.named[0][1].device if self.named else torch.device("cpu")
         return collective_device(preferred=dev) if world_size() > 1 else dev
 
@@ -310,6 +219,7 @@ class Signals:
         spike = self._spike is not None or (self._due(self._step, cfg.spike_share_every)
                                             and self.optimizer is not None)
         bound = bool(self.blocks) and self._due(self._step, cfg.logit_bound_every)
+        n_heads = self.blocks[0].attn.cfg.n_head if self.blocks else 0
         if not (ratio or spike or bound):
             return SignalValues(None, [], False, None)
         dev, n_groups = self._device(), len(self.groups)
@@ -320,10 +230,8 @@ class Signals:
         if spike:
             parts.append(self._spike if self._spike is not None
                          else torch.zeros(2, dtype=_F64, device=dev))
-        n_heads = 0
         if bound:
-            b, n_heads = self._bound_parts(world)
-            parts.append(b)
+            parts.append(bound_parts(self.blocks, world, dev))
         vec = torch.cat([p.to(dev) for p in parts])
         if world > 1:
             dist.all_reduce(vec)
@@ -336,7 +244,7 @@ class Signals:
             out.append((vec[at] / vec[at + 1].clamp(min=1.0)).reshape(1))
             at += 2
         if bound:
-            out.append(self._bound(vec[at:]))
+            out.append(bounds(self.blocks, vec[at:]))
         self._update = self._spike = None
         return SignalValues(torch.cat(out), list(self.groups) if ratio else [], spike,
                             (len(self.blocks), n_heads) if bound else None)
