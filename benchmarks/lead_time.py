@@ -35,7 +35,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.detection import FAULT_SPECS, _append, _code_version, _job, _key, _repair, load_results
+from benchmarks.detection import (
+    FAULT_SPECS,
+    _append,
+    _code_version,
+    _job,
+    _key,
+    _repair,
+    load_results,
+)
 
 __all__ = ["FAULTS", "RULES", "crossings", "jobs", "main", "run_series", "score"]
 
@@ -131,7 +139,7 @@ def crossings(values: list[float | None], rule: tuple[str, float, float]) -> lis
 def score(lines: list[dict[str, Any]]) -> dict[str, Any]:
     """Per signal: lead per fault (median over seeds and the list) and clean false alarms."""
     table: dict[str, Any] = {}
-    signals = list(RULES) + ["guard"]
+    signals = [*RULES, "guard"]
     for sig in signals:
         row: dict[str, Any] = {"leads": {}, "false_alarms": 0, "clean_steps": 0}
         for d in lines:

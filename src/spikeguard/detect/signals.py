@@ -40,7 +40,8 @@ from torch import nn
 
 from .._dist import collective_device, world_size
 from .._validate import check_int, check_positive
-from .logit_bound import attention_blocks, bound_parts, bounds, local_piece, qk_clip_, sumsq
+from ._grad_layout import tensor_norms
+from .logit_bound import attention_blocks, bound_parts, bounds, local_piece, qk_clip_
 
 __all__ = ["SignalConfig", "SignalValues", "Signals", "layer_of"]
 
@@ -136,6 +137,9 @@ class Signals:
         self._snapshot: list[torch.Tensor] | None = None
         self._update: torch.Tensor | None = None
         self._spike: torch.Tensor | None = None
+        self._copies: torch.Tensor | None = None
+        self._group_index: torch.Tensor | None = None
+        self._order: torch.Tensor | None = None
         self._hooks = []
         self.paused = False
         """True while a re-run's update is applied (Probes.quiet): the step's readings stay."""
@@ -168,7 +172,15 @@ class Signals:
         if self._due(self._step, self.config.spike_share_every):
             self._spike = self.spike_counts(world)
         if self._due(self._step, self.config.update_ratio_every):
-            self._snapshot = [local_piece(p.detach(), world)[0].clone() for _, p in self.named]
+            self._snapshot = torch._foreach_mul(self._locals(world)[0], 1.0)  # copies
+
+    def _locals(self, world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every parameter's local piece, and their copy counts (float64, on the device)."""
+        pieces = [local_piece(p.detach(), world) for _, p in self.named]
+        if self._copies is None:
+            self._copies = torch.tensor([c for _, c, _ in pieces], dtype=_F64,
+                                        device=self._device())
+        return [t for t, _, _ in pieces], self._copies
 
     @torch.no_grad()
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -176,34 +188,45 @@ class Signals:
             qk_clip_(self.blocks, self.config.qk_clip, self._device())
         if self._snapshot is None or self.paused:
             return
-        world = world_size()
-        sums = torch.zeros(2 * len(self.groups), dtype=_F64, device=self._device())
-        for j, idx in enumerate(self.groups.values()):
-            for i in idx:
-                now, copies, _ = local_piece(self.named[i][1].detach(), world)
-                before = self._snapshot[i]
-                if before.numel():
-                    sums[j] += sumsq(now - before).to(sums.device) / copies
-                    sums[len(self.groups) + j] += sumsq(before).to(sums.device) / copies
+        now, copies = self._locals(world_size())
+        dev, n = copies.device, len(self.groups)
+        moved = tensor_norms(torch._foreach_sub(now, self._snapshot), dev).to(_F64)
+        before = tensor_norms(self._snapshot, dev).to(_F64)
+        if self._group_index is None:
+            self._group_index = torch.tensor([j for j, idx in enumerate(self.groups.values())
+                                              for _ in idx], device=dev)
+            self._order = torch.tensor([i for idx in self.groups.values() for i in idx],
+                                       device=dev)
+        sums = torch.zeros(2 * n, dtype=_F64, device=dev)
+        sums.index_add_(0, self._group_index, (moved.square() / copies)[self._order])
+        sums.index_add_(0, self._group_index + n, (before.square() / copies)[self._order])
         self._update, self._snapshot = sums, None
 
     def spike_counts(self, world: int) -> torch.Tensor:
         """This rank's share of [elements with g^2 > spike_k v, elements with a second moment],
-        float64 on the device; g the local gradient, v the optimizer's ``exp_avg_sq``."""
-        out = torch.zeros(2, dtype=_F64, device=self._device())
+        float64 on the device; g the local gradient, v the optimizer's ``exp_avg_sq`` (a few
+        foreach kernels: ``max(g^2 - k v, 0)``, then its count of non-zeros)."""
+        dev = self._device()
         state = self.optimizer.state if self.optimizer is not None else {}
+        gs, vs, copies = [], [], []
         for _, p in self.named:
             v = state.get(p, {}).get("exp_avg_sq") if p.grad is not None else None
             if v is None:  # no second moment before the optimizer's first step
                 continue
-            g, copies, _ = local_piece(p.grad, world)
-            v, _, _ = local_piece(v, world)
-            if not g.numel():
-                continue
-            hit = (g.float().square() > self.config.spike_k * v.float()).sum()
-            out[0] += hit.to(out.device, _F64) / copies
-            out[1] += g.numel() / copies
-        return out
+            g, c, _ = local_piece(p.grad, world)
+            v = local_piece(v, world)[0]
+            if g.numel():
+                gs.append(g if g.dtype == v.dtype else g.to(v.dtype))
+                vs.append(v)
+                copies.append(c)
+        if not gs:
+            return torch.zeros(2, dtype=_F64, device=dev)
+        excess = torch._foreach_addcmul(torch._foreach_mul(vs, -self.config.spike_k), gs, gs)
+        torch._foreach_clamp_min_(excess, 0.0)
+        c = torch.tensor(copies, dtype=_F64, device=dev)
+        hits = (tensor_norms(excess, dev, 0.0).to(_F64) / c).sum()
+        total = sum(g.numel() / k for g, k in zip(gs, copies))
+        return torch.stack([hits, torch.full((), total, dtype=_F64, device=dev)])
 
     # -- the step's values ----------------------------------------------------------------------
     def _device(self) -> torch.device:
