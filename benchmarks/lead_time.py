@@ -14,11 +14,16 @@ steps) and ``logit-drift`` (0.05 a step), plus ``slow-drift`` (``logit-drift@150
 at LR 1e-3, 3e-3 and 6e-3, 300 steps.
 
 A signal *crosses* at step t when its value exceeds ``RULES``'s threshold against the median of
-its previous 16 readings (armed after 16 readings; a ratio, or for log Z a difference). The loss
-peak is the step of the largest loss in the 100 steps from the fault; the lead is peak minus the
-first crossing at or after the fault (none when it crosses only after the peak).
+its previous ``WINDOW`` (32) readings (armed after 32 readings; a ratio, or for log Z a
+difference). A faulted run has a loss peak when the largest loss in the 100 steps from the
+fault is at least ``PEAK`` (1.2) times the median of the 16 losses before it; the lead is peak
+minus the first crossing at or after the fault (``-`` when it crosses only after the peak, or
+never). Beside it, the delay: the first crossing minus the fault's step, for every faulted run
+(peak or not). ``--defenses none`` runs the faults without z-loss, QK-norm and clipping (the
+same baseline as ``spikeguard train --defenses none``), where the slow faults do diverge.
 
     PYTHONPATH=src:. nice -n 5 python benchmarks/lead_time.py --seeds 0 1 2 3 4
+    PYTHONPATH=src:. nice -n 5 python benchmarks/lead_time.py --defenses none --seeds 0 1 2
     PYTHONPATH=src:. python benchmarks/lead_time.py --table     # re-score the results file
 """
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -58,22 +64,25 @@ RULES: dict[str, tuple[str, float, float]] = {
     "grad_norm": ("ratio", 3.0, 0.0),          # the detector's grad_k
     "log_z": ("delta", 1.0, 0.0),
     "update_ratio": ("ratio", 2.0, 0.0),       # Marin's "about 2x"
-    "spike_share": ("ratio", 10.0, 1e-4),      # one element in 10,000 past 5,000 x v
+    "spike_share": ("ratio", 10.0, 1e-3),      # one element in 1,000 past 5,000 x v
     "attn_logit_bound": ("ratio", 1.5, 0.0),
     "attn_logit_p99": ("ratio", 1.5, 0.0),
 }
-WINDOW = 16
+WINDOW = 32
+PEAK = 1.2
 
 
-def jobs(seeds: list[int]) -> list[dict[str, Any]]:
-    """The lead-time runs: every fault, then the clean cells, on the unguarded arm."""
+def jobs(seeds: list[int], defenses: str = "all") -> list[dict[str, Any]]:
+    """The lead-time runs: every fault, then the clean cells, on the unguarded arm (with
+    ``defenses="none"``: the faults only, with no defenses)."""
     out = []
     for seed in seeds:
         for name, spec in FAULTS.items():
             j = _job("fault", "tiny", LR, STEPS, seed, "unguarded")
-            j.update(cell=f"lead/{name}", fault=name, fault_spec=spec, fault_step=FAULT_AT)
+            j.update(cell=f"lead/{name}", fault=name, fault_spec=spec, fault_step=FAULT_AT,
+                     defenses=defenses)
             out.append(j)
-        for lr in CLEAN_LRS:
+        for lr in CLEAN_LRS if defenses == "all" else ():
             j = _job("clean", "tiny", lr, STEPS, seed, "unguarded")
             j["cell"] = f"lead/clean/lr{lr:g}"
             out.append(j)
@@ -97,7 +106,7 @@ def run_series(job: dict[str, Any]) -> dict[str, Any]:
                       lr=job["lr"], seed=job["seed"], guard=GuardConfig(respond=False,
                                                                          probes=probes),
                       inject=(job["fault_spec"],) if job.get("fault_spec") else (), out=out,
-                      progress=False, plot=False)
+                      progress=False, plot=False, defenses=job.get("defenses", "all"))
     start = time.perf_counter()
     try:
         result = train(cfg, echo=False)
@@ -141,7 +150,7 @@ def score(lines: list[dict[str, Any]]) -> dict[str, Any]:
     table: dict[str, Any] = {}
     signals = [*RULES, "guard"]
     for sig in signals:
-        row: dict[str, Any] = {"leads": {}, "false_alarms": 0, "clean_steps": 0}
+        row: dict[str, Any] = {"leads": {}, "delays": {}, "false_alarms": 0, "clean_steps": 0}
         for d in lines:
             s = d["series"]
             if sig == "guard":
@@ -154,20 +163,35 @@ def score(lines: list[dict[str, Any]]) -> dict[str, Any]:
                 row["false_alarms"] += len(cross)
                 row["clean_steps"] += len(s["loss"])
                 continue
-            loss = s["loss"]
+            loss = [(v if v is not None and v == v else math.inf) for v in s["loss"]]
             at = d["fault_step"]
             end = min(len(loss), at + 100)
-            window = [(v if v is not None else -1.0) for v in loss[at:end]]
-            peak = at + max(range(len(window)), key=window.__getitem__)
+            peak = max(range(at, end), key=loss.__getitem__)
+            before = statistics.median(loss[at - 16:at])
+            first = next((c for c in cross if c >= at), None)
+            row["delays"].setdefault(d["fault"], []).append(None if first is None else first - at)
+            if loss[peak] < PEAK * before:  # no loss event to lead
+                row["leads"].setdefault(d["fault"], []).append("no peak")
+                continue
             first = next((c for c in cross if at <= c <= peak), None)
             row["leads"].setdefault(d["fault"], []).append(None if first is None else peak - first)
         table[sig] = row
     return table
 
 
+def _cell(values: list[Any]) -> str:
+    """'median (per seed)': '-' for no crossing, 'np' for a run without a loss peak."""
+    got = [x for x in values if isinstance(x, int)]
+    med = statistics.median(got) if got and len(got) > len(values) / 2 else None
+    per = ",".join("np" if x == "no peak" else "-" if x is None else str(x) for x in values)
+    return f"{'-' if med is None else f'{med:g}'} ({per})"
+
+
 def format_table(table: dict[str, Any]) -> str:
+    """Per signal and fault: lead before the loss peak and delay after the fault (median over
+    seeds, then each seed), and the clean runs' false alarms."""
     faults = list(FAULTS)
-    head = ("| signal | rule | " + " | ".join(f"{f}: lead (median; per seed)" for f in faults)
+    head = ("| signal | rule | " + " | ".join(f"{f}: lead; delay" for f in faults)
             + " | clean false alarms / 1k steps |")
     lines = [head, "|" + "---|" * (3 + len(faults))]
     for sig, row in table.items():
@@ -175,29 +199,32 @@ def format_table(table: dict[str, Any]) -> str:
         rtext = ("tier >= 1 verdict" if rule is None else
                  (f"> median + {rule[1]:g}" if rule[0] == "delta" else f"> {rule[1]:g}x median"
                   + (f", > {rule[2]:g}" if rule[2] else "")))
-        cells = []
-        for f in faults:
-            leads = row["leads"].get(f, [])
-            got = [x for x in leads if x is not None]
-            med = statistics.median(got) if len(got) > len(leads) / 2 else None
-            per = ",".join("-" if x is None else str(x) for x in leads)
-            cells.append(f"{'-' if med is None else f'{med:g}'} ({per})")
-        fa = 1000 * row["false_alarms"] / max(row["clean_steps"], 1)
-        lines.append(f"| {sig} | {rtext} | " + " | ".join(cells) + f" | {fa:.1f} |")
+        cells = [f"{_cell(row['leads'].get(f, []))}; {_cell(row['delays'].get(f, []))}"
+                 for f in faults]
+        fa = (f"{1000 * row['false_alarms'] / row['clean_steps']:.1f}" if row["clean_steps"]
+              else "-")
+        lines.append(f"| {sig} | {rtext} | " + " | ".join(cells) + f" | {fa} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
-    p.add_argument("--results", type=Path, default=Path("benchmarks/results/lead_time.jsonl"))
+    p.add_argument("--defenses", choices=("all", "none"), default="all",
+                   help="none: the faults without z-loss, QK-norm and clipping")
+    p.add_argument("--results", type=Path, default=None,
+                   help="default benchmarks/results/lead_time.jsonl (lead_time_none.jsonl "
+                        "with --defenses none)")
     p.add_argument("--table", action="store_true", help="only score the results file")
     args = p.parse_args(argv)
+    if args.results is None:
+        suffix = "" if args.defenses == "all" else "_none"
+        args.results = Path(f"benchmarks/results/lead_time{suffix}.jsonl")
     if not args.table:
         args.results.parent.mkdir(parents=True, exist_ok=True)
         _repair(args.results)
         done = {_key(d) for d in load_results(args.results)}
-        todo = [j for j in jobs(args.seeds) if _key(j) not in done]
+        todo = [j for j in jobs(args.seeds, args.defenses) if _key(j) not in done]
         code = _code_version()
         for i, job in enumerate(todo, 1):
             line = run_series(job)
