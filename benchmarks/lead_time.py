@@ -123,9 +123,10 @@ def run_series(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _num(v: Any) -> float | None:
-    if isinstance(v, str):
-        return float(v)
-    return v
+    """A record's number (the sinks write non-finite ones as strings), to 5 significant digits."""
+    if v is None:
+        return None
+    return float(f"{float(v):.5g}")
 
 
 def crossings(values: list[float | None], rule: tuple[str, float, float]) -> list[int]:

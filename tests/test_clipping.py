@@ -1,8 +1,8 @@
-"""Adaptive clipping (prevent/clipping.py) against float64 references, its state, and sharded."""
+"""Adaptive clipping (prevent/clipping.py) against float64 references and its state (sharded:
+tests/test_signals.py runs it in the same 2-rank spawn as the signals)."""
 
 import json
 import math
-import warnings
 
 import pytest
 import torch
@@ -10,7 +10,6 @@ import torch
 import spikeguard as sg
 from spikeguard.detect.gradnorm import grad_stats
 from spikeguard.prevent.clipping import ClipConfig, Clipper
-from tests.dist import run_distributed
 
 
 def _params(seed, n=3, scale=None):
@@ -127,7 +126,7 @@ def test_state_round_trip_continues_as_never_stopping(mode):
         model = sg.GPT(sg.GPTConfig.tiny())
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
         guard = sg.Guard(model, opt, config=cfg)
-        for t in range(8):
+        for t in range(6):
             if t == stop:  # save, build a new guard on the same model and optimizer, load
                 state = json.loads(json.dumps(guard.state_dict()))
                 guard = sg.Guard(model, opt, config=cfg)
@@ -139,47 +138,7 @@ def test_state_round_trip_continues_as_never_stopping(mode):
             guard.step(out)
         return [p.detach().clone() for p in model.parameters()], guard.state_dict()["clip"]
 
-    (straight, s1), (resumed, s2) = run(), run(stop=5)
+    (straight, s1), (resumed, s2) = run(), run(stop=4)
     assert s1 == s2 and s1["mode"] == mode
     for a, b in zip(straight, resumed):
         assert torch.equal(a, b)
-
-
-def _sharded_clip(rank, world):
-    from torch.distributed.fsdp import fully_shard
-
-    out = {}
-    for mode in ("zscore", "adagc", "spam"):
-        finals = {}
-        for kind in ("one", "fsdp"):
-            torch.manual_seed(0)
-            model = sg.GPT(sg.GPTConfig.tiny())
-            if kind == "fsdp":
-                for block in model.blocks:
-                    fully_shard(block)
-                fully_shard(model)
-            params = list(model.parameters())
-            opt = torch.optim.AdamW(params, lr=1e-2, foreach=False)
-            clipper = Clipper(ClipConfig(clip_mode=mode, warmup=2, spam_k=2.0), 0.5, params)
-            for t in range(3):
-                g = torch.Generator().manual_seed(t)
-                x = torch.randint(0, 256, (4, 33), generator=g)  # the same batch on each rank
-                model.loss(model(x[:, :-1]), x[:, 1:]).loss.backward()
-                # "one": plain replicated weights, each rank the whole model (one process's
-                # numbers: the all-reduce adds two halves of the same share)
-                with warnings.catch_warnings():  # "plain gradients treated as replicated": yes
-                    warnings.simplefilter("ignore", UserWarning)
-                    stats = grad_stats(params, per_tensor=clipper.per_tensor)
-                clipper.clip_(stats, opt, torch.zeros((), dtype=torch.bool))
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            finals[kind] = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-                            for p in params]
-        out[mode] = max(float((a - b).abs().max()) for a, b in zip(finals["one"], finals["fsdp"]))
-    return out
-
-
-def test_sharded_clipping_equals_one_process():
-    for result in run_distributed(_sharded_clip, 2):
-        for mode, diff in result.items():
-            assert diff < 2e-5, (mode, diff)  # fp32 rounding of sharded vs whole AdamW, no more

@@ -2,14 +2,17 @@
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import spikeguard as sg
+from spikeguard.detect.gradnorm import grad_stats
 from spikeguard.detect.probes import ProbeConfig, Probes
 from spikeguard.detect.signals import SignalConfig, layer_of
+from spikeguard.prevent.clipping import ClipConfig, Clipper
 from tests.dist import run_distributed
 
 EVERY = SignalConfig(update_ratio_every=1, spike_share_every=1, logit_bound_every=1, spike_k=3.0)
@@ -219,8 +222,51 @@ def _sharded_signals(rank, world):
     return out
 
 
-def test_sharded_signals_equal_one_process():
-    results = run_distributed(_sharded_signals, 2)
+def _sharded_clip(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for mode in ("zscore", "adagc", "spam"):
+        finals = {}
+        for kind in ("one", "fsdp"):
+            torch.manual_seed(0)
+            model = sg.GPT(sg.GPTConfig.tiny())
+            if kind == "fsdp":
+                for block in model.blocks:
+                    fully_shard(block)
+                fully_shard(model)
+            params = list(model.parameters())
+            opt = torch.optim.AdamW(params, lr=1e-2, foreach=False)
+            clipper = Clipper(ClipConfig(clip_mode=mode, warmup=2, spam_k=2.0), 0.5, params)
+            for t in range(3):
+                g = torch.Generator().manual_seed(t)
+                x = torch.randint(0, 256, (4, 33), generator=g)  # the same batch on each rank
+                model.loss(model(x[:, :-1]), x[:, 1:]).loss.backward()
+                # "one": plain replicated weights, each rank the whole model (one process's
+                # numbers: the all-reduce adds two halves of the same share)
+                with warnings.catch_warnings():  # "plain gradients treated as replicated": yes
+                    warnings.simplefilter("ignore", UserWarning)
+                    stats = grad_stats(params, per_tensor=clipper.per_tensor)
+                clipper.clip_(stats, opt, torch.zeros((), dtype=torch.bool))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            finals[kind] = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                            for p in params]
+        out[mode] = max(float((a - b).abs().max()) for a, b in zip(finals["one"], finals["fsdp"]))
+    return out
+
+
+def _sharded(rank, world):
+    return {"signals": _sharded_signals(rank, world), "clip": _sharded_clip(rank, world)}
+
+
+def test_sharded_signals_and_clipping_equal_one_process():
+    """One spawn for both (tests/test_clipping.py tests the clipping rules themselves)."""
+    results = run_distributed(_sharded, 2)
+    for result in results:
+        for mode, diff in result["clip"].items():
+            assert diff < 2e-5, (mode, diff)  # fp32 rounding of sharded vs whole AdamW, no more
+    results = [r["signals"] for r in results]
     for rank in results:
         plain, _ = rank["plain"]
         fsdp, calls = rank["fsdp"]
