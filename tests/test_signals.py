@@ -256,16 +256,71 @@ def _sharded_clip(rank, world):
     return out
 
 
+def _tp_place(module_name, param_name):
+    from torch.distributed.tensor import Replicate, Shard
+
+    if param_name == "weight" and module_name.endswith(("qkv", "fc")):
+        return Shard(0)  # column-parallel: the q, k, v heads' rows split across the ranks
+    if param_name == "weight" and module_name.endswith(("attn.proj", "mlp.proj")):
+        return Shard(1)  # row-parallel
+    return Replicate()
+
+
+def _tensor_parallel_signals(rank, world):
+    """The signals of weights and gradients laid out as Megatron-style TP DTensors equal those
+    of the same tensors whole (no forward: the gradients are drawn, the same on every rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    out = {}
+    for kind in ("whole", "tp"):
+        torch.manual_seed(0)
+        model = sg.GPT(sg.GPTConfig.tiny(n_head=4, n_kv_head=2))
+        if kind == "tp":
+            for name, mod in list(model.named_modules()):
+                for pname, p in list(mod.named_parameters(recurse=False)):
+                    mod.register_parameter(pname, torch.nn.Parameter(distribute_tensor(
+                        p.detach(), mesh, [_tp_place(name, pname)])))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
+        probes = Probes(model, ProbeConfig(activation_max=False, layer_grad_norms=False,
+                                           signals=EVERY), optimizer=opt)
+        recs = []
+        for t in range(2):
+            probes.start_step(t)
+            g = torch.Generator().manual_seed(t)
+            for p in model.parameters():
+                full = torch.randn(p.shape, generator=g) * 0.01
+                p.grad = distribute_tensor(full, mesh, p.placements) if kind == "tp" else full
+            opt.step()
+            recs.append(probes.collect())
+            opt.zero_grad(set_to_none=True)
+        out[kind] = recs
+    return out
+
+
 def _sharded(rank, world):
-    return {"signals": _sharded_signals(rank, world), "clip": _sharded_clip(rank, world)}
+    with warnings.catch_warnings():  # "plain gradients treated as replicated": they are
+        warnings.simplefilter("ignore", UserWarning)
+        tp = _tensor_parallel_signals(rank, world)
+    return {"signals": _sharded_signals(rank, world), "clip": _sharded_clip(rank, world),
+            "tp": tp}
 
 
-def test_sharded_signals_and_clipping_equal_one_process():
-    """One spawn for both (tests/test_clipping.py tests the clipping rules themselves)."""
+def test_sharded_and_tensor_parallel_signals_and_clipping_equal_one_process():
+    """FSDP2 and tensor parallelism against one process, the signals and the clipping modes, in
+    one spawn (tests/test_clipping.py tests the clipping rules themselves)."""
     results = run_distributed(_sharded, 2)
     for result in results:
         for mode, diff in result["clip"].items():
             assert diff < 2e-5, (mode, diff)  # fp32 rounding of sharded vs whole AdamW, no more
+        for w, p in zip(result["tp"]["whole"], result["tp"]["tp"]):
+            assert set(w) == set(p) and p["spike_share"] >= 0.0
+            for key in w:
+                flat = (lambda v: [x for row in v for x in row]) if key.endswith("_heads") else (
+                    lambda v: v)
+                assert flat(p[key]) == pytest.approx(flat(w[key]), rel=1e-5, abs=1e-9), key
+        assert result["tp"]["tp"][1]["spike_share"] > 0.0  # the test had elements to count
     results = [r["signals"] for r in results]
     for rank in results:
         plain, _ = rank["plain"]
