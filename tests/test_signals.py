@@ -296,6 +296,37 @@ def _tensor_parallel_signals(rank, world):
             recs.append(probes.collect())
             opt.zero_grad(set_to_none=True)
         out[kind] = recs
+        out[f"clip/{kind}"] = _clip_grads(model, mesh if kind == "tp" else None)
+    whole, tp = out.pop("clip/whole"), out.pop("clip/tp")  # tensors do not cross the queue
+    out["clip_diff"] = {mode: max(float(((b - a).abs() / (a.abs() + 1e-6)).max())
+                                  for a, b in zip(whole[mode], tp[mode])) for mode in whole}
+    return out
+
+
+def _clip_grads(model, mesh):
+    """Each clipping mode's gradients (gathered whole) for drawn gradients, one step after a
+    first that gives the optimizer its moments and the rules their statistics."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = list(model.parameters())
+    out = {}
+    for mode in ("zscore", "adagc", "spam"):
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+        clipper = Clipper(ClipConfig(clip_mode=mode, warmup=1, spam_k=2.0), 0.5, params)
+        for t in range(2):
+            g = torch.Generator().manual_seed(10 + t)
+            for p in params:
+                full = torch.randn(p.shape, generator=g) * (0.01 if t == 0 else 0.05)
+                p.grad = full if mesh is None else distribute_tensor(full, mesh, p.placements)
+            drawn = [p.grad.clone() for p in params]
+            clipper.clip_(grad_stats(params, per_tensor=clipper.per_tensor), opt,
+                          torch.zeros((), dtype=torch.bool))
+            if t == 0:
+                opt.step()
+        assert not all(torch.equal(p.grad, d) for p, d in zip(params, drawn)), mode  # it clipped
+        out[mode] = [(p.grad.full_tensor() if mesh is not None else p.grad).clone()
+                     for p in params]
+        opt.zero_grad(set_to_none=True)
     return out
 
 
@@ -321,6 +352,8 @@ def test_sharded_and_tensor_parallel_signals_and_clipping_equal_one_process():
                     lambda v: v)
                 assert flat(p[key]) == pytest.approx(flat(w[key]), rel=1e-5, abs=1e-9), key
         assert result["tp"]["tp"][1]["spike_share"] > 0.0  # the test had elements to count
+        for mode, diff in result["tp"]["clip_diff"].items():  # relative, element by element
+            assert diff < 1e-4, (mode, diff)
     results = [r["signals"] for r in results]
     for rank in results:
         plain, _ = rank["plain"]

@@ -22,7 +22,8 @@ from numbers that are identical on every rank (the all-reduced global and per-te
 purely local (SPAM's elements, whose moments live beside their shards), so a sharded run
 clips exactly as one process does. Steps the gate withholds and non-finite norms never enter
 the statistics. State (``state_dict``, JSON-ready: reading it syncs) travels with the guard's
-checkpoints.
+checkpoints. A re-run without quarantined rows (attribution's drop) is clipped by the fixed
+threshold alone and never enters the statistics.
 """
 
 from __future__ import annotations
