@@ -129,3 +129,23 @@ def test_overflow_through_train_makes_the_scaler_skip_and_halve_at_that_step(tmp
     assert halved == [20]
     finite = {r["step"]: isinstance(r["grad_norm"], float) for r in recs}
     assert [t for t, ok in finite.items() if not ok] == [20]
+
+
+def test_lr_ramp_multiplies_the_lr_by_a_rising_factor_that_stays_at_mult():
+    assert parse_fault("lr-ramp@10:50:100").kind == "lr-ramp"  # not swallowed by lr
+    with pytest.raises(ValueError, match="lr-ramp@S:MULT:LEN"):
+        parse_fault("lr-ramp@10:50")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    inj = Injector(("lr-ramp@2:16:4",), rank=0, only_rank=None, vocab_size=256, seed=0)
+    x, y = _batch(model)
+    used = []
+    for t in range(8):
+        inj.begin(t, model, x, y)
+        inj.before_step(opt)
+        used.append(opt.param_groups[0]["lr"])
+        inj.after_step(opt)
+        assert opt.param_groups[0]["lr"] == 0.1  # put back after each step
+    expected = [0.1, 0.1] + [0.1 * 16 ** min(1.0, (t - 1) / 4) for t in range(2, 8)]
+    assert used == pytest.approx(expected, rel=1e-12)
+    assert used[-1] == pytest.approx(1.6) and used[3] == pytest.approx(0.4)

@@ -112,6 +112,10 @@ class GradLayout:
     owners: dict[int, list[int]] = field(default_factory=dict)
     """copies -> for each piece, the index of its parameter among those walked (None grads
     counted): what maps a per-piece norm back to a parameter name."""
+    walked: int = 0
+    """How many parameters were walked (None grads counted): the length of a per-tensor vector."""
+    scale_owner: list[int] = field(default_factory=list)
+    """For each entry of ``to_scale``, the index of its parameter among those walked."""
     _norms: dict[int, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -135,6 +139,22 @@ class GradLayout:
             self._norms[copies] = tensor_norms(tensors, device, foreach=foreach)
             parts.append(self._norms[copies].to(_F64).square().sum() / copies)
         return torch.stack(parts).sum() if parts else torch.zeros((), dtype=_F64, device=device)
+
+    def tensor_sumsq(self, device: torch.device) -> torch.Tensor:
+        """This rank's share of each walked parameter's global sum of squares, float64
+        ``[walked]`` (0 for a None grad), from the norms :meth:`sumsq` kept; no host read."""
+        assert self._norms is not None, "sumsq() first"
+        out = torch.zeros(self.walked, dtype=_F64, device=device)
+        for copies, norms in self._norms.items():
+            idx = torch.tensor(self.owners[copies], dtype=torch.int64, device=device)
+            out.index_add_(0, idx, norms.to(device, _F64).square() / copies)
+        return out
+
+    @torch.no_grad()
+    def scale_each_(self, coefs: torch.Tensor) -> None:
+        """Multiply each local gradient in place by ``coefs[i]`` of its parameter i."""
+        for g, i in zip(self.to_scale, self.scale_owner):
+            g.mul_(coefs[i].to(g.device))
 
     def finite_pieces(self) -> tuple[torch.Tensor | None, list[int]]:
         """(1-D bool tensor: whether each local piece's norm is finite, the piece's parameter
@@ -277,12 +297,14 @@ def collect(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: dist
         raise TypeError(f"parameters must be a tensor or an iterable of tensors (e.g. "
                         f"model.parameters()), got {type(parameters).__name__}")
     for index, p in enumerate(parameters):
+        layout.walked = index + 1
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"parameters[{index}] is a {type(p).__name__}, not a tensor; pass "
                             "model.parameters() or a list of tensors")
         grad = p.grad
         if grad is None:
             continue
+        layout.scale_owner.append(index)
         if isinstance(grad, DTensor):
             layout.dtensors += 1
             layout.to_scale.append(grad.to_local())

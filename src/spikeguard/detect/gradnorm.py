@@ -57,7 +57,8 @@ class GradStats:
     """
 
     def __init__(self, layout: GradLayout, vec: torch.Tensor,
-                 extras_dtype: torch.dtype | None) -> None:
+                 extras_dtype: torch.dtype | None, n_extras: int = 0,
+                 per_tensor: bool = False) -> None:
         self._layout = layout
         self._vec = vec
         self._norm64 = vec[0].sqrt()
@@ -65,7 +66,12 @@ class GradStats:
         self.finite: torch.Tensor = torch.isfinite(self.norm)
         self.extras: torch.Tensor | None = None
         if extras_dtype is not None:
-            self.extras = (vec[2:] / (layout.world // layout.pp)).to(extras_dtype)
+            self.extras = (vec[2:2 + n_extras] / (layout.world // layout.pp)).to(extras_dtype)
+        self.tensor_norms: torch.Tensor | None = None
+        """With ``per_tensor``: each parameter's global gradient norm (``norm``'s dtype, 0 for
+        a None grad), in the order given; else None."""
+        if per_tensor:
+            self.tensor_norms = vec[2 + n_extras:].sqrt().to(layout.dtype)
         self._slow: tuple[float, torch.Tensor] | None = None
         self._numel = round(layout.numel_share) if layout.world == 1 else None
 
@@ -121,6 +127,15 @@ class GradStats:
         _check_max_norm(max_norm)
         return _clip(self._layout, self.norm, max_norm, foreach)
 
+    def scale_(self, coef: torch.Tensor, *, foreach: bool | None = None) -> None:
+        """Multiply every local gradient in place by the 0-d ``coef`` (no host sync)."""
+        self._layout.scale_(coef, foreach)
+
+    def scale_tensors_(self, coefs: torch.Tensor) -> None:
+        """Multiply each parameter's local gradient in place by ``coefs[i]`` (a vector in the
+        order of ``tensor_norms``); no host sync."""
+        self._layout.scale_each_(coefs)
+
 
 def _clip(layout: GradLayout, norm: torch.Tensor, max_norm: float,
           foreach: bool | None) -> torch.Tensor:
@@ -150,7 +165,7 @@ def _warn_plain_replicated(layout: GradLayout, tp_group: dist.ProcessGroup | Non
 
 def _measure(parameters: Iterable[torch.Tensor] | torch.Tensor, pp_group: dist.ProcessGroup | None,
              tp_group: dist.ProcessGroup | None, extras: torch.Tensor | None,
-             foreach: bool | None = None) -> GradStats:
+             foreach: bool | None = None, per_tensor: bool = False) -> GradStats:
     layout = collect(parameters, pp_group=pp_group, tp_group=tp_group)
     _warn_plain_replicated(layout, tp_group)
     if extras is not None and (not isinstance(extras, torch.Tensor) or extras.dim() != 1):
@@ -163,14 +178,18 @@ def _measure(parameters: Iterable[torch.Tensor] | torch.Tensor, pp_group: dist.P
                 torch.full((1,), layout.numel_share, dtype=_F64, device=device)]
         if extras is not None:
             head.append(extras.detach().to(device, _F64))
+        if per_tensor:
+            head.append(layout.tensor_sumsq(device))
         vec = torch.cat(head)
         if layout.world > 1:
             dist.all_reduce(vec)
-    return GradStats(layout, vec, None if extras is None else extras.dtype)
+    return GradStats(layout, vec, None if extras is None else extras.dtype,
+                     0 if extras is None else extras.numel(), per_tensor)
 
 
 def grad_stats(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: dist.ProcessGroup | None = None,
-               tp_group: dist.ProcessGroup | None = None, extras: torch.Tensor | None = None) -> GradStats:
+               tp_group: dist.ProcessGroup | None = None, extras: torch.Tensor | None = None,
+               per_tensor: bool = False) -> GradStats:
     """Global gradient statistics of ``parameters`` (their ``.grad``; None grads are skipped).
 
     ``pp_group``: the ranks holding the other pipeline stages; the sum runs over it.
@@ -182,9 +201,12 @@ def grad_stats(parameters: Iterable[torch.Tensor] | torch.Tensor, *, pp_group: d
     data-parallel ranks when TP ranks pass equal values and, with pp_group, only one stage passes
     non-zero values (the others zeros of the same length). Every rank must pass the same length.
 
+    ``per_tensor``: also each parameter's global norm (``GradStats.tensor_norms``), in the same
+    all-reduce (one more float64 per parameter).
+
     One all-reduce over the default group when it has more than one rank; no host sync.
     """
-    return _measure(parameters, pp_group, tp_group, extras)
+    return _measure(parameters, pp_group, tp_group, extras, per_tensor=per_tensor)
 
 
 def _norm_type(norm_type: float | str) -> float:

@@ -8,7 +8,8 @@ step record under their names: ``activation_max``, ``activation_max_module``,
 full [layer][head] table ``attn_logit_p99_heads``, and
 ``layer_grad_norm/<layer>`` for each top-level block (the norm of the unsharded gradient under
 FSDP2, TP or DDP: one all-reduce of a vector at the probe interval, so every rank must collect
-at the same steps).
+at the same steps). Given the optimizer, the probes also carry the early-warning signals of
+``detect/signals.py`` (update ratio, spike share, attention-logit bound; ``ProbeConfig.signals``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 
 from .._validate import check_int
 from ._grad_layout import collect
+from .signals import SignalConfig, Signals, SignalValues
 
 __all__ = ["ProbeConfig", "ProbeValues", "Probes", "layer_grad_norms"]
 
@@ -48,6 +50,8 @@ class ProbeConfig:
     """Record the gradient norm of each layer."""
     grad_norms_every: int = 100
     """Steps between per-layer gradient norms (default 100)."""
+    signals: SignalConfig = field(default_factory=SignalConfig)
+    """The early-warning signals (update ratio, spike share, logit bound) and their intervals."""
 
     def __post_init__(self) -> None:
         for name in ("activation_every", "attn_every", "grad_norms_every"):
@@ -98,6 +102,7 @@ class ProbeValues:
     act_names: list[str]
     heads_shape: tuple[int, int] | None
     grad_norms: dict[str, float]
+    signals: SignalValues | None = None
 
     def decode(self, values: list[float]) -> dict[str, Any]:
         """The record entries from ``vector``'s values read on the host."""
@@ -114,14 +119,18 @@ class ProbeValues:
                                               for i in range(n_layers)]
         for layer, norm in self.grad_norms.items():
             record[f"layer_grad_norm/{layer}"] = norm
+        if self.signals is not None:
+            record.update(self.signals.decode(values[-self.signals.size:]))
         return record
 
 
 class Probes:
     """Attach to a model; call :meth:`start_step` before the forward and :meth:`collect` after the
-    backward (and before ``zero_grad``)."""
+    backward (and before ``zero_grad``). With ``optimizer`` the signals that read it (update
+    ratio, spike share) hook its step; the logit bound needs only the model."""
 
-    def __init__(self, model: nn.Module, config: ProbeConfig | None = None) -> None:
+    def __init__(self, model: nn.Module, config: ProbeConfig | None = None, *,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Probes(model) takes a torch.nn.Module, got {type(model).__name__}")
         if config is not None and not isinstance(config, ProbeConfig):
@@ -137,6 +146,7 @@ class Probes:
             for name, module in model.named_modules():
                 if name and not list(module.children()) and not isinstance(module, _SKIP_TYPES):
                     self._handles.append(module.register_forward_hook(self._make_hook(name)))
+        self.signals = Signals(model, optimizer, self.config.signals)
         self._attn_modules = [m for m in model.modules() if hasattr(m, "logit_p99_request")]
         if self.config.attn_logit_p99 and not self._attn_modules:
             raise ValueError("ProbeConfig.attn_logit_p99=True but the model has no attention module "
@@ -160,6 +170,7 @@ class Probes:
     def start_step(self, step: int) -> None:
         """Arm the probes due at ``step``."""
         self._step = step
+        self.signals.start_step(step)
         self._act.clear()
         self._act_names.clear()
         for m in self._attn_modules:
@@ -174,9 +185,11 @@ class Probes:
         attn = [(m.logit_p99_request, m.last_logit_p99) for m in self._attn_modules]
         for m in self._attn_modules:
             m.logit_p99_request = False
+        self.signals.paused = True
         try:
             yield
         finally:
+            self.signals.paused = False
             del self._act[n_act:], self._act_names[n_act:]
             for m, (req, last) in zip(self._attn_modules, attn):
                 m.logit_p99_request, m.last_logit_p99 = req, last
@@ -202,9 +215,13 @@ class Probes:
         grad_norms: dict[str, float] = {}
         if self.config.layer_grad_norms and self._step % self.config.grad_norms_every == 0:
             grad_norms = layer_grad_norms(self.model)
+        signals = self.signals.gather()
+        if signals.vector is not None:
+            pending.append(signals.vector)
         device = pending[0].device if pending else torch.device("cpu")
         vector = torch.cat([t.to(device) for t in pending]) if pending else None
-        return ProbeValues(vector, act_names, heads_shape, grad_norms)
+        return ProbeValues(vector, act_names, heads_shape, grad_norms,
+                           signals if signals.vector is not None else None)
 
     def collect(self) -> dict[str, Any]:
         """The due probes' values for the current step, as host numbers (one host read; at a
@@ -218,5 +235,6 @@ class Probes:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.signals.remove()
         for m in self._attn_modules:
             m.logit_p99_request = False

@@ -18,8 +18,10 @@ import numpy as np
 __all__ = ["METRICS", "Column", "assemble", "canonical", "choose", "column_len", "parse_map",
            "read_column", "to_floats"]
 
-METRICS = ("loss", "grad_norm", "log_z", "nan_frac", "lr", "loss_ema_ratio", "grad_scale")
-"""The metrics diagnose reads, named as in the metrics record."""
+METRICS = ("loss", "grad_norm", "log_z", "nan_frac", "lr", "loss_ema_ratio", "grad_scale",
+           "update_ratio", "spike_share", "attn_logit_bound", "attn_logit_p99")
+"""The metrics diagnose reads, named as in the metrics record (the last four are the
+early-warning signals and the attention probe, recorded every few steps: missing between)."""
 
 _TARGETS = ("step", *METRICS)
 
@@ -34,6 +36,8 @@ _EXACT = {
     "lr": ("lr", 0), "learning_rate": ("lr", 0),
     "nan_frac": ("nan_frac", 0), "loss_ema_ratio": ("loss_ema_ratio", 0),
     "grad_scale": ("grad_scale", 0), "loss_scale": ("grad_scale", 1),
+    "update_ratio": ("update_ratio", 0), "spike_share": ("spike_share", 0),
+    "attn_logit_bound": ("attn_logit_bound", 0), "attn_logit_p99": ("attn_logit_p99", 0),
 }
 _PREFIXES = ("train/", "training/", "trainer/", "train_", "training_")
 _WANDB_RUN = re.compile(r"^.+ - (?=\S)")  # W&B panel export: "<run name> - train/loss"

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..detect.probes import ProbeConfig
 from ..detector.config import DetectorConfig
+from ..prevent.clipping import ClipConfig
 
 __all__ = ["check_grads", "check_loss", "check_nested", "check_pair", "check_states"]
 
@@ -57,7 +58,8 @@ def check_loss(loss: Any, device: torch.device) -> None:
 
 def check_nested(config: Any) -> None:
     """A GuardConfig's nested configs are of their types (a dict would fail much later)."""
-    for name, kind in (("detector", DetectorConfig), ("probes", ProbeConfig)):
+    for name, kind in (("detector", DetectorConfig), ("probes", ProbeConfig),
+                       ("clipping", ClipConfig)):
         if not isinstance(getattr(config, name), kind):
             raise TypeError(f"GuardConfig.{name} must be a {kind.__name__}, got "
                             f"{type(getattr(config, name)).__name__}")

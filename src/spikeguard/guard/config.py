@@ -8,6 +8,7 @@ from typing import Literal
 from .._validate import check_int, check_positive
 from ..detect.probes import ProbeConfig
 from ..detector.config import DetectorConfig
+from ..prevent.clipping import ClipConfig
 from .attribution import AttributionConfig
 from .checks import check_nested
 
@@ -22,6 +23,8 @@ class GuardConfig:
     """Thresholds of every tier (DetectorConfig.for_run(total_steps) sizes them for short runs)."""
     clip: float | None = 1.0
     """Clip the global gradient norm to this value; None turns clipping off (never 0 or < 0)."""
+    clipping: ClipConfig = field(default_factory=ClipConfig)
+    """The adaptive clipping rule (--clip-mode) beside the fixed threshold, which stays a ceiling."""
     tier2: Literal["alert", "rollback"] = "alert"
     """Tier 2: alert (page with a summary and go on) or rollback (needs checkpoints)."""
     max_rollbacks: int = 3

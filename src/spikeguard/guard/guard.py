@@ -104,8 +104,8 @@ class Guard:
         if not isinstance(precision, PrecisionRuntime):
             precision = (precision or PrecisionPolicy(kind="fp32")).runtime(model)
         self.recorder = Recorder(Sinks(sinks) if sinks is not None else None)
-        self.probes: Probes | None = (Probes(model, cfg.probes) if probes is True
-                                      else probes or None)
+        self.probes: Probes | None = (Probes(model, cfg.probes, optimizer=optimizer)
+                                      if probes is True else probes or None)
         self.named_params = list(model.named_parameters())
         self.params = [p for _, p in self.named_params]
         lag = cfg.read_lag
@@ -116,7 +116,7 @@ class Guard:
         self.updater = Updater(self.params, optimizer, precision,
                                DeviceGate(cfg.detector, precision.device), clip=cfg.clip,
                                respond=cfg.respond, scheduler=scheduler, pp_group=pp_group,
-                               tp_group=tp_group)
+                               tp_group=tp_group, clipping=cfg.clipping)
         self.attribution = Attribution(cfg.attribution, measure=self.updater.measure_rerun,
                                        ledger=self.ledger, sinks=self.recorder.sinks)
         self.weights = (WeightsProbe(self.updater, self.probes, read_lag=self.read_lag,

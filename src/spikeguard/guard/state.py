@@ -53,7 +53,8 @@ class PartsState:
                 "records": self.recorder.records, "detector": self.detector.state_dict(),
                 "gate": self.updater.gate.state_dict(), "history": self.history.state_dict(),
                 "batches": self.ledger.state_dict(), "attribution": self.attribution.state_dict(),
-                "lr_ramp": self.updater.lr_ramp, "replay": self.responder.replay}
+                "lr_ramp": self.updater.lr_ramp, "replay": self.responder.replay,
+                "clip": self.updater.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> int:
         """Restore every part; returns the step number the state was saved at."""
@@ -69,8 +70,7 @@ class PartsState:
         # a rollback restores an older state: the budget already spent stays spent
         self.responder.rollbacks = max(self.responder.rollbacks, int(state["rollbacks"]))
         self.ledger.load_state_dict(state["batches"])
-        ramp = state.get("lr_ramp")
-        self.updater.lr_ramp = tuple(ramp) if ramp else None
+        self.updater.load_state(state)  # the replay's LR ramp, the clipping rule's statistics
         # like the budget, the last replay is outside the timeline a rollback restores
         if self.responder.replay is None and state.get("replay"):
             self.responder.replay = tuple(state["replay"])

@@ -5,7 +5,8 @@
 1. **measure**: unscale under fp16, then ``grad_stats``: the global norm with the loss and log Z
    averaged over data ranks, in one all-reduce;
 2. **gate**: the DeviceGate's 0-d bool (non-finite, or the Tier 1 test once armed);
-3. **clip** with ``min(1, clip / (norm + 1e-6))``;
+3. **clip** with ``min(1, clip / (norm + 1e-6))``, or the adaptive rule of ``ClipConfig``
+   (``prevent/clipping.py``: z-score, per-tensor EMA, per-element spikes) under that ceiling;
 4. **apply** through ``apply_update``: on fused AdamW the gate becomes ``found_inf`` for this
    step (no host read); other optimizers read the gate once and are not called on a skip.
 
@@ -29,6 +30,7 @@ import torch
 from ..detect.gradnorm import GradStats, grad_stats
 from ..detect.precision import PrecisionRuntime
 from ..detector.gate import DeviceGate
+from ..prevent.clipping import ClipConfig, Clipper
 from ..readback import Readback
 from .adapter import GuardMisuseWarning
 
@@ -164,9 +166,10 @@ class Updater:
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                  precision: PrecisionRuntime, gate: DeviceGate, *, clip: float | None,
                  respond: bool, scheduler: Any = None, pp_group: Any = None,
-                 tp_group: Any = None) -> None:
+                 tp_group: Any = None, clipping: ClipConfig | None = None) -> None:
         self.params, self.optimizer, self.precision, self.gate = params, optimizer, precision, gate
         self.clip, self.respond, self.scheduler = clip, respond, scheduler
+        self.clipper = Clipper(clipping, clip, params)
         self.pp_group, self.tp_group = pp_group, tp_group
         self.applied = 0
         self.loss_weight, self.backwards = 1.0, 0
@@ -197,7 +200,8 @@ class Updater:
         """Unscale (fp16), then one all-reduce: global norm, loss and log Z over data ranks."""
         self.precision.unscale_(self.optimizer)
         return grad_stats(self.params, extras=torch.stack([loss, log_z]),
-                          pp_group=self.pp_group, tp_group=self.tp_group)
+                          pp_group=self.pp_group, tp_group=self.tp_group,
+                          per_tensor=self.clipper.per_tensor)
 
     def lr_factor(self, step: int) -> float:
         """The multiplier of the scheduled LR at ``step`` (1 outside a replay's ramp)."""
@@ -216,13 +220,14 @@ class Updater:
         loss_g, log_z_g = stats.extras[0], stats.extras[1]
         armed = self.gate.armed()
         gate = self.gate(stats.norm, loss_g)
-        coef = stats.clip_(self.clip) if self.clip is not None else torch.ones_like(stats.norm)
         if not self.respond:
             skip = torch.zeros_like(gate)
         elif self.release_next:
             skip = ~torch.isfinite(stats.norm) | ~torch.isfinite(loss_g)
         else:
             skip = gate
+        coef = (self.clipper.clip_(stats, self.optimizer, skip) if self.clipper.active
+                else torch.ones_like(stats.norm))
         self._factor = lr_factor
         if self.defer:  # decide() reads the gate at once anyway (read_lag 0)
             self.deferred, self.deferred_grads = not bool(skip), None
@@ -243,6 +248,16 @@ class Updater:
             return
         with _scaled_lr(self.optimizer, self._factor):
             gated_step(self.optimizer, False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The clipping rule's statistics (JSON-ready; a host read)."""
+        return self.clipper.state_dict()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """From the guard's state: the replay's LR ramp and the clipping rule's statistics."""
+        ramp = state.get("lr_ramp")
+        self.lr_ramp = tuple(ramp) if ramp else None
+        self.clipper.load_state_dict(state.get("clip"))
 
     def commit(self, skipped: bool) -> None:
         """The host side of a resolved step: an applied update counts and steps the schedule."""

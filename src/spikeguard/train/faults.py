@@ -17,6 +17,8 @@ Specs (several may be given; a trailing ``!`` makes a fault sticky):
   MLP's output (an fp16 tensor under ``--precision fp16-mixed``) is multiplied by 65504, the
   largest fp16 value, so it overflows and the loss scaler skips the step and halves the scale;
 - ``lr@S:MULT:LEN``: the learning rate times MULT for LEN training steps from S;
+- ``lr-ramp@S:MULT:LEN``: a slowly rising learning rate: from S on it is multiplied by
+  ``MULT ** ((t - S + 1) / LEN)``, which reaches MULT after LEN steps and stays there;
 - ``logit-drift@S[:EPS]``: from S on, the head's input is scaled by (1 + EPS (t - S)) through a
   forward hook on the final norm (the reference GPT ties its embeddings, so scaling the weights
   would move its inputs too, and a constant shift would not change cross-entropy): the logits
@@ -41,7 +43,7 @@ from .._dist import local_tensor
 
 __all__ = ["Fault", "Injector", "parse_fault"]
 
-_SPEC = re.compile(r"^(outlier|storm|seq|grad|nan-data|nan|lr|logit-drift|overflow)@(\d+)"
+_SPEC = re.compile(r"^(outlier|storm|seq|grad|nan-data|nan|lr-ramp|lr|logit-drift|overflow)@(\d+)"
                    r"(?::([^!]*))?(!?)$")
 _FP16_MAX = 65504.0
 
@@ -57,27 +59,34 @@ class Fault:
 
     @property
     def length(self) -> int:
-        """Training steps the fault lasts (lr: LEN; storm: N; logit-drift: to the end; others:
-        1)."""
+        """Training steps the fault lasts (lr: LEN; storm: N; logit-drift and lr-ramp: to the
+        end; others: 1)."""
         if self.kind == "lr":
             return int(self.args[1])
         if self.kind == "storm":
             return int(self.args[0])
-        return 1 << 62 if self.kind == "logit-drift" else 1
+        return 1 << 62 if self.kind in ("logit-drift", "lr-ramp") else 1
+
+    def lr_multiplier(self, t: int) -> float:
+        """lr and lr-ramp: the factor on the learning rate at step t (while active)."""
+        if self.kind == "lr-ramp":
+            return float(self.args[0]) ** min(1.0, (t - self.step + 1) / int(self.args[1]))
+        return float(self.args[0])
 
 
 def parse_fault(spec: str) -> Fault:
     """Parse one spec; ValueError with the accepted forms on anything else."""
     m = _SPEC.match(spec.strip())
     forms = ("outlier@S[:repeat], storm@S:N[:repeat], seq@S[:ROW[:repeat]], grad@S:MULT, "
-             "nan@S[:PARAM], nan-data@S[:ROW], lr@S:MULT:LEN, logit-drift@S[:EPS], overflow@S "
+             "nan@S[:PARAM], nan-data@S[:ROW], lr@S:MULT:LEN, lr-ramp@S:MULT:LEN, "
+             "logit-drift@S[:EPS], overflow@S "
              "(add ! to repeat)")
     if m is None:
         raise ValueError(f"--inject {spec!r} is not a fault spec; use {forms}")
     kind, step, rest, bang = m.group(1), int(m.group(2)), m.group(3), m.group(4)
     args = tuple(rest.split(":")) if rest else ()
     try:
-        if kind == "lr":
+        if kind in ("lr", "lr-ramp"):
             if len(args) != 2 or float(args[0]) <= 0 or int(args[1]) < 1:
                 raise ValueError
         elif kind == "logit-drift":
@@ -116,6 +125,8 @@ class Injector:
         self._last: dict[int, int] = {}    # fault index -> last step it was active
         self._active: list[Fault] = []
         self._lr_saved: list[float] | None = None
+        self._lr_mult = 1.0
+        self._t = 0
         self._drift: tuple[float, int] | None = None
         self._hook = None
         self._poison: list[tuple[int, torch.Tensor]] = []  # nan-data: (step, the row's tokens)
@@ -142,6 +153,7 @@ class Injector:
         """Start step t: decide which faults are active; returns the (possibly garbage) inputs
         and targets."""
         self._active = [f for i, f in enumerate(self.faults) if self._is_active(i, f, t)]
+        self._t = t
         drift = next((f for f in self._active if f.kind == "logit-drift"), None)
         self._drift = (float(drift.args[0]) if drift.args else 2e-3, t - drift.step) if drift else None
         if drift is not None and self._hook is None:
@@ -226,18 +238,19 @@ class Injector:
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """LR faults: multiply every group's LR for this step."""
-        lr = next((f for f in self._active if f.kind == "lr"), None)
+        lr = next((f for f in self._active if f.kind in ("lr", "lr-ramp")), None)
         self._lr_saved = None
         if lr is not None:
+            self._lr_mult = lr.lr_multiplier(self._t)
             self._lr_saved = [g["lr"] for g in optimizer.param_groups]
             for g in optimizer.param_groups:
-                g["lr"] *= float(lr.args[0])
+                g["lr"] *= self._lr_mult
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Undo an LR fault when the scheduler did not (a skipped step leaves the LR as set)."""
         if self._lr_saved is None:
             return
-        mult = float(next(f for f in self._active if f.kind == "lr").args[0])
+        mult = self._lr_mult
         for g, base in zip(optimizer.param_groups, self._lr_saved):
             if g["lr"] == base * mult:
                 g["lr"] = base
