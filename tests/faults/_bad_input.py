@@ -339,6 +339,11 @@ def _cases(tmp_factory: Callable[[], Any]) -> list[Case]:
             c["m"], c["o"], scheduler=torch.optim.lr_scheduler.LambdaLR(c["o"], lambda s: 1.0))
              .decide(torch.tensor(1.0)), ("decide()", "scheduler=None"),
              setup=lambda: dict(m=(mm := m()), o=torch.optim.AdamW(mm.parameters()))),
+        Case("Guard", "decide() on a guard that saves its own checkpoints", lambda c: sg.Guard(
+            c["m"], c["o"], checkpoints=sg.CheckpointManager(c["d"])).decide(torch.tensor(1.0)),
+             ("decide()", "before the framework applies", "guard.stateful()"),
+             setup=lambda: dict(m=(mm := m()), o=torch.optim.AdamW(mm.parameters()),
+                                d=tmp_factory())),
         Case("GuardedOptimizer", "a guard of another optimizer",
              lambda c: sg.GuardedOptimizer(torch.optim.AdamW(c["model"].parameters()), c["guard"]),
              ("guard", "optimizer"), setup=_trained, state=_guard_state),

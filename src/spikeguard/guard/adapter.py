@@ -19,7 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 from ..detector.detector import Verdict
 from ..record import Action
 
-__all__ = ["DataSource", "Decision", "GuardMisuseWarning", "RowDropSource", "check_data"]
+__all__ = ["DataSource", "Decision", "GuardMisuseWarning", "RowDropSource", "check_data",
+           "check_decide"]
 
 
 class GuardMisuseWarning(UserWarning):
@@ -113,3 +114,19 @@ class Decision:
     @property
     def skip(self) -> bool:
         return not self.apply
+
+
+def check_decide(read_lag: int, scaler: Any, scheduler: Any, checkpoints: Any) -> None:
+    """``guard.decide()``'s preconditions: a ValueError naming the one that fails."""
+    if read_lag != 0 or scaler is not None or scheduler is not None:
+        raise ValueError("guard.decide() needs GuardConfig(read_lag=0), no fp16 loss scaler "
+                         "and Guard(scheduler=None): the framework steps its optimizer and "
+                         "scheduler after the decision, so the guard must decide at once")
+    from ..checkpoint.manager import CheckpointManager
+    if isinstance(checkpoints, CheckpointManager):
+        raise ValueError("guard.decide() with Guard(checkpoints=CheckpointManager(...)): the "
+                         "guard would save inside decide(), before the framework applies the "
+                         "update, so checkpoint s would hold the state after update s-1. Let the "
+                         "framework checkpoint, with guard.stateful() among its states (or give "
+                         "the guard a manager that writes after the framework's optimizer step, "
+                         "as spikeguard.integrations.torchtitan does)")

@@ -35,7 +35,7 @@ from ..detector.gate import DeviceGate
 from ..readback import Readback
 from ..record import Action
 from ..sinks import Sinks
-from .adapter import Decision, check_data
+from .adapter import Decision, check_data, check_decide
 from .attribution import Attribution, AttributionConfig
 from .checks import check_grads, check_pair, check_states
 from .config import GuardConfig
@@ -240,10 +240,7 @@ class Guard:
         framework calls ``optimizer.step()`` and its scheduler's ``step()``). Needs read_lag 0,
         no loss scaler and no ``scheduler`` in the guard. A halt raises TrainingHalted."""
         up = self.updater
-        if self.read_lag != 0 or up.precision.scaler is not None or up.scheduler is not None:
-            raise ValueError("guard.decide() needs GuardConfig(read_lag=0), no fp16 loss scaler "
-                             "and Guard(scheduler=None): the framework steps its optimizer and "
-                             "scheduler after the decision, so the guard must decide at once")
+        check_decide(self.read_lag, up.precision.scaler, up.scheduler, self.checkpoints)
         up.defer = True
         try:
             (verdict,) = self.step(out, log_z=log_z, rerun=rerun, reference=reference)
