@@ -5,11 +5,81 @@ instead of being skipped into a storm. Each claim beside the unguarded arm on th
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
+import torch
 
 import spikeguard as sg
+from spikeguard.detector.gate import DeviceGate
+from spikeguard.detector.rules import GradSpike, grad_limit
 from spikeguard.guard import GuardConfig
 from spikeguard.train import TrainConfig, train
+
+
+def _falling(n, *, seed=0, start=2.0, end=0.5, noise=0.15):
+    """A grad norm that falls geometrically from ``start`` to ``end`` over ``n`` steps with
+    log-normal noise (sigma ``noise``), as after warmup, and a loss falling with it."""
+    rng = random.Random(seed)
+    return [sg.StepMetrics(step=t, loss=5.0 - 2.0 * t / n + rng.gauss(0.0, 0.05),
+                           grad_norm=start * (end / start) ** (t / n) * math.exp(
+                               rng.gauss(0.0, noise)))
+            for t in range(n)]
+
+
+def _judge(config, metrics):
+    """The host detector and the device gate over ``metrics``; every skip verdict equals the
+    gate's bit. Returns the host verdicts."""
+    detector, gate = sg.SpikeDetector(config), DeviceGate(config)
+    verdicts = []
+    for m in metrics:
+        bit = bool(gate(torch.tensor(m.grad_norm, dtype=torch.float64),
+                        torch.tensor(m.loss, dtype=torch.float64)))
+        v = detector.update(m)
+        assert bit == v.skip, m.step
+        verdicts.append(v)
+    return verdicts
+
+
+def test_the_grad_bar_stays_tight_while_the_norm_falls_and_a_spike_at_20x_is_skipped():
+    """Statistics that hold early in a run: the spread is of step-to-step differences, so a
+    trend (the norm falling 4x over 40 steps) does not widen the bar. The old spread, of
+    deviations from the lagging median, measured the trend and widened the bar to 30-7,500x
+    the median on the tiny model. The planted spike is sized from the run: 20x the median the
+    detector itself holds."""
+    config = sg.DetectorConfig.for_run(200)
+    metrics = _falling(60)
+    verdicts = _judge(config, metrics)
+    assert not any(v.skip for v in verdicts)
+    median = verdicts[-1].evidence["grad_median"]
+    spike = sg.StepMetrics(step=60, loss=metrics[-1].loss, grad_norm=20.0 * median)
+    assert _judge(config, [*metrics, spike])[-1].skip
+    # the bar itself, from the detector's own statistics: a few x the median, not hundreds
+    d = sg.SpikeDetector(config)
+    for m in metrics:
+        d.update(m)
+    grad = next(r for r in d._judge if isinstance(r, GradSpike))
+    assert 3.0 <= grad_limit(grad.median.value, grad.spread.value, config) / grad.median.value < 5.0
+
+
+def test_the_grad_rule_arms_after_twice_the_warmup_and_the_loss_rules_before():
+    """``for_run(warmup_steps=w)`` holds the grad rule off for 2w kept updates (a healthy run's
+    grad norm spikes 5-160x as the LR peaks); the loss rules arm as before. Host and device
+    agree on every step."""
+    config = sg.DetectorConfig.for_run(160, warmup_steps=20)
+    assert config.grad_arm_after == 40 and config.arm_after == 16
+    assert sg.DetectorConfig.for_run(160).grad_arm_after == 0
+    base = _falling(30)
+    med = sorted(m.grad_norm for m in base)[15]
+    early = sg.StepMetrics(step=30, loss=base[-1].loss, grad_norm=50.0 * med)
+    assert not _judge(config, [*base, early])[-1].skip  # grad rule not armed yet
+    garbage = sg.StepMetrics(step=30, loss=3.0 * base[-1].loss, grad_norm=base[-1].grad_norm)
+    assert _judge(config, [*base, garbage])[-1].skip  # the loss rules are
+    later = _falling(45)
+    med = sorted(m.grad_norm for m in later[-20:])[10]
+    spike = sg.StepMetrics(step=45, loss=later[-1].loss, grad_norm=50.0 * med)
+    assert _judge(config, [*later, spike])[-1].skip
 
 
 def _run(tmp_path, name, **kw):

@@ -3,11 +3,12 @@
 At step t the gate is a 0-d bool tensor, true when the step must not be applied:
 
     not finite(grad_norm) or not finite(loss)
-    or armed and grad_norm > median x max(grad_k, exp(grad_z x spread of log grad norm))
+    or armed and grad armed and grad_norm > median x max(grad_k, exp(grad_z x spread of log g))
     or armed and loss > its short running median + max(loss_min_rise x median, loss_z x spread)
     or armed and loss / EMA of earlier kept losses > skip_ratio
 
-with ``armed`` = at least ``arm_after`` kept updates so far. It reads the same DetectorConfig as
+with ``armed`` = at least ``arm_after`` kept updates so far (``grad armed``: at least
+``grad_arm_after``). It reads the same DetectorConfig as
 the host SpikeDetector and keeps the same histories (DeviceRunningMedian and DeviceEMA are
 twins of the host statistics: the medians and the EMA bit-identical, the log-spread equal up to
 the last bit of ``log``/``exp``), so on every step of tier <= 1 the gate equals the host
@@ -55,8 +56,8 @@ class DeviceGate:
         ema = self.ema.value
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
-        spike = (grad_spike(g, self._grad_limit()) | loss_spike(x, self._loss_limit())
-                 | ratio_spike(ratio, self.config))
+        grad = grad_spike(g, self._grad_limit()) & (self.ema.count >= self.config.grad_arm_after)
+        spike = grad | loss_spike(x, self._loss_limit()) | ratio_spike(ratio, self.config)
         return ~torch.isfinite(g) | ~torch.isfinite(x) | (self.armed() & spike)
 
     def _grad_limit(self) -> torch.Tensor:
@@ -77,13 +78,12 @@ class DeviceGate:
         gate = self.test(grad_norm, loss)
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
-        med, level = self.median.value, self.level.value
-        ok = (g > 0) & (med > 0) & torch.isfinite(g) & torch.isfinite(med)
-        # NaN where the host's log_deviation gives NaN: never kept
-        self.spread.add(torch.where(ok, torch.log(g / med).abs(), math.nan), flagged=gate)
+        ok = (g > 0) & torch.isfinite(g)
+        # NaN where the host's log_value gives NaN: never kept
+        self.spread.add(torch.where(ok, torch.log(g), math.nan), flagged=gate)
         self.median.update(g, flagged=gate)
         self.ema.update(x, flagged=gate)
-        self.loss_spread.add((x - level).abs(), flagged=gate)  # NaN while the level is empty
+        self.loss_spread.add(x, flagged=gate)
         self.level.update(x, flagged=gate)
         return gate
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from ..detect.spread import Spread, log_deviation
+from ..detect.spread import Spread, log_value
 from ..detect.stats import EMA, RunningMedian
 from ..record import StepMetrics
 from .config import DetectorConfig
@@ -72,8 +72,8 @@ class StepInput:
     rest for the rules after them (named with the rule that writes each)."""
 
     __slots__ = ("armed", "ema_prev", "given_ratio", "grad_norm", "i", "j", "kept", "log_z",
-                 "log_z_onset", "loss", "ratio", "ratio_onset", "released", "short", "skip",
-                 "spike", "step", "t1_onset")
+                 "log_z_onset", "loss", "loss_flag", "ratio", "ratio_onset", "released", "short",
+                 "skip", "spike", "step", "t1_onset")
 
     def __init__(self) -> None:
         self.step = self.i = self.j = 0
@@ -86,8 +86,9 @@ class StepInput:
         self.released = False
         """The caller applied this step's update although Tier 1 flags it (the weights, not the
         batch, were at fault): no skip, but still out of the histories (the detector)."""
-        self.skip = self.spike = False
-        """Tier 1 asks for a skip (GradSpike, LossRatio); the grad-norm rule fired (GradSpike)."""
+        self.skip = self.spike = self.loss_flag = False
+        """Tier 1 asks for a skip (GradSpike, LossSpike, LossRatio); the grad-norm rule fired
+        (GradSpike); a loss rule asks for a skip (LossSpike, LossRatio)."""
         self.ratio = self.ema_prev = _nan
         """loss / EMA_{t-1} and EMA_{t-1} (LossRatio)."""
         self.ratio_onset: int | None = None
@@ -143,8 +144,10 @@ class Rule:
 class GradSpike(Rule):
     """Tier 1 SKIP: grad_norm above ``grad_limit``: grad_k x the running median of the kept grad
     norms, widened to exp(grad_z x spread) x median where the run's log grad norm is noisy
-    (``spread``: the robust spread of log(g / median) over the kept steps, each deviation taken
-    against the median its step was judged against).
+    (``spread``: the robust spread of log grad norm from one kept step to the next,
+    ``detect.spread.Spread``). It arms with the other rules (``arm_after``) and, when
+    ``grad_arm_after`` is larger, only after that many kept updates: right after warmup the grad
+    norm spikes 5-160x on healthy runs (see DetectorConfig.grad_arm_after).
 
     ``onset`` is the first step of the current run of norms above grad_elevated x median: a
     blow-up usually climbs for a few steps before it crosses grad_k, and the rollback target must
@@ -155,7 +158,7 @@ class GradSpike(Rule):
     for the next one, and a storm of them would drag the median up until the storm looks normal.
     """
 
-    __slots__ = ("c", "context", "elevated", "limit", "med", "median", "onset", "reason",
+    __slots__ = ("arm", "c", "context", "elevated", "limit", "med", "median", "onset", "reason",
                  "spread")
     _scalars = ("onset",)
     _stats = ("median", "spread")
@@ -163,6 +166,7 @@ class GradSpike(Rule):
 
     def __init__(self, c: DetectorConfig) -> None:
         self.c = c
+        self.arm = c.grad_arm_after
         self.elevated = c.grad_elevated
         self.median = RunningMedian(c.median_window)
         self.spread = Spread(c.median_window)
@@ -183,13 +187,13 @@ class GradSpike(Rule):
         else:
             self.onset = None
         self.limit = limit = grad_limit(med, self.spread.value, self.c)
-        if x.armed and grad_spike(g, limit):
+        if x.armed and x.j >= self.arm and grad_spike(g, limit):
             x.skip = x.spike = True
             return (self.onset, self.reason)
         return None
 
     def fold(self, x: StepInput) -> None:
-        self.spread.add(log_deviation(x.grad_norm, self.med))
+        self.spread.add(log_value(x.grad_norm))
         self.median.update(x.grad_norm)
 
 
@@ -201,8 +205,8 @@ class LossSpike(Rule):
     An outlier batch is an outlier against the batches just before it. ``loss / EMA`` divides by
     a mean that early in a run still carries the first, much higher losses, so there it misses a
     batch of random bytes (loss/EMA 1.4 at step 150 of a 300-step tiny run, where this rule
-    sees 10 spreads). The short median follows the falling loss; the spread (1.4826 x the median
-    of each kept step's |loss - median|) is the run's own batch-to-batch noise, so a noisy run
+    sees 10 spreads). The short median follows the falling loss; the spread (``Spread``: of the
+    loss from one kept step to the next) is the run's own batch-to-batch noise, so a noisy run
     is not flagged for ordinary variation.
     """
 
@@ -221,14 +225,12 @@ class LossSpike(Rule):
         med = self.med = self.level.value
         self.limit = limit = loss_limit(med, self.spread.value, self.c)
         if x.armed and loss_spike(x.loss, limit):
-            x.skip = True
+            x.skip = x.loss_flag = True
             return (x.step, self.reason)
         return None
 
     def fold(self, x: StepInput) -> None:
-        med = self.med
-        if med == med:
-            self.spread.add(abs(x.loss - med))
+        self.spread.add(x.loss)
         self.level.update(x.loss)
 
 
@@ -282,7 +284,7 @@ class LossRatio(Rule):
         if not x.armed:
             return None
         if ratio_spike(ratio, self.c):
-            self.skip = x.skip = True
+            self.skip = x.skip = x.loss_flag = True
             return (self.onset, self.skip_reason)
         if ratio > self.alert:
             self.skip = False
