@@ -60,6 +60,22 @@ class DeviceGate:
         spike = grad | loss_spike(x, self._loss_limit()) | ratio_spike(ratio, self.config)
         return ~torch.isfinite(g) | ~torch.isfinite(x) | (self.armed() & spike)
 
+    def reference_test(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """The weights check's test of a reference batch (0-d bool): ``test``, or the loss
+        halfway to either loss bar (its median + half the loss rule's rise; loss / EMA above
+        (1 + skip_ratio) / 2). A kept batch re-run under weights that a fault has moved need not
+        look as bad as a fresh outlier to say the weights are off: after an LR x50 fault the
+        reference's loss stood 1.38x the median, just under the 1.4x bar, on weights every
+        fresh batch found as bad (tiny, seed 1). The grad bar is not halved: a healthy old
+        batch's norm reaches 1.7x the median often enough (1-3% of steps) to let a storm batch
+        through, while a loss 20% above the median is a 5-10 sigma event for a healthy one."""
+        x = loss.detach().to(self.device, torch.float64).reshape(())
+        c, level, ema = self.config, self.level.value, self.ema.value
+        half = level + 0.5 * (self._loss_limit() - level)
+        ratio = torch.where(ema > 0, x / ema, math.nan)
+        loss_up = (x > half) | (ratio > 0.5 * (1.0 + c.skip_ratio))
+        return self.test(grad_norm, loss) | (self.armed() & loss_up)
+
     def _grad_limit(self) -> torch.Tensor:
         """rules.grad_limit on the device."""
         c, s = self.config, self.spread.value
