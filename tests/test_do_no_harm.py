@@ -82,6 +82,26 @@ def test_the_grad_rule_arms_after_twice_the_warmup_and_the_loss_rules_before():
     assert _judge(config, [*later, spike])[-1].skip
 
 
+def test_the_weights_check_tests_its_reference_against_half_the_loss_bar():
+    """A reference batch re-run under moved weights need not look as bad as a fresh outlier:
+    its loss halfway to the loss rule's bar already says the weights are off, while its grad
+    norm must still pass the full grad bar (a healthy old batch reaches 1.7x the median often
+    enough to let a storm batch through)."""
+    config = sg.DetectorConfig.for_run(200)
+    gate = DeviceGate(config)
+    for m in _falling(60):
+        gate(torch.tensor(m.grad_norm, dtype=torch.float64), torch.tensor(m.loss, dtype=torch.float64))
+    level, limit = float(gate.level.value), float(gate._loss_limit())
+    median = float(gate.median.value)
+    f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    between = level + 0.75 * (limit - level)
+    assert not gate.test(f64(median), f64(between)) and gate.reference_test(f64(median), f64(between))
+    below = level + 0.25 * (limit - level)
+    assert not gate.reference_test(f64(median), f64(below))
+    assert not gate.reference_test(f64(1.7 * median), f64(level))  # the grad bar is not halved
+    assert gate.reference_test(f64(40.0 * median), f64(level))
+
+
 def _run(tmp_path, name, **kw):
     out = tmp_path / name
     cfg = TrainConfig(model="tiny", batch_size=8, out=str(out), progress=False, plot=False,
