@@ -26,6 +26,9 @@ _WINDOWS = ("median_window", "loss_ema_steps", "recovery_ema_steps", "recovery_s
 # ones (a short log replayed by diagnose)
 _MIN_ARM_AFTER = 10
 
+# for_run's grad_arm_after: the warmup, then as long again and at least this many updates more
+_MIN_GRAD_SETTLE = 40
+
 
 @dataclass(kw_only=True, frozen=True)
 class DetectorConfig:
@@ -40,11 +43,11 @@ class DetectorConfig:
     """Rules other than Tier 3 and fp16 overflows stay off until this many unflagged updates."""
     grad_arm_after: int = 0
     """The grad-norm rule (not the loss rules) stays off until this many unflagged updates too
-    (where larger than arm_after). Set it to about twice the LR warmup (``for_run``'s
-    ``warmup_steps`` does): as the LR reaches its peak the grad norm of a healthy run spikes
-    5-160x its median for a few steps (the optimizer finding its stable sharpness, on batches
-    that are fine), and plain AdamW + clipping rides it out. On the tiny model at peak LR 1e-3 to
-    1e-2 with a 20-step warmup every such spike fell in steps 15-36 (docs/design.md)."""
+    (where larger than arm_after). Set it to the LR warmup plus as long again, at least 40
+    updates more (``for_run``'s ``warmup_steps`` does): as the LR reaches its peak, and for a few
+    dozen updates after, the grad norm of a healthy run spikes 5-160x its median on batches that
+    are fine, and plain AdamW + clipping rides it out. On the tiny model at peak LR 1e-3 to
+    1e-2 such spikes came at steps 15-62 for warmups of 10, 20 and 40 (docs/design.md)."""
     median_window: int = 5000
     """Updates in the running medians of grad norm and log Z, and in the loss floor."""
     grad_k: float = 3.0
@@ -147,7 +150,7 @@ class DetectorConfig:
                                  f"(default {getattr(type(self), name)})")
 
     @classmethod
-    def for_run(cls, total_steps: int, *, warmup_steps: int = 0,
+    def for_run(cls, total_steps: int, *, warmup_steps: int | None = None,
                 **overrides: Any) -> DetectorConfig:
         """The defaults, sized for a run of ``total_steps`` updates.
 
@@ -156,9 +159,10 @@ class DetectorConfig:
         fills within the first quarter of the run. ``arm_after`` becomes min(default,
         max(10, total_steps // 10)): the rules start after a tenth of the run (50 updates of a
         100-step run would be half of it), but never on fewer than 10 values (5 for a run
-        shorter than 20 steps). ``grad_arm_after`` becomes 2 x ``warmup_steps`` (the LR warmup,
-        in updates; 0: none). ``overrides`` are applied on top. From 20,000 steps on, with no
-        warmup, the result is ``DetectorConfig()``.
+        shorter than 20 steps). With the LR warmup ``warmup_steps`` (in updates) known,
+        ``grad_arm_after`` becomes warmup + max(warmup, 40); unknown (None), it stays 0.
+        ``overrides`` are applied on top. From 20,000 steps on, with no warmup given, the
+        result is ``DetectorConfig()``.
         """
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 4:
             raise ValueError(f"for_run(total_steps={total_steps!r}): total_steps must be an "
@@ -167,8 +171,9 @@ class DetectorConfig:
         sizes: dict[str, Any] = {name: min(getattr(cls, name), cap) for name in _WINDOWS}
         floor = min(_MIN_ARM_AFTER, max(5, total_steps // 2))
         sizes["arm_after"] = min(cls.arm_after, max(floor, total_steps // 10))
-        check_int(warmup_steps, "DetectorConfig.for_run(warmup_steps)", minimum=0)
-        sizes["grad_arm_after"] = 2 * warmup_steps
+        if warmup_steps is not None:
+            check_int(warmup_steps, "DetectorConfig.for_run(warmup_steps)", minimum=0)
+            sizes["grad_arm_after"] = warmup_steps + max(warmup_steps, _MIN_GRAD_SETTLE)
         sizes.update(overrides)
         return cls(**sizes)
 
