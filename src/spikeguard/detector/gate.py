@@ -6,6 +6,7 @@ At step t the gate is a 0-d bool tensor, true when the step must not be applied:
     or armed and grad armed and grad_norm > median x max(grad_k, exp(grad_z x spread of log g))
     or armed and loss > its short running median + max(loss_min_rise x median, loss_z x spread)
     or armed and loss / EMA of earlier kept losses > skip_ratio
+    or armed and grad armed and loss past half its bar's rise and grad norm past sqrt(median x bar)
 
 with ``armed`` = at least ``arm_after`` kept updates so far (``grad armed``: at least
 ``grad_arm_after``). It reads the same DetectorConfig as
@@ -27,7 +28,7 @@ import torch
 from ..detect.spread import DeviceSpread
 from ..detect.stats import DeviceEMA, DeviceRunningMedian
 from .config import DetectorConfig
-from .rules import grad_spike, loss_spike, ratio_spike
+from .rules import grad_spike, joint_spike, loss_spike, ratio_spike
 
 __all__ = ["DeviceGate"]
 
@@ -56,8 +57,11 @@ class DeviceGate:
         ema = self.ema.value
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
-        grad = grad_spike(g, self._grad_limit()) & (self.ema.count >= self.config.grad_arm_after)
-        spike = grad | loss_spike(x, self._loss_limit()) | ratio_spike(ratio, self.config)
+        grad_on = self.ema.count >= self.config.grad_arm_after
+        glimit, llimit, med = self._grad_limit(), self._loss_limit(), self.median.value
+        joint = joint_spike(g, torch.sqrt(med * glimit), x, self.level.value, llimit) & grad_on
+        spike = ((grad_spike(g, glimit) & grad_on) | loss_spike(x, llimit) | joint
+                 | ratio_spike(ratio, self.config))
         return ~torch.isfinite(g) | ~torch.isfinite(x) | (self.armed() & spike)
 
     def reference_test(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
