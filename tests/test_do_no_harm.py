@@ -128,12 +128,18 @@ def test_a_weight_driven_spike_is_let_through_and_the_run_ends_as_unguarded(tmp_
     """Seed 25 of the tiny model at batch 8, peak LR 3e-3: right after warmup one ordinary
     update moves the weights somewhere sharp and the next batches show 7-40x the median grad
     norm. Skipping them kept the weights there (the old guard skipped six in a row and halted on
-    the storm). The weights check re-runs a batch from 16 kept steps back under the same weights,
-    finds it failing the gate too, and lets the clipped update through: cause "weights", an
-    alert, and the run ends within 0.5% of the unguarded one (here: bit-identical, since that
-    was the only flagged step)."""
-    guarded, records = _run(tmp_path, "guard", steps=300, seed=25)
+    the storm). With ``spikeguard train``'s defaults the grad rule is not armed yet (it waits
+    out the warmup's aftermath): the run is the unguarded one, bit for bit. Armed from the
+    start (``grad_arm_after=1``, as a loop that gives for_run no warmup), the weights check
+    re-runs a batch from 16 kept steps back under the same weights, finds it failing the gate
+    too, and lets the clipped update through: cause "weights", an alert, no storm, no Tier 2.
+    (Armed that early it also skips two ordinary batches with outlying gradients at steps
+    32-33, and that alone moves the final loss by +0.8%: why the default waits.)"""
     bare, _ = _run(tmp_path, "bare", steps=300, seed=25, guard=GuardConfig(respond=False))
+    default, records = _run(tmp_path, "default", steps=300, seed=25)
+    assert default.val_loss == bare.val_loss and not any(r["skipped"] for r in records)
+    armed = GuardConfig(detector=sg.DetectorConfig(grad_arm_after=1))
+    guarded, records = _run(tmp_path, "guard", steps=300, seed=25, guard=armed)
     assert guarded.halted is None and guarded.rollbacks == 0
     weights = [r for r in records if r.get("cause") == "weights"]
     assert weights, [(r["step"], r["action"]) for r in records if r["action"] != "continue"]
@@ -142,8 +148,9 @@ def test_a_weight_driven_spike_is_let_through_and_the_run_ends_as_unguarded(tmp_
         check = r["weights_check"]
         assert check["weights"] is True and check["reference_step"] < r["step"]
         assert any(x.startswith("weights check:") for x in r["reasons"])
-    assert not any(r["skipped"] for r in records[:weights[0]["step"] + 5])  # no storm
-    assert guarded.val_loss <= bare.val_loss * 1.005
+    skipped = [r["step"] for r in records if r["skipped"]]
+    assert not any(b - a == 5 for a, b in zip(skipped, skipped[5:])), skipped  # no storm
+    assert not [r["step"] for r in records if r["action"] in ("rollback", "halt")]
 
 
 @pytest.mark.slow
@@ -166,7 +173,12 @@ def test_the_re_run_of_a_bad_batch_says_data_with_dropout_and_accumulation(one_t
     model = sg.GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), fused=True)
     data = sg.TokenStream.from_corpus("pydoc", batch_size=8, seq_len=cfg.seq_len, seed=0)
-    guard = Guard(model, opt, config=GuardConfig(detector=sg.DetectorConfig.for_run(100)))
+    # no warmup (a constant LR): the grad rule waits 40 updates, past the spikes a constant 3e-3
+    # gives this model at steps 20-26; a re-run budget of 5%, since a batch of the corpus with an
+    # outlying row (z 60) is skipped at step 40 with dropout on and would spend the 1% default
+    guard = Guard(model, opt, config=GuardConfig(
+        detector=sg.DetectorConfig.for_run(100, warmup_steps=0),
+        attribution=sg.AttributionConfig(rerun_budget=0.05)))
     verdicts = []
     for t in range(90):
         x, y = next(data)
