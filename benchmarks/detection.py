@@ -312,7 +312,8 @@ def estimate(jobs: list[dict[str, Any]], lines: list[dict[str, Any]], workers: i
     fit of wall = start-up + steps x per-step (the quiet-machine sizing where none is there)."""
     points: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for d in lines:
-        points.setdefault((d["model"], d["precision"]), []).append((d["steps"], d["wall_s"]))
+        if d.get("wall_s") is not None:  # a reused line (below) has no timing of its own
+            points.setdefault((d["model"], d["precision"]), []).append((d["steps"], d["wall_s"]))
     quiet = {"tiny": (1.5, 0.03), "demo": (3.0, 0.37)}
     total = 0.0
     for j in jobs:

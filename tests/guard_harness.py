@@ -21,7 +21,10 @@ from spikeguard.guard import Guard, GuardConfig, TrainingHalted
 @dataclass
 class Fault:
     kind: str
-    """"outlier" (random-byte batch), "nan" (NaN in one gradient), "lr" (LR x mult)."""
+    """"outlier" (random-byte inputs, each target the byte the model finds least likely: a loss
+    of at least ln(vocab) on any weights, several times a trained run's), "nan" (NaN in one
+    gradient), "lr" (LR x mult), "grad" (every gradient scaled so that their norm is ``mult``
+    x the median grad norm the guard's detector holds: sized from the run itself)."""
     step: int
     param: str = "blocks.0.mlp.fc.weight"
     mult: float = 50.0
@@ -109,11 +112,19 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
             active = [f for f in faults if f.active(t)]
             if any(f.kind == "outlier" for f in active):
                 x = torch.randint(0, cfg.vocab_size, x.shape, generator=gen)
+                with torch.no_grad():
+                    y = model.logits(model(x)).argmin(-1)
             out_ = model.loss(model(x), y)
             out_.loss.backward()
             for f in active:
                 if f.kind == "nan":
                     dict(model.named_parameters())[f.param].grad.view(-1)[0] = float("nan")
+                if f.kind == "grad":
+                    grads = [p.grad for p in model.parameters() if p.grad is not None]
+                    norm = torch.linalg.vector_norm(torch.stack(
+                        [torch.linalg.vector_norm(g) for g in grads]))
+                    for g in grads:
+                        g.mul_(f.mult * guard.detector.grad_median / norm)
             saved = None
             if any(f.kind == "lr" for f in active):
                 mult = next(f.mult for f in active if f.kind == "lr")

@@ -5,11 +5,102 @@ instead of being skipped into a storm. Each claim beside the unguarded arm on th
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
+import torch
 
 import spikeguard as sg
+from spikeguard.detector.gate import DeviceGate
+from spikeguard.detector.rules import GradSpike, grad_limit
 from spikeguard.guard import GuardConfig
 from spikeguard.train import TrainConfig, train
+
+
+def _falling(n, *, seed=0, start=2.0, end=0.5, noise=0.15):
+    """A grad norm that falls geometrically from ``start`` to ``end`` over ``n`` steps with
+    log-normal noise (sigma ``noise``), as after warmup, and a loss falling with it."""
+    rng = random.Random(seed)
+    return [sg.StepMetrics(step=t, loss=5.0 - 2.0 * t / n + rng.gauss(0.0, 0.05),
+                           grad_norm=start * (end / start) ** (t / n) * math.exp(
+                               rng.gauss(0.0, noise)))
+            for t in range(n)]
+
+
+def _judge(config, metrics):
+    """The host detector and the device gate over ``metrics``; every skip verdict equals the
+    gate's bit. Returns the host verdicts."""
+    detector, gate = sg.SpikeDetector(config), DeviceGate(config)
+    verdicts = []
+    for m in metrics:
+        bit = bool(gate(torch.tensor(m.grad_norm, dtype=torch.float64),
+                        torch.tensor(m.loss, dtype=torch.float64)))
+        v = detector.update(m)
+        assert bit == v.skip, m.step
+        verdicts.append(v)
+    return verdicts
+
+
+def test_the_grad_bar_stays_tight_while_the_norm_falls_and_a_spike_at_20x_is_skipped():
+    """Statistics that hold early in a run: the spread is of step-to-step differences, so a
+    trend (the norm falling 4x over 40 steps) does not widen the bar. The old spread, of
+    deviations from the lagging median, measured the trend and widened the bar to 30-7,500x
+    the median on the tiny model. The planted spike is sized from the run: 20x the median the
+    detector itself holds."""
+    config = sg.DetectorConfig.for_run(200)
+    metrics = _falling(60)
+    verdicts = _judge(config, metrics)
+    assert not any(v.skip for v in verdicts)
+    median = verdicts[-1].evidence["grad_median"]
+    spike = sg.StepMetrics(step=60, loss=metrics[-1].loss, grad_norm=20.0 * median)
+    assert _judge(config, [*metrics, spike])[-1].skip
+    # the bar itself, from the detector's own statistics: a few x the median, not hundreds
+    d = sg.SpikeDetector(config)
+    for m in metrics:
+        d.update(m)
+    grad = next(r for r in d._judge if isinstance(r, GradSpike))
+    assert 3.0 <= grad_limit(grad.median.value, grad.spread.value, config) / grad.median.value < 5.0
+
+
+def test_the_grad_rule_arms_after_the_warmup_settles_and_the_loss_rules_before():
+    """``for_run(warmup_steps=w)`` holds the grad rule off for w + max(w, 40) kept updates (a
+    healthy run's grad norm spikes 5-160x as the LR peaks and for a few dozen updates after);
+    the loss rules arm as before. Host and device agree on every step."""
+    config = sg.DetectorConfig.for_run(160, warmup_steps=20)
+    assert config.grad_arm_after == 60 and config.arm_after == 16
+    assert sg.DetectorConfig.for_run(160, warmup_steps=50).grad_arm_after == 100
+    assert sg.DetectorConfig.for_run(160).grad_arm_after == 0
+    base = _falling(40)
+    med = sorted(m.grad_norm for m in base[-20:])[10]
+    early = sg.StepMetrics(step=40, loss=base[-1].loss, grad_norm=50.0 * med)
+    assert not _judge(config, [*base, early])[-1].skip  # grad rule not armed yet
+    garbage = sg.StepMetrics(step=40, loss=3.0 * base[-1].loss, grad_norm=base[-1].grad_norm)
+    assert _judge(config, [*base, garbage])[-1].skip  # the loss rules are
+    later = _falling(65)
+    med = sorted(m.grad_norm for m in later[-20:])[10]
+    spike = sg.StepMetrics(step=65, loss=later[-1].loss, grad_norm=50.0 * med)
+    assert _judge(config, [*later, spike])[-1].skip
+
+
+def test_the_weights_check_tests_its_reference_against_half_the_loss_bar():
+    """A reference batch re-run under moved weights need not look as bad as a fresh outlier:
+    its loss halfway to the loss rule's bar already says the weights are off, while its grad
+    norm must still pass the full grad bar (a healthy old batch reaches 1.7x the median often
+    enough to let a storm batch through)."""
+    config = sg.DetectorConfig.for_run(200)
+    gate = DeviceGate(config)
+    for m in _falling(60):
+        gate(torch.tensor(m.grad_norm, dtype=torch.float64), torch.tensor(m.loss, dtype=torch.float64))
+    level, limit = float(gate.level.value), float(gate._loss_limit())
+    median = float(gate.median.value)
+    f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    between = level + 0.75 * (limit - level)
+    assert not gate.test(f64(median), f64(between)) and gate.reference_test(f64(median), f64(between))
+    below = level + 0.25 * (limit - level)
+    assert not gate.reference_test(f64(median), f64(below))
+    assert not gate.reference_test(f64(1.7 * median), f64(level))  # the grad bar is not halved
+    assert gate.reference_test(f64(40.0 * median), f64(level))
 
 
 def _run(tmp_path, name, **kw):
@@ -37,12 +128,18 @@ def test_a_weight_driven_spike_is_let_through_and_the_run_ends_as_unguarded(tmp_
     """Seed 25 of the tiny model at batch 8, peak LR 3e-3: right after warmup one ordinary
     update moves the weights somewhere sharp and the next batches show 7-40x the median grad
     norm. Skipping them kept the weights there (the old guard skipped six in a row and halted on
-    the storm). The weights check re-runs a batch from 16 kept steps back under the same weights,
-    finds it failing the gate too, and lets the clipped update through: cause "weights", an
-    alert, and the run ends within 0.5% of the unguarded one (here: bit-identical, since that
-    was the only flagged step)."""
-    guarded, records = _run(tmp_path, "guard", steps=300, seed=25)
+    the storm). With ``spikeguard train``'s defaults the grad rule is not armed yet (it waits
+    out the warmup's aftermath): the run is the unguarded one, bit for bit. Armed from the
+    start (``grad_arm_after=1``, as a loop that gives for_run no warmup), the weights check
+    re-runs a batch from 16 kept steps back under the same weights, finds it failing the gate
+    too, and lets the clipped update through: cause "weights", an alert, no storm, no Tier 2.
+    (Armed that early it also skips two ordinary batches with outlying gradients at steps
+    32-33, and that alone moves the final loss by +0.8%: why the default waits.)"""
     bare, _ = _run(tmp_path, "bare", steps=300, seed=25, guard=GuardConfig(respond=False))
+    default, records = _run(tmp_path, "default", steps=300, seed=25)
+    assert default.val_loss == bare.val_loss and not any(r["skipped"] for r in records)
+    armed = GuardConfig(detector=sg.DetectorConfig(grad_arm_after=1))
+    guarded, records = _run(tmp_path, "guard", steps=300, seed=25, guard=armed)
     assert guarded.halted is None and guarded.rollbacks == 0
     weights = [r for r in records if r.get("cause") == "weights"]
     assert weights, [(r["step"], r["action"]) for r in records if r["action"] != "continue"]
@@ -51,8 +148,9 @@ def test_a_weight_driven_spike_is_let_through_and_the_run_ends_as_unguarded(tmp_
         check = r["weights_check"]
         assert check["weights"] is True and check["reference_step"] < r["step"]
         assert any(x.startswith("weights check:") for x in r["reasons"])
-    assert not any(r["skipped"] for r in records[:weights[0]["step"] + 5])  # no storm
-    assert guarded.val_loss <= bare.val_loss * 1.005
+    skipped = [r["step"] for r in records if r["skipped"]]
+    assert not any(b - a == 5 for a, b in zip(skipped, skipped[5:])), skipped  # no storm
+    assert not [r["step"] for r in records if r["action"] in ("rollback", "halt")]
 
 
 @pytest.mark.slow
@@ -75,7 +173,12 @@ def test_the_re_run_of_a_bad_batch_says_data_with_dropout_and_accumulation(one_t
     model = sg.GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), fused=True)
     data = sg.TokenStream.from_corpus("pydoc", batch_size=8, seq_len=cfg.seq_len, seed=0)
-    guard = Guard(model, opt, config=GuardConfig(detector=sg.DetectorConfig.for_run(100)))
+    # no warmup (a constant LR): the grad rule waits 40 updates, past the spikes a constant 3e-3
+    # gives this model at steps 20-26; a re-run budget of 5%, since a batch of the corpus with an
+    # outlying row (z 60) is skipped at step 40 with dropout on and would spend the 1% default
+    guard = Guard(model, opt, config=GuardConfig(
+        detector=sg.DetectorConfig.for_run(100, warmup_steps=0),
+        attribution=sg.AttributionConfig(rerun_budget=0.05)))
     verdicts = []
     for t in range(90):
         x, y = next(data)

@@ -100,9 +100,20 @@ def test_a_guard_skip_without_overflow_leaves_the_fp16_scale_alone():
 
 
 # ---------------------------------------------------------------- end to end
+def _sized(v, *, loss_ema=None, grad_median=None):
+    """The planted fault is what the test says on this trajectory: its loss at least
+    ``loss_ema`` x the EMA of the kept losses, or its grad norm ``grad_median`` x the median."""
+    e = v.evidence
+    if loss_ema is not None:
+        assert e["loss"] >= loss_ema * e["loss_ema"], (v.step, e["loss"], e["loss_ema"])
+    if grad_median is not None:
+        assert e["grad_norm"] >= grad_median * e["grad_median"], (v.step, e)
+
+
 def test_an_outlier_batch_is_skipped_and_the_run_ends_within_2pct_of_clean(clean):
     run = guarded_run(steps=STEPS, faults=[Fault("outlier", 150)], watch=(149, 150))
     assert _flagged(clean) == []
+    _sized(run.verdicts[150], loss_ema=2.0)
     assert _flagged(run) == [(150, "skip")]
     # what happened, not a label: step 150's update was withheld (weights, moments and step
     # count bit-identical across its guard.step), step 149's was applied
@@ -250,6 +261,7 @@ def test_the_gate_bit_equals_the_verdict_on_a_real_run(tmp_path):
     the record's ``skipped``) is the host verdict's skip on every tier 0-1 step, and withheld
     steps left the weights and moments exactly as they were."""
     run = guarded_run(steps=90, faults=[Fault("outlier", 60)], out=tmp_path, watch=(59, 60))
+    _sized(run.verdicts[60], loss_ema=2.0)
     records = {r["step"]: r for r in sg.read_metrics(tmp_path / "metrics.jsonl")}
     withheld = [v.step for v in run.verdicts if records[v.step]["skipped"]]
     assert withheld == [60]
@@ -258,6 +270,22 @@ def test_the_gate_bit_equals_the_verdict_on_a_real_run(tmp_path):
             assert records[v.step]["skipped"] == v.skip == (v.action is sg.Action.SKIP)
     assert _same(*run.around[60]) and not _same(*run.around[59])
     assert run.guard.applied == 90 - len(withheld)
+
+
+def test_a_gradient_at_20x_the_median_is_withheld_and_called_transient(tmp_path):
+    """A transient numeric fault sized from the run: every gradient of step 60 scaled so that
+    their norm is 20x the median the detector holds. The gate withholds the update (weights and
+    moments unchanged), the weights check clears the weights, and the re-run (the batch without
+    the fault) does not reproduce it: cause "transient"."""
+    run = guarded_run(steps=90, faults=[Fault("grad", 60, mult=20.0)], out=tmp_path,
+                      watch=(59, 60))
+    v = run.verdicts[60]
+    _sized(v, grad_median=19.9)
+    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if r["skipped"]] == [60]
+    assert records[60]["cause"] == "transient" and records[60]["weights_check"]["weights"] is False
+    assert _same(*run.around[60]) and not _same(*run.around[59])
+    assert run.guard.applied == 89
 
 
 # ---------------------------------------------------------------- schedule and read lag

@@ -179,11 +179,13 @@ def test_a_directory_of_another_config_is_refused_unless_fresh(tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_two_ranks_under_torchrun_skip_an_outlier_on_rank_1_together(tmp_path, sub_env):
+    # half the global batch garbage moves its loss less than the loss rule's 40%, so the grad
+    # rule catches it: armed here at step 20 (for_run would wait out the warmup's aftermath)
     env = {**sub_env, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", "-m", "spikeguard", "train", *TINY,
-                        "--steps", "40", "--inject", "outlier@30", "--inject-rank", "1",
-                        "--parallel", "ddp", "--out", str(tmp_path)],
+                        "--steps", "40", "--grad-arm-after", "20", "--inject", "outlier@30",
+                        "--inject-rank", "1", "--parallel", "ddp", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
     records = sg.read_metrics(tmp_path / "metrics.jsonl")

@@ -1,13 +1,20 @@
-"""Robust spread: how far the values of a running statistic usually stray from their level.
+"""Robust spread: how far a running statistic usually strays from one kept step to the next.
 
 The Tier 1 rules compare a step with the run's own batch-to-batch variation instead of a fixed
 multiple alone. A fixed ``grad_norm > 3 x median`` treats every run alike, but the spread of the
 grad norm differs by an order of magnitude between a 2-layer model at batch 8 and a large model
-at batch 1,000, and it is widest early in a run, while the norm still falls and the median lags;
-a loss divided by a long EMA misses an outlier batch while the EMA still carries the early, higher
-losses. ``Spread`` is 1.4826 x the running median of the absolute deviations it is given (each
-taken against the level its step was judged against), a robust estimate of a standard deviation:
-a handful of outliers cannot inflate it, as they would a variance.
+at batch 1,000; a loss divided by a long EMA misses an outlier batch while the EMA still carries
+the early, higher losses.
+
+``Spread`` is a robust standard deviation of the step-to-step noise: 1.4826 x the running median
+of |v_t - v_prev| over the kept steps (``v_prev`` the previous kept value), divided by sqrt(2)
+(the difference of two independent draws has sqrt(2) times their spread). Differences, not
+deviations from the running median: early in a run the grad norm and the loss fall fast and the
+median lags them, so deviations from it measure the trend, not the noise (on the tiny model at
+peak LR they widened the grad bar from 3x to 30-7,500x the median within 30 steps of warmup's
+end, and every kept spike widened it further), while consecutive kept values move together with
+the trend and differ only by the noise. The median, not a mean, so a handful of spikes cannot
+inflate it as they would a variance.
 
 ``Spread`` is the host version; ``DeviceSpread`` is its device twin for the guard's gate: float64
 tensors, the flag as a tensor, no host read, the same numbers on the same stream.
@@ -23,68 +30,90 @@ from .stats import RunningMedian
 if TYPE_CHECKING:  # the device twin needs torch; the host detector (diagnose) must not
     import torch
 
-__all__ = ["MAD_SCALE", "DeviceSpread", "Spread"]
+__all__ = ["DIFF_SCALE", "MAD_SCALE", "DeviceSpread", "Spread", "log_value"]
 
 MAD_SCALE = 1.4826
 """Median absolute deviation -> standard deviation, for a normal distribution."""
 
+DIFF_SCALE = MAD_SCALE / math.sqrt(2.0)
+"""Median |difference of two independent draws| -> the standard deviation of one draw."""
+
 
 class Spread:
-    """1.4826 x the running median of the deviations added (host); NaN while empty."""
+    """DIFF_SCALE x the running median of |v - previous kept v| (host); NaN while empty."""
 
-    __slots__ = ("dev",)
+    __slots__ = ("dev", "last")
 
     def __init__(self, window: int) -> None:
         self.dev = RunningMedian(window)
+        self.last = math.nan
+        """The previous kept value (NaN before the first)."""
 
     def __len__(self) -> int:
         return len(self.dev)
 
-    def add(self, deviation: float) -> None:
-        """Add one kept step's absolute deviation from its level (a NaN is left out)."""
-        if deviation == deviation:
-            self.dev.update(deviation)
+    def add(self, value: float) -> None:
+        """Add one kept step's value (a non-finite value is left out and changes nothing)."""
+        if math.isfinite(value):
+            last = self.last
+            if last == last:
+                self.dev.update(abs(value - last))
+            self.last = value
 
     @property
     def value(self) -> float:
-        return MAD_SCALE * self.dev.value
+        return DIFF_SCALE * self.dev.value
 
     def state_dict(self) -> dict[str, Any]:
-        return self.dev.state_dict()
+        last = self.last
+        return {"dev": self.dev.state_dict(), "last": last if last == last else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dev.load_state_dict(state)
+        self.dev.load_state_dict(state["dev"])
+        self.last = math.nan if state["last"] is None else float(state["last"])
 
 
 class DeviceSpread:
     """``Spread`` on the device (module docstring)."""
 
     def __init__(self, window: int, *, device: torch.device | str | None = None) -> None:
+        import torch
+
         from ._device_stats import DeviceRunningMedian
 
         self.dev = DeviceRunningMedian(window, device=device)
+        self.last = torch.full((), math.nan, dtype=torch.float64, device=self.dev.device)
 
     @property
     def count(self) -> torch.Tensor:
         return self.dev.count
 
-    def add(self, deviation: torch.Tensor, flagged: torch.Tensor) -> None:
-        """Add the deviation unless ``flagged`` (a NaN deviation is never kept)."""
-        self.dev.update(deviation, flagged=flagged)
+    def add(self, value: torch.Tensor, flagged: torch.Tensor) -> None:
+        """Add the kept step's ``value`` (0-d float64) unless ``flagged``; a non-finite value
+        is never kept (NaN while there is no previous kept value)."""
+        import torch
+
+        self.dev.update((value - self.last).abs(), flagged=flagged)
+        keep = torch.isfinite(value) & ~flagged
+        self.last = torch.where(keep, value, self.last)
 
     @property
     def value(self) -> torch.Tensor:
-        return MAD_SCALE * self.dev.value
+        return DIFF_SCALE * self.dev.value
 
     def state_dict(self) -> dict[str, Any]:
-        return self.dev.state_dict()
+        """JSON-ready, ``Spread.state_dict``'s format; a host read (for checkpoints)."""
+        last = float(self.last)
+        return {"dev": self.dev.state_dict(), "last": last if last == last else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dev.load_state_dict(state)
+        self.dev.load_state_dict(state["dev"])
+        self.last.fill_(math.nan if state["last"] is None else float(state["last"]))
 
 
-def log_deviation(g: float, median: float) -> float:
-    """|log(g / median)|, NaN where either is not positive and finite (host)."""
-    if g > 0.0 and median > 0.0 and math.isfinite(g) and math.isfinite(median):
-        return abs(math.log(g / median))
+def log_value(g: float) -> float:
+    """log(g), NaN where g is not positive and finite (host): the grad rule's spread is of
+    log grad norm."""
+    if g > 0.0 and math.isfinite(g):
+        return math.log(g)
     return math.nan

@@ -26,6 +26,9 @@ _WINDOWS = ("median_window", "loss_ema_steps", "recovery_ema_steps", "recovery_s
 # ones (a short log replayed by diagnose)
 _MIN_ARM_AFTER = 10
 
+# for_run's grad_arm_after: the warmup, then as long again and at least this many updates more
+_MIN_GRAD_SETTLE = 40
+
 
 @dataclass(kw_only=True, frozen=True)
 class DetectorConfig:
@@ -38,6 +41,13 @@ class DetectorConfig:
 
     arm_after: int = 50
     """Rules other than Tier 3 and fp16 overflows stay off until this many unflagged updates."""
+    grad_arm_after: int = 0
+    """The grad-norm rule (not the loss rules) stays off until this many unflagged updates too
+    (where larger than arm_after). Set it to the LR warmup plus as long again, at least 40
+    updates more (``for_run``'s ``warmup_steps`` does): as the LR reaches its peak, and for a few
+    dozen updates after, the grad norm of a healthy run spikes 5-160x its median on batches that
+    are fine, and plain AdamW + clipping rides it out. On the tiny model at peak LR 1e-3 to
+    1e-2 such spikes came at steps 15-62 for warmups of 10, 20 and 40 (docs/design.md)."""
     median_window: int = 5000
     """Updates in the running medians of grad norm and log Z, and in the loss floor."""
     grad_k: float = 3.0
@@ -113,7 +123,8 @@ class DetectorConfig:
                                      "(e.g. 256 for bytes, 128000 for Llama 3) or None")
                 continue
             if isinstance(f.default, int):
-                check_int(v, f"DetectorConfig.{f.name}", default=f.default)
+                check_int(v, f"DetectorConfig.{f.name}", default=f.default,
+                          minimum=0 if f.name == "grad_arm_after" else 1)
             else:
                 check_positive(v, f"DetectorConfig.{f.name}", default=f.default)
         for name in ("grad_k", "grad_elevated", "alert_ratio", "skip_ratio", "tier2_ratio"):
@@ -139,7 +150,8 @@ class DetectorConfig:
                                  f"(default {getattr(type(self), name)})")
 
     @classmethod
-    def for_run(cls, total_steps: int, **overrides: Any) -> DetectorConfig:
+    def for_run(cls, total_steps: int, *, warmup_steps: int | None = None,
+                **overrides: Any) -> DetectorConfig:
         """The defaults, sized for a run of ``total_steps`` updates.
 
         Each window (median_window, loss_ema_steps, recovery_ema_steps, recovery_steps,
@@ -147,8 +159,10 @@ class DetectorConfig:
         fills within the first quarter of the run. ``arm_after`` becomes min(default,
         max(10, total_steps // 10)): the rules start after a tenth of the run (50 updates of a
         100-step run would be half of it), but never on fewer than 10 values (5 for a run
-        shorter than 20 steps). ``overrides`` are applied on top. From 20,000 steps on, the result is
-        ``DetectorConfig()``.
+        shorter than 20 steps). With the LR warmup ``warmup_steps`` (in updates) known,
+        ``grad_arm_after`` becomes warmup + max(warmup, 40); unknown (None), it stays 0.
+        ``overrides`` are applied on top. From 20,000 steps on, with no warmup given, the
+        result is ``DetectorConfig()``.
         """
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 4:
             raise ValueError(f"for_run(total_steps={total_steps!r}): total_steps must be an "
@@ -157,6 +171,9 @@ class DetectorConfig:
         sizes: dict[str, Any] = {name: min(getattr(cls, name), cap) for name in _WINDOWS}
         floor = min(_MIN_ARM_AFTER, max(5, total_steps // 2))
         sizes["arm_after"] = min(cls.arm_after, max(floor, total_steps // 10))
+        if warmup_steps is not None:
+            check_int(warmup_steps, "DetectorConfig.for_run(warmup_steps)", minimum=0)
+            sizes["grad_arm_after"] = warmup_steps + max(warmup_steps, _MIN_GRAD_SETTLE)
         sizes.update(overrides)
         return cls(**sizes)
 

@@ -52,8 +52,9 @@ from .rules_tier2 import LogZDrift, LogZRise, LossElevated, RatioHeld, Recovery,
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
-_STATE_VERSION = 3
-"""3: adds the loss-outlier rule and the spreads; 2: one entry per rule; 1: one flat dict."""
+_STATE_VERSION = 4
+"""4: the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the
+spreads; 2: one entry per rule; 1: one flat dict."""
 
 
 class Verdict(NamedTuple):
@@ -202,7 +203,7 @@ class SpikeDetector:
         x = self._x  # one per detector, refilled: every field a rule reads is written first
         x.step, x.loss, x.grad_norm, x.log_z, x.given_ratio = (
             step, loss, g, _nan if lz is None else lz, given)
-        x.skip = x.spike = False
+        x.skip = x.spike = x.loss_flag = False
         x.released = released
         x.i, x.j = self._n_seen, self._n_clean
         x.armed = x.j >= self._arm_after

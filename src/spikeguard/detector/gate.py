@@ -3,11 +3,13 @@
 At step t the gate is a 0-d bool tensor, true when the step must not be applied:
 
     not finite(grad_norm) or not finite(loss)
-    or armed and grad_norm > median x max(grad_k, exp(grad_z x spread of log grad norm))
+    or armed and grad armed and grad_norm > median x max(grad_k, exp(grad_z x spread of log g))
     or armed and loss > its short running median + max(loss_min_rise x median, loss_z x spread)
     or armed and loss / EMA of earlier kept losses > skip_ratio
+    or armed and grad armed and loss past half its bar's rise and grad norm past sqrt(median x bar)
 
-with ``armed`` = at least ``arm_after`` kept updates so far. It reads the same DetectorConfig as
+with ``armed`` = at least ``arm_after`` kept updates so far (``grad armed``: at least
+``grad_arm_after``). It reads the same DetectorConfig as
 the host SpikeDetector and keeps the same histories (DeviceRunningMedian and DeviceEMA are
 twins of the host statistics: the medians and the EMA bit-identical, the log-spread equal up to
 the last bit of ``log``/``exp``), so on every step of tier <= 1 the gate equals the host
@@ -26,7 +28,7 @@ import torch
 from ..detect.spread import DeviceSpread
 from ..detect.stats import DeviceEMA, DeviceRunningMedian
 from .config import DetectorConfig
-from .rules import grad_spike, loss_spike, ratio_spike
+from .rules import grad_spike, joint_spike, loss_spike, ratio_spike
 
 __all__ = ["DeviceGate"]
 
@@ -55,9 +57,28 @@ class DeviceGate:
         ema = self.ema.value
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
-        spike = (grad_spike(g, self._grad_limit()) | loss_spike(x, self._loss_limit())
+        grad_on = self.ema.count >= self.config.grad_arm_after
+        glimit, llimit, med = self._grad_limit(), self._loss_limit(), self.median.value
+        joint = joint_spike(g, torch.sqrt(med * glimit), x, self.level.value, llimit) & grad_on
+        spike = ((grad_spike(g, glimit) & grad_on) | loss_spike(x, llimit) | joint
                  | ratio_spike(ratio, self.config))
         return ~torch.isfinite(g) | ~torch.isfinite(x) | (self.armed() & spike)
+
+    def reference_test(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """The weights check's test of a reference batch (0-d bool): ``test``, or the loss
+        halfway to either loss bar (its median + half the loss rule's rise; loss / EMA above
+        (1 + skip_ratio) / 2). A kept batch re-run under weights that a fault has moved need not
+        look as bad as a fresh outlier to say the weights are off: after an LR x50 fault the
+        reference's loss stood 1.38x the median, just under the 1.4x bar, on weights every
+        fresh batch found as bad (tiny, seed 1). The grad bar is not halved: a healthy old
+        batch's norm reaches 1.7x the median often enough (1-3% of steps) to let a storm batch
+        through, while a loss 20% above the median is a 5-10 sigma event for a healthy one."""
+        x = loss.detach().to(self.device, torch.float64).reshape(())
+        c, level, ema = self.config, self.level.value, self.ema.value
+        half = level + 0.5 * (self._loss_limit() - level)
+        ratio = torch.where(ema > 0, x / ema, math.nan)
+        loss_up = (x > half) | (ratio > 0.5 * (1.0 + c.skip_ratio))
+        return self.test(grad_norm, loss) | (self.armed() & loss_up)
 
     def _grad_limit(self) -> torch.Tensor:
         """rules.grad_limit on the device."""
@@ -77,13 +98,12 @@ class DeviceGate:
         gate = self.test(grad_norm, loss)
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
-        med, level = self.median.value, self.level.value
-        ok = (g > 0) & (med > 0) & torch.isfinite(g) & torch.isfinite(med)
-        # NaN where the host's log_deviation gives NaN: never kept
-        self.spread.add(torch.where(ok, torch.log(g / med).abs(), math.nan), flagged=gate)
+        ok = (g > 0) & torch.isfinite(g)
+        # NaN where the host's log_value gives NaN: never kept
+        self.spread.add(torch.where(ok, torch.log(g), math.nan), flagged=gate)
         self.median.update(g, flagged=gate)
         self.ema.update(x, flagged=gate)
-        self.loss_spread.add((x - level).abs(), flagged=gate)  # NaN while the level is empty
+        self.loss_spread.add(x, flagged=gate)
         self.level.update(x, flagged=gate)
         return gate
 

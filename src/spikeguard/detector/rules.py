@@ -18,14 +18,14 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from ..detect.spread import Spread, log_deviation
+from ..detect.spread import Spread, log_value
 from ..detect.stats import EMA, RunningMedian
 from ..record import StepMetrics
 from .config import DetectorConfig
 
 __all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "LossSpike", "NonFinite", "Rule",
-           "ScalerOverflow", "StepInput", "grad_limit", "grad_spike", "loss_limit", "loss_spike",
-           "ratio_spike"]
+           "ScalerOverflow", "StepInput", "grad_limit", "grad_spike", "joint_spike", "loss_limit",
+           "loss_spike", "ratio_spike"]
 
 Event = tuple[int, str]
 """(onset step, reason): where the anomaly a rule saw began, and a short text naming its metric."""
@@ -56,6 +56,16 @@ def loss_limit(level: float, spread: float, c: DetectorConfig) -> float:
     return level + max(c.loss_min_rise * level, c.loss_z * spread)
 
 
+def joint_spike(grad_norm: Any, grad_half: Any, loss: Any, level: Any, limit: Any) -> Any:
+    """The Tier 1 joint test: the loss past half its bar's rise above the median **and** the grad
+    norm past the geometric midpoint of its median and bar (``grad_half`` = sqrt(median x
+    grad_limit)). A batch of garbage inputs on a noisy small-batch run can sit just inside
+    both bars (tiny, batch 8, seed 2: five such batches at 1.3-1.37x the median loss, 5.5
+    spreads, and 3-4x the median grad norm, under a 4x bar), while a healthy batch is rarely
+    far out on both at once: none of 12,352 armed steps of 80 clean tiny runs was."""
+    return (loss > level + 0.5 * (limit - level)) & (grad_norm > grad_half)
+
+
 def loss_spike(loss: Any, limit: Any) -> Any:
     """The Tier 1 loss-outlier test against ``loss_limit`` (a NaN limit compares false)."""
     return loss > limit
@@ -71,9 +81,9 @@ class StepInput:
     """One step as every rule sees it. The detector fills the first fields; rules publish the
     rest for the rules after them (named with the rule that writes each)."""
 
-    __slots__ = ("armed", "ema_prev", "given_ratio", "grad_norm", "i", "j", "kept", "log_z",
-                 "log_z_onset", "loss", "ratio", "ratio_onset", "released", "short", "skip",
-                 "spike", "step", "t1_onset")
+    __slots__ = ("armed", "ema_prev", "given_ratio", "grad_half", "grad_norm", "i", "j", "kept",
+                 "log_z", "log_z_onset", "loss", "loss_flag", "ratio", "ratio_onset", "released",
+                 "short", "skip", "spike", "step", "t1_onset")
 
     def __init__(self) -> None:
         self.step = self.i = self.j = 0
@@ -86,8 +96,12 @@ class StepInput:
         self.released = False
         """The caller applied this step's update although Tier 1 flags it (the weights, not the
         batch, were at fault): no skip, but still out of the histories (the detector)."""
-        self.skip = self.spike = False
-        """Tier 1 asks for a skip (GradSpike, LossRatio); the grad-norm rule fired (GradSpike)."""
+        self.grad_half = math.inf
+        """The grad norm halfway (in log) to the grad bar, where the grad rule is armed, else
+        inf (GradSpike; LossSpike's joint test reads it)."""
+        self.skip = self.spike = self.loss_flag = False
+        """Tier 1 asks for a skip (GradSpike, LossSpike, LossRatio); the grad-norm rule fired
+        (GradSpike); a loss rule asks for a skip (LossSpike, LossRatio)."""
         self.ratio = self.ema_prev = _nan
         """loss / EMA_{t-1} and EMA_{t-1} (LossRatio)."""
         self.ratio_onset: int | None = None
@@ -143,8 +157,10 @@ class Rule:
 class GradSpike(Rule):
     """Tier 1 SKIP: grad_norm above ``grad_limit``: grad_k x the running median of the kept grad
     norms, widened to exp(grad_z x spread) x median where the run's log grad norm is noisy
-    (``spread``: the robust spread of log(g / median) over the kept steps, each deviation taken
-    against the median its step was judged against).
+    (``spread``: the robust spread of log grad norm from one kept step to the next,
+    ``detect.spread.Spread``). It arms with the other rules (``arm_after``) and, when
+    ``grad_arm_after`` is larger, only after that many kept updates: right after warmup the grad
+    norm spikes 5-160x on healthy runs (see DetectorConfig.grad_arm_after).
 
     ``onset`` is the first step of the current run of norms above grad_elevated x median: a
     blow-up usually climbs for a few steps before it crosses grad_k, and the rollback target must
@@ -155,7 +171,7 @@ class GradSpike(Rule):
     for the next one, and a storm of them would drag the median up until the storm looks normal.
     """
 
-    __slots__ = ("c", "context", "elevated", "limit", "med", "median", "onset", "reason",
+    __slots__ = ("arm", "c", "context", "elevated", "limit", "med", "median", "onset", "reason",
                  "spread")
     _scalars = ("onset",)
     _stats = ("median", "spread")
@@ -163,6 +179,7 @@ class GradSpike(Rule):
 
     def __init__(self, c: DetectorConfig) -> None:
         self.c = c
+        self.arm = c.grad_arm_after
         self.elevated = c.grad_elevated
         self.median = RunningMedian(c.median_window)
         self.spread = Spread(c.median_window)
@@ -183,13 +200,15 @@ class GradSpike(Rule):
         else:
             self.onset = None
         self.limit = limit = grad_limit(med, self.spread.value, self.c)
-        if x.armed and grad_spike(g, limit):
+        on = x.armed and x.j >= self.arm
+        x.grad_half = math.sqrt(med * limit) if on and med > 0.0 else math.inf
+        if on and grad_spike(g, limit):
             x.skip = x.spike = True
             return (self.onset, self.reason)
         return None
 
     def fold(self, x: StepInput) -> None:
-        self.spread.add(log_deviation(x.grad_norm, self.med))
+        self.spread.add(log_value(x.grad_norm))
         self.median.update(x.grad_norm)
 
 
@@ -201,12 +220,13 @@ class LossSpike(Rule):
     An outlier batch is an outlier against the batches just before it. ``loss / EMA`` divides by
     a mean that early in a run still carries the first, much higher losses, so there it misses a
     batch of random bytes (loss/EMA 1.4 at step 150 of a 300-step tiny run, where this rule
-    sees 10 spreads). The short median follows the falling loss; the spread (1.4826 x the median
-    of each kept step's |loss - median|) is the run's own batch-to-batch noise, so a noisy run
-    is not flagged for ordinary variation.
+    sees 10 spreads). The short median follows the falling loss; the spread (``Spread``: of the
+    loss from one kept step to the next) is the run's own batch-to-batch noise, so a noisy run
+    is not flagged for ordinary variation. With the grad rule armed, it also flags a step past
+    half of both bars at once (``joint_spike``).
     """
 
-    __slots__ = ("c", "level", "limit", "med", "reason", "spread")
+    __slots__ = ("c", "joint_reason", "level", "limit", "med", "reason", "spread")
     _stats = ("level", "spread")
     tier, phase = 1, "judge"
 
@@ -216,19 +236,21 @@ class LossSpike(Rule):
         self.spread = Spread(c.loss_window)
         self.med = self.limit = _nan
         self.reason = f"loss > median + {c.loss_z:g} spreads"
+        self.joint_reason = "loss and grad_norm both past half their bars"
 
     def update(self, x: StepInput) -> Event | None:
         med = self.med = self.level.value
         self.limit = limit = loss_limit(med, self.spread.value, self.c)
         if x.armed and loss_spike(x.loss, limit):
-            x.skip = True
+            x.skip = x.loss_flag = True
             return (x.step, self.reason)
+        if x.armed and joint_spike(x.grad_norm, x.grad_half, x.loss, med, limit):
+            x.skip = x.loss_flag = True
+            return (x.step, self.joint_reason)
         return None
 
     def fold(self, x: StepInput) -> None:
-        med = self.med
-        if med == med:
-            self.spread.add(abs(x.loss - med))
+        self.spread.add(x.loss)
         self.level.update(x.loss)
 
 
@@ -282,7 +304,7 @@ class LossRatio(Rule):
         if not x.armed:
             return None
         if ratio_spike(ratio, self.c):
-            self.skip = x.skip = True
+            self.skip = x.skip = x.loss_flag = True
             return (self.onset, self.skip_reason)
         if ratio > self.alert:
             self.skip = False

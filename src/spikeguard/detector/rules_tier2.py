@@ -51,8 +51,11 @@ class SkipStorm(Rule):
     """A storm: more than max_consecutive_skips Tier 1 flags in a row, or more than
     max_skip_fraction of the last skip_window updates skipped. Each skip alone is harmless; many
     in a row on healthy weights mean the data has gone bad; flags in a row whose updates went
-    through (``x.released``: the weights were at fault) mean the weights are not recovering by
-    themselves. Either way the run needs Tier 2, not more of Tier 1.
+    through (``x.released``: the weights were at fault) with the loss up as well (a loss rule
+    flagged them) mean the weights are not recovering by themselves. Either way the run needs
+    Tier 2, not more of Tier 1. A released flag on the grad norm alone neither counts nor ends
+    the run: a gradient spike at an ordinary loss is what the clipped update is repairing (near
+    the end of warmup six such steps in a row, 11-160x the median, healed by themselves).
 
     Only Tier 1 flags count (never fp16 overflows, which the GradScaler handles); the fraction
     rule counts only skips, and is dated by the oldest skip still in the window.
@@ -84,7 +87,7 @@ class SkipStorm(Rule):
         step, i, flag = x.step, x.i, x.skip
         skip = flag and not x.released
         events = None
-        if flag:
+        if flag and (skip or x.loss_flag):
             if self.run == 0:
                 self.run_onset, self.released = step, 0
             self.run += 1
@@ -94,7 +97,7 @@ class SkipStorm(Rule):
             if self.run == self.max_run + 1:
                 reason = self.weights_reason if self.released else self.run_reason
                 events = [(self.run_onset, reason)]
-        else:
+        elif not flag:
             self.run = 0
         window = self.window
         n = self.count = window.count(i) if window else 0

@@ -10,8 +10,10 @@ So before a flagged step stays skipped, the guard asks whether the anomaly persi
 with the same weights: it re-runs a *reference* batch (the batch of a kept step ``reference_age``
 kept steps back, through that step's ``rerun`` closure) under the current weights, with the
 step's gradients set aside, measures its grad norm and loss as the step's own (one all-reduce),
-and puts them through the gate's own Tier 1 test against the histories as they are. If the
-reference fails the test too, the weights are the cause: the guard lets the (clipped) update
+and puts them through the gate's own Tier 1 test against the histories as they are, with the
+loss bars halved (``DeviceGate.reference_test``: a batch already trained on, under weights a
+fault has moved, need not look as bad as a fresh outlier). If the reference fails the test too,
+the weights are the cause: the guard lets the (clipped) update
 through, records cause ``weights`` and alerts; otherwise the batch is the cause and the skip
 stands. A storm of bad batches on healthy weights stays a storm of skips: the reference passes.
 
@@ -88,7 +90,8 @@ class WeightsProbe:
                  max_blind_skips: int = 5) -> None:
         self.updater, self.probes, self.read_lag = updater, probes, read_lag
         self.measure: Callable[..., Any] = updater.measure_rerun
-        self.test: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = updater.gate.test
+        self.test: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+            updater.gate.reference_test)
         self._refs: deque[tuple[int, Callable[..., Any]]] = deque(maxlen=reference_age)
         self.max_blind_skips = max_blind_skips
         self.blind = 0

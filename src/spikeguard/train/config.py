@@ -137,7 +137,8 @@ class TrainConfig:
 
     def resolved(self) -> TrainConfig:
         """The config as the run uses it: the ``--defenses`` overrides applied and the detector
-        windows sized to the run (DetectorConfig.for_run), keeping thresholds set explicitly."""
+        windows sized to the run and its warmup (DetectorConfig.for_run), keeping thresholds set
+        explicitly."""
         cfg = self
         if cfg.defenses == "none":
             gpt = dataclasses.replace(cfg.gpt, z_loss=0.0, qk_norm=False)
@@ -146,7 +147,8 @@ class TrainConfig:
         det, base = cfg.guard.detector, DetectorConfig()
         changed = {f.name: getattr(det, f.name) for f in dataclasses.fields(det)
                    if getattr(det, f.name) != getattr(base, f.name)}
-        det = DetectorConfig.for_run(cfg.steps, **changed)  # idempotent: sized windows stay
+        det = DetectorConfig.for_run(cfg.steps, warmup_steps=min(cfg.warmup_steps, cfg.steps - 1),
+                                     **changed)  # idempotent: sized windows stay
         return dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, detector=det))
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
