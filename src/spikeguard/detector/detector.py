@@ -175,14 +175,16 @@ class SpikeDetector:
         by. NaN before any history."""
         return self._ratio.ema.value
 
-    def update(self, m: StepMetrics, *, released: bool = False) -> Verdict:
+    def update(self, m: StepMetrics, *, released: bool = False, blind: bool = False) -> Verdict:
         """Judge one step. Call once per step, in order, with host floats (a torch.Tensor field
         raises TypeError: convert it with ``float(...)`` where a sync is acceptable).
 
         ``released``: the caller applied this step's update whatever Tier 1 says (the guard
         does when its weights check finds the weights, not the batch, at fault). A flagged
         step is then an ALERT with ``skip`` False, not counted towards a skip storm, and still
-        kept out of every history (and watched for recovery, as a skip is)."""
+        kept out of every history (and watched for recovery, as a skip is). ``blind``: released
+        without a test of the weights (no reference batch): it counts towards a storm as a skip
+        would, since nothing showed the weights at fault."""
         if type(m) is not StepMetrics and not isinstance(m, StepMetrics):
             raise TypeError(f"SpikeDetector.update takes a StepMetrics, got {type(m).__name__}")
         step, loss, g, lz, nf, given = (m.step, m.loss, m.grad_norm, m.log_z, m.nan_frac,
@@ -204,7 +206,7 @@ class SpikeDetector:
         x.step, x.loss, x.grad_norm, x.log_z, x.given_ratio = (
             step, loss, g, _nan if lz is None else lz, given)
         x.skip = x.spike = x.loss_flag = False
-        x.released = released
+        x.released, x.blind = released, released and blind
         x.i, x.j = self._n_seen, self._n_clean
         x.armed = x.j >= self._arm_after
         self._n_seen += 1

@@ -81,9 +81,9 @@ class StepInput:
     """One step as every rule sees it. The detector fills the first fields; rules publish the
     rest for the rules after them (named with the rule that writes each)."""
 
-    __slots__ = ("armed", "ema_prev", "given_ratio", "grad_half", "grad_norm", "i", "j", "kept",
-                 "log_z", "log_z_onset", "loss", "loss_flag", "ratio", "ratio_onset", "released",
-                 "short", "skip", "spike", "step", "t1_onset")
+    __slots__ = ("armed", "blind", "ema_prev", "given_ratio", "grad_half", "grad_norm", "i", "j",
+                 "kept", "log_z", "log_z_onset", "loss", "loss_flag", "ratio", "ratio_onset",
+                 "released", "short", "skip", "spike", "step", "t1_onset")
 
     def __init__(self) -> None:
         self.step = self.i = self.j = 0
@@ -93,9 +93,10 @@ class StepInput:
         """A loss_ema_ratio already in the StepMetrics (a replayed log), else None."""
         self.armed = False
         """Whether the statistical rules are on (arm_after kept updates before this one)."""
-        self.released = False
+        self.released = self.blind = False
         """The caller applied this step's update although Tier 1 flags it (the weights, not the
-        batch, were at fault): no skip, but still out of the histories (the detector)."""
+        batch, were at fault; ``blind``: released without a test of the weights): no skip, but
+        still out of the histories (the detector)."""
         self.grad_half = math.inf
         """The grad norm halfway (in log) to the grad bar, where the grad rule is armed, else
         inf (GradSpike; LossSpike's joint test reads it)."""

@@ -55,7 +55,8 @@ class SkipStorm(Rule):
     flagged them) mean the weights are not recovering by themselves. Either way the run needs
     Tier 2, not more of Tier 1. A released flag on the grad norm alone neither counts nor ends
     the run: a gradient spike at an ordinary loss is what the clipped update is repairing (near
-    the end of warmup six such steps in a row, 11-160x the median, healed by themselves).
+    the end of warmup six such steps in a row, 11-160x the median, healed by themselves). A
+    blind release (``x.blind``: no batch to test the weights with) counts as a skip would.
 
     Only Tier 1 flags count (never fp16 overflows, which the GradScaler handles); the fraction
     rule counts only skips, and is dated by the oldest skip still in the window.
@@ -87,7 +88,7 @@ class SkipStorm(Rule):
         step, i, flag = x.step, x.i, x.skip
         skip = flag and not x.released
         events = None
-        if flag and (skip or x.loss_flag):
+        if flag and (skip or x.loss_flag or x.blind):
             if self.run == 0:
                 self.run_onset, self.released = step, 0
             self.run += 1

@@ -50,7 +50,9 @@ class Judge:
         scaler = self.updater.precision.scaler
         m = StepMetrics(step=p.step, loss=loss, grad_norm=norm, log_z=log_z, nan_frac=nan_frac,
                         lr=p.lr, grad_scale=scale if scaler is not None else None)
-        verdict = self.detector.update(m, released=self.respond and flag != 0.0 and not skipped)
+        blind = check is None or check.weights is None  # released without a test of the weights
+        verdict = self.detector.update(m, released=self.respond and flag != 0.0 and not skipped,
+                                       blind=blind)
         m.loss_ema_ratio = verdict.evidence.get("loss_ema_ratio")
         if (self.respond and verdict.tier <= 1 and verdict.skip != skipped
                 and not self._warned_disagree):
