@@ -48,7 +48,7 @@ def _repeat_kv(q, k, v):
 def test_softcap_values_match_the_corrected_table_and_its_gradient():
     x = torch.tensor([5.0, 30.0, 80.0, 200.0], dtype=torch.float64, requires_grad=True)
     y = sg.softcap(x, 50.0)
-    # shared/SEED-ERRATA.md: the seed's 4.99, 26.8, 46.1, 49.9 recomputed
+    # the worked example's 4.99, 26.8, 46.1, 49.9, recomputed
     torch.testing.assert_close(y.detach(), torch.tensor([4.983, 26.85, 46.08, 49.97], dtype=torch.float64),
                                atol=0.07, rtol=0)
     assert all(abs(float(a) - 50 * math.tanh(float(b) / 50)) < 1e-12 for a, b in zip(y.detach(), x.detach()))

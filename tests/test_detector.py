@@ -1,6 +1,6 @@
-"""SpikeDetector against the seeds' worked scenarios and hand-built streams.
+"""SpikeDetector against the worked scenarios and hand-built streams.
 
-References are independent of the detector: the seed's numbers, brute-force medians with
+References are independent of the detector: the scenarios' numbers, brute-force medians with
 ``statistics.median``, the bias-corrected EMA written out in float64, and exact step arithmetic.
 """
 
@@ -49,7 +49,7 @@ def checkpoint_before(step, every=1000):
     return step // every * every
 
 
-# ---- the seeds' worked scenarios ---------------------------------------------------------
+# ---- the worked scenarios ----------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_scenario1_data_anomaly_skips_only_42100(seed):
@@ -60,7 +60,7 @@ def test_scenario1_data_anomaly_skips_only_42100(seed):
     v = flagged[0]
     assert v.skip and v.onset_step == 42_100
     assert v.reasons[0].startswith("grad_norm")
-    # the seed's numbers: median 1.1 over the prior 5,000 steps; loss/EMA 2.89/2.41 = 1.20
+    # the scenario's numbers: median 1.1 over the prior 5,000 steps; loss/EMA 2.89/2.41 = 1.20
     assert v.evidence["grad_median"] == pytest.approx(1.1, rel=0.02)
     assert v.evidence["loss_ema_ratio"] == pytest.approx(2.89 / 2.41, abs=0.02)
 
@@ -78,13 +78,13 @@ def test_scenario2_logit_drift_tier2_names_log_z_rolls_back_to_57000(seed):
     # every Tier 2 in this run dates back to the log Z excursion, and nothing halts
     assert all(checkpoint_before(v.onset_step) == 57_000 for v in tier2)
     assert not any(v.tier == 3 for v in verdicts)
-    # the seed's advice once log Z is past 12 and rising
+    # the advice once log Z is past 12 and rising
     advice = [v.step for v in verdicts if "add or raise z-loss" in v.reasons]
     assert advice and min(advice) > 58_000
 
 
 def test_scenario2_is_missed_by_the_seeds_300_step_rule_alone():
-    # SEED-ERRATA: the seed's log Z points rise at most +2.0 in any 300 steps (float64 check)
+    # the scenario's log Z points rise at most +2.0 in any 300 steps (float64 check)
     s = np.arange(56_000, 59_001, dtype=np.float64)
     z = sc.interpolate(sc.LOGIT_DRIFT_LOG_Z, s)
     assert np.max(z[300:] - z[:-300]) == pytest.approx(1.98, abs=1e-9)
@@ -197,7 +197,7 @@ def test_loss_ratio_or_rule_alert_and_skip():
     skip, alert = verdicts[200], verdicts[250]
     ema = ema_reference([m.loss for m in metrics[:200]], 1e-3)
     assert skip.evidence["loss_ema_ratio"] == pytest.approx(5.3 / ema, rel=1e-12)
-    # grad norm normal: the loss ratio alone skips (SEED-ERRATA: OR, not AND)
+    # grad norm normal: the loss ratio alone skips (OR, not AND)
     assert (skip.tier, skip.action, skip.reasons) == (1, Action.SKIP, ("loss_ema_ratio > 2",))
     assert (alert.tier, alert.action, alert.skip) == (1, Action.ALERT, False)
     assert alert.reasons == ("loss_ema_ratio > 1.5",)

@@ -44,7 +44,7 @@ def test_grad_is_p_minus_y_plus_2_alpha_logz_p_against_float64():
     out = cross_entropy(x, t, z_loss=alpha)
     (g,) = torch.autograd.grad(out.loss, x)
 
-    # the seeds' formula, written out in float64: (p_j - y_j + 2 alpha logZ p_j) / N_counted
+    # the z-loss gradient, written out in float64: (p_j - y_j + 2 alpha logZ p_j) / N_counted
     with torch.no_grad():
         counted = t != -100
         p = torch.softmax(x, dim=-1)

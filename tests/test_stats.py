@@ -88,7 +88,7 @@ def test_ema_seed_alpha_and_bias_correction():
     for _ in range(999):
         ema.update(2.41)
     assert ema.value == pytest.approx(2.41, rel=1e-12)
-    assert 2.89 / ema.value == pytest.approx(1.1992, abs=1e-4)  # the seed's scenario 1 ratio
+    assert 2.89 / ema.value == pytest.approx(1.1992, abs=1e-4)  # the worked scenario 1 ratio
 
 
 @pytest.mark.parametrize("device", DEVICES)
