@@ -277,34 +277,24 @@ class Sinks(Sink):
         """Write the pending record, then flush every member that can (each writes what it
         holds), so that what was logged is in the files."""
         super().flush()
-        for sink in list(self.sinks):
-            flush = getattr(sink, "flush", None)
-            if flush is None:
-                continue
-            try:
-                flush()
-            except Exception as exc:
-                self._drop(sink, exc)
+        self._each("flush")
 
     def resume(self, records: int) -> None:
         """Pass a resume on to every member that has ``resume(records)``."""
-        for sink in list(self.sinks):
-            resume = getattr(sink, "resume", None)
-            if resume is None:
-                continue
-            try:
-                resume(records)
-            except Exception as exc:
-                self._drop(sink, exc)
+        self._each("resume", records)
 
     def resume_at_step(self, step: int) -> None:
         """Pass a resume at ``step`` on to every member that has ``resume_at_step(step)``."""
+        self._each("resume_at_step", step)
+
+    def _each(self, method: str, *args: Any) -> None:
+        """Call ``method(*args)`` on every member that has it; a member that raises is dropped."""
         for sink in list(self.sinks):
-            resume = getattr(sink, "resume_at_step", None)
-            if resume is None:
+            call = getattr(sink, method, None)
+            if call is None:
                 continue
             try:
-                resume(step)
+                call(*args)
             except Exception as exc:
                 self._drop(sink, exc)
 
