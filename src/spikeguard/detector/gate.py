@@ -80,6 +80,16 @@ class DeviceGate:
         loss_up = (x > half) | (ratio > 0.5 * (1.0 + c.skip_ratio))
         return self.test(grad_norm, loss) | (self.armed() & loss_up)
 
+    def reference_elevated(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """0-d bool: a reference's grad norm past the geometric midpoint of the median and the
+        grad bar (the joint test's grad half), once the grad rule is armed: the weights check's
+        first reference, there and inside the bar, says neither weights nor batch, and a second
+        reference's ``reference_test`` decides."""
+        g = grad_norm.detach().to(self.device, torch.float64).reshape(())
+        grad_on = self.ema.count >= self.config.grad_arm_after
+        mid = torch.sqrt(self.median.value * self._grad_limit())
+        return self.armed() & grad_on & (g > mid)
+
     def _grad_limit(self) -> torch.Tensor:
         """rules.grad_limit on the device."""
         c, s = self.config, self.spread.value
