@@ -25,6 +25,7 @@ same baseline as ``spikeguard train --defenses none``), where the slow faults do
     PYTHONPATH=src:. nice -n 5 python benchmarks/lead_time.py --seeds 0 1 2 3 4
     PYTHONPATH=src:. nice -n 5 python benchmarks/lead_time.py --defenses none --seeds 0 1 2
     PYTHONPATH=src:. python benchmarks/lead_time.py --table     # re-score the results file
+    PYTHONPATH=src:. nice -n 5 python benchmarks/lead_time.py --model demo --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -72,19 +73,20 @@ WINDOW = 32
 PEAK = 1.2
 
 
-def jobs(seeds: list[int], defenses: str = "all") -> list[dict[str, Any]]:
+def jobs(seeds: list[int], defenses: str = "all", model: str = "tiny") -> list[dict[str, Any]]:
     """The lead-time runs: every fault, then the clean cells, on the unguarded arm (with
-    ``defenses="none"``: the faults only, with no defenses)."""
-    out = []
+    ``defenses="none"``: the faults only, with no defenses). Cells of a model other than tiny
+    carry its name (``lead/demo/lr``)."""
+    out, prefix = [], "lead" if model == "tiny" else f"lead/{model}"
     for seed in seeds:
         for name, spec in FAULTS.items():
-            j = _job("fault", "tiny", LR, STEPS, seed, "unguarded")
-            j.update(cell=f"lead/{name}", fault=name, fault_spec=spec, fault_step=FAULT_AT,
+            j = _job("fault", model, LR, STEPS, seed, "unguarded")
+            j.update(cell=f"{prefix}/{name}", fault=name, fault_spec=spec, fault_step=FAULT_AT,
                      defenses=defenses)
             out.append(j)
         for lr in CLEAN_LRS if defenses == "all" else ():
-            j = _job("clean", "tiny", lr, STEPS, seed, "unguarded")
-            j["cell"] = f"lead/clean/lr{lr:g}"
+            j = _job("clean", model, lr, STEPS, seed, "unguarded")
+            j["cell"] = f"{prefix}/clean/lr{lr:g}"
             out.append(j)
     return out
 
@@ -102,7 +104,7 @@ def run_series(job: dict[str, Any]) -> dict[str, Any]:
     out = tempfile.mkdtemp(prefix="sg-lead-")
     probes = ProbeConfig(attn_logit_p99=True, attn_every=1, signals=SignalConfig(
         update_ratio_every=1, spike_share_every=1, logit_bound_every=1))
-    cfg = TrainConfig(model="tiny", steps=job["steps"], batch_size=job["batch_size"],
+    cfg = TrainConfig(model=job["model"], steps=job["steps"], batch_size=job["batch_size"],
                       lr=job["lr"], seed=job["seed"], guard=GuardConfig(respond=False,
                                                                          probes=probes),
                       inject=(job["fault_spec"],) if job.get("fault_spec") else (), out=out,
@@ -216,16 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=None,
                    help="default benchmarks/results/lead_time.jsonl (lead_time_none.jsonl "
                         "with --defenses none)")
+    p.add_argument("--model", choices=("tiny", "demo"), default="tiny",
+                   help="demo: the results file gets a _demo suffix")
     p.add_argument("--table", action="store_true", help="only score the results file")
     args = p.parse_args(argv)
     if args.results is None:
-        suffix = "" if args.defenses == "all" else "_none"
+        suffix = ("" if args.defenses == "all" else "_none") + (
+            "" if args.model == "tiny" else f"_{args.model}")
         args.results = Path(f"benchmarks/results/lead_time{suffix}.jsonl")
     if not args.table:
         args.results.parent.mkdir(parents=True, exist_ok=True)
         _repair(args.results)
         done = {_key(d) for d in load_results(args.results)}
-        todo = [j for j in jobs(args.seeds, args.defenses) if _key(j) not in done]
+        todo = [j for j in jobs(args.seeds, args.defenses, args.model) if _key(j) not in done]
         code = _code_version()
         for i, job in enumerate(todo, 1):
             line = run_series(job)
