@@ -103,6 +103,43 @@ def test_the_weights_check_tests_its_reference_against_half_the_loss_bar():
     assert gate.reference_test(f64(40.0 * median), f64(level))
 
 
+def test_an_elevated_reference_inside_the_bar_asks_the_next_oldest_which_decides():
+    """The weights check's first reference past the midpoint of the median and the grad bar but
+    inside the bar says neither weights nor batch: the next oldest kept batch is re-run and its
+    own test decides. A first reference below the midpoint decides alone (one re-run)."""
+    from types import SimpleNamespace
+
+    from spikeguard.guard.weights import WeightsProbe
+
+    config = sg.DetectorConfig.for_run(200)
+    gate = DeviceGate(config)
+    for m in _falling(60):
+        gate(torch.tensor(m.grad_norm, dtype=torch.float64), torch.tensor(m.loss, dtype=torch.float64))
+    median, bar = float(gate.median.value), float(gate._grad_limit())
+    mid, level = math.sqrt(median * bar), float(gate.level.value)
+    stats = SimpleNamespace(norm=torch.zeros(()))
+    ran = []
+
+    def ref(step, norm):
+        return lambda: ran.append(step) or (level, 0.0, norm, stats)
+
+    updater = SimpleNamespace(measure_rerun=lambda out: out, gate=gate)
+    cases = [((0.9 * mid, 2.0 * bar), False, [1]),             # below the midpoint: alone
+             ((0.5 * (mid + bar), 1.1 * bar), True, [1, 2]),   # elevated: the second fails
+             ((0.5 * (mid + bar), 0.9 * bar), False, [1, 2]),  # elevated: the second passes
+             ((1.1 * bar, 0.5 * median), True, [1])]           # past the bar: alone
+    for (first, second), weights, runs in cases:
+        probe = WeightsProbe(updater, None, read_lag=0)
+        probe.remember(1, ref(1, first))
+        probe.remember(2, ref(2, second))
+        ran.clear()
+        check = probe.check()
+        assert check.weights is weights and ran == runs, (first, second)
+        assert (check.second is None) == (runs == [1])
+        if check.second is not None:
+            assert check.second["reference_step"] == 2 and check.second["grad_norm"] == second
+
+
 def _run(tmp_path, name, **kw):
     out = tmp_path / name
     cfg = TrainConfig(model="tiny", batch_size=8, out=str(out), progress=False, plot=False,
