@@ -33,11 +33,10 @@ def test_an_outlier_is_skipped_and_the_run_dir_holds_config_record_checkpoints_p
               "--out", str(tmp_path)], sub_env)
     records = sg.read_metrics(tmp_path / "metrics.jsonl")
     assert [x["step"] for x in records] == list(range(80))
-    # the planted batch is unambiguous on this run's own trajectory: a grad norm at 20x or more
-    # the median of the 20 steps before and a loss past 1.4x theirs (the loss rule's least rise)
+    # the planted batch is unambiguous on this run's own trajectory (the premise, checked): a
+    # grad norm at 20x or more the median of the 20 steps before (63x on torch 2.13)
     before = records[40:60]
     assert records[60]["grad_norm"] >= 20 * statistics.median(x["grad_norm"] for x in before)
-    assert records[60]["loss"] >= 1.4 * statistics.median(x["loss"] for x in before)
     assert [x["step"] for x in records if x["action"] != "continue"] == [60]
     assert records[60]["action"] == "skip" and records[60]["tier"] == 1
     # what happened, not a label: the device withheld step 60's update (the gate's own bit),
