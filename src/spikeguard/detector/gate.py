@@ -49,6 +49,10 @@ class DeviceGate:
         """0-d bool: enough kept updates for the statistical rules (the detector's ``armed``)."""
         return self.ema.count >= self.config.arm_after
 
+    def grad_armed(self) -> torch.Tensor:
+        """0-d bool: enough kept updates for the grad rule (``grad_arm_after``)."""
+        return self.ema.count >= self.config.grad_arm_after
+
     def test(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """The gate for a step with these numbers (0-d bool), against the histories as they are;
         nothing is folded in (a re-run's check uses this)."""
@@ -57,7 +61,7 @@ class DeviceGate:
         ema = self.ema.value
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
-        grad_on = self.ema.count >= self.config.grad_arm_after
+        grad_on = self.grad_armed()
         glimit, llimit, med = self._grad_limit(), self._loss_limit(), self.median.value
         joint = joint_spike(g, torch.sqrt(med * glimit), x, self.level.value, llimit) & grad_on
         spike = ((grad_spike(g, glimit) & grad_on) | loss_spike(x, llimit) | joint
@@ -86,9 +90,8 @@ class DeviceGate:
         first reference, there and inside the bar, says neither weights nor batch, and a second
         reference's ``reference_test`` decides."""
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
-        grad_on = self.ema.count >= self.config.grad_arm_after
         mid = torch.sqrt(self.median.value * self._grad_limit())
-        return self.armed() & grad_on & (g > mid)
+        return self.armed() & self.grad_armed() & (g > mid)
 
     def _grad_limit(self) -> torch.Tensor:
         """rules.grad_limit on the device."""

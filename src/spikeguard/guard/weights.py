@@ -155,20 +155,23 @@ class WeightsProbe:
         passes with an elevated grad norm, the next oldest decides (module docstring)."""
         if not self._refs:
             return WeightsCheck(weights=None)
-        step, rerun = self._refs[0]
+        step, loss, norm, g, fails = self._rerun(0)
+        second = None
+        if not fails and len(self._refs) > 1 and bool(self.elevated(g)):
+            step2, loss2, norm2, _, fails = self._rerun(1)
+            second = {"reference_step": step2, "grad_norm": norm2, "loss": loss2}
+        return WeightsCheck(weights=fails, reference_step=step, grad_norm=norm, loss=loss,
+                            second=second)
+
+    def _rerun(self, i: int) -> tuple[int, float, float, torch.Tensor, bool]:
+        """Re-run remembered batch ``i`` (0: the oldest): its step, loss, grad norm (a float and
+        a float64 tensor on the gate's side) and whether it fails ``reference_test``."""
+        step, rerun = self._refs[i]
         loss, _, norm, stats = self.measure(rerun())
         dev = stats.norm.device
         g = torch.tensor(norm, dtype=torch.float64, device=dev)
         fails = bool(self.test(g, torch.tensor(loss, dtype=torch.float64, device=dev)))
-        second = None
-        if not fails and len(self._refs) > 1 and bool(self.elevated(g)):
-            step2, rerun2 = self._refs[1]
-            loss2, _, norm2, _ = self.measure(rerun2())
-            g2 = torch.tensor(norm2, dtype=torch.float64, device=dev)
-            fails = bool(self.test(g2, torch.tensor(loss2, dtype=torch.float64, device=dev)))
-            second = {"reference_step": step2, "grad_norm": norm2, "loss": loss2}
-        return WeightsCheck(weights=fails, reference_step=step, grad_norm=norm, loss=loss,
-                            second=second)
+        return step, loss, norm, g, fails
 
     def blind_release(self) -> bool:
         """Without a reference: count this withheld step; True once skipping should stop."""
