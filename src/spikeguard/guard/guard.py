@@ -22,6 +22,7 @@ one step late; a Tier 1 skip is never late. ``step`` returns the verdicts read i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -155,7 +156,7 @@ class Guard:
 
     @property
     def applied(self) -> int:
-        """Updates applied so far (the LR schedule's position)."""
+        """Updates applied so far. The LR schedule steps on each and on a loss-scaler overflow."""
         return self.updater.applied
 
     @property
@@ -301,7 +302,8 @@ class Guard:
         m, verdict, extras, skipped = self.judge.judge(p)
         self.watch.judged(m.grad_norm)
         self.last_skipped = skipped
-        self.updater.commit(skipped)
+        # Tier 0 at a non-finite norm is the loss scaler's own overflow skip, not the guard's
+        self.updater.commit(skipped, overflow=verdict.tier == 0 and not math.isfinite(m.grad_norm))
         check = extras.get("weights_check")
         if check is not None:
             verdict = verdict._replace(reasons=(*verdict.reasons, weights_reason(check)))

@@ -11,7 +11,8 @@
    step (no host read); other optimizers read the gate once and are not called on a skip.
 
 No host read on a healthy or skipped step. ``commit(skipped)`` is the host side, once the step's
-numbers are read: it counts an applied update and steps the LR schedule for it. A re-run without
+numbers are read: it counts an applied update and steps the LR schedule for it (and for a
+loss-scaler overflow, which the guard does not withhold: the scaler does). A re-run without
 some rows (attribution's drop) goes through ``apply_rerun``: the same measure, the same gate test
 (against the histories as they are), the same clip and ``apply_update``.
 """
@@ -259,8 +260,16 @@ class Updater:
         self.lr_ramp = tuple(ramp) if ramp else None
         self.clipper.load_state_dict(state.get("clip"))
 
-    def commit(self, skipped: bool) -> None:
-        """The host side of a resolved step: an applied update counts and steps the schedule."""
+    def commit(self, skipped: bool, overflow: bool = False) -> None:
+        """The host side of a resolved step: an applied update counts and steps the schedule.
+        ``overflow``: the loss scaler skipped this step on its own overflow (the detector's Tier
+        0), not the guard: no update counts, but the schedule steps, as in torch's AMP recipe
+        (``scaler.step``, then ``scheduler.step()`` every iteration), so a run the guard never
+        acts on follows the plain loop's schedule exactly."""
+        if overflow:
+            if self.scheduler is not None:
+                self.scheduler.step()
+            return
         if skipped:
             return
         self.applied += 1
