@@ -9,16 +9,23 @@ ride in the guard's read-back vector, like the probes'):
   the largest. Taken from the weights themselves (a copy before ``optimizer.step()``, the
   difference after), so it holds for any optimizer and includes weight decay; a skipped step
   reads 0 (nothing was applied). Marin's 32B retrospective saw the Adam update norm rise about
-  2x before the gradient norm and the loss did.
+  2x before the gradient norm and the loss did. Read every step from a strided sample (below).
 - ``spike_share``: the share of gradient elements whose square exceeds ``spike_k`` (5,000) times
   the optimizer's second moment from the step before (``exp_avg_sq``, Adam's), SPAM's test
   (Huang et al., 2025). Measured on the gradient the optimizer takes (after clipping), in the
-  optimizer's step pre-hook; elements without a second moment yet do not count.
+  optimizer's step pre-hook; elements without a second moment yet do not count. From the same
+  sample.
 - ``attn_logit_bound``: an upper bound on every attention logit of the next forward, from the
   weights alone (no attention pass), with its layer and the [layer][head] table
   (``detect/logit_bound.py`` derives it). With ``qk_clip`` set, QK-Clip (Kimi K2) rescales the
   query and key weights of each head whose bound passes it after every update (an all-reduce a
   step), so the bound holds after each step.
+
+The sample (``sample_stride``): the elements whose flat index in the whole (unsharded) tensor is
+a multiple of the tensor's stride, lowered for small tensors and made coprime with the last dim
+(so that it crosses every column), each tensor's sums scaled by its stride. It is the same
+elements under any sharding, so a sharded reading equals one process's; at stride 1 it is every
+element and the readings are exact.
 
 Sharding (FSDP2, HSDP, TP through DTensor placements; plain tensors count as replicated, DDP):
 each rank sums its local pieces weighted by how many ranks hold a copy (``_grad_layout``), and
@@ -30,6 +37,7 @@ steps alike (they follow the step index).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -52,8 +60,11 @@ _F64 = torch.float64
 class SignalConfig:
     """Which early-warning signals are recorded, and how often (docs/design.md, "Signals")."""
 
-    update_ratio_every: int = 10
-    """Steps between update-ratio readings (0: off). A reading copies the weights once."""
+    update_ratio_every: int = 1
+    """Steps between update-ratio readings (0: off). A reading copies the sampled weights once."""
+    sample_stride: int = 64
+    """The update ratio and the spike share read one element in this many of each tensor (a
+    tensor keeps at least 1,024; 1: every element, exact)."""
     spike_share_every: int = 10
     """Steps between spike-share readings (0: off). A reading reads every gradient and second
     moment once."""
@@ -69,10 +80,57 @@ class SignalConfig:
         for name in ("update_ratio_every", "spike_share_every", "logit_bound_every"):
             check_int(getattr(self, name), f"SignalConfig.{name}", minimum=0,
                       default=getattr(type(self), name))
+        check_int(self.sample_stride, "SignalConfig.sample_stride", minimum=1, default=64)
         check_positive(self.spike_k, "SignalConfig.spike_k", default=5000.0)
         if self.qk_clip is not None:
             check_positive(self.qk_clip, "SignalConfig.qk_clip", default=100.0,
                            hint="None turns QK-Clip off")
+
+
+_MIN_SAMPLE = 1024
+"""The update ratio's sample keeps at least this many elements of a tensor (all of a smaller one)."""
+
+
+def sample_stride(shape: tuple[int, ...], stride: int) -> int:
+    """The stride of ``shape``'s sample: at most ``stride``, at least ``_MIN_SAMPLE`` elements
+    kept, coprime with the last dim (a stride that divides the row length samples the same
+    columns of every row)."""
+    n, last = math.prod(shape), shape[-1] if shape else 1
+    s = max(1, min(stride, n // _MIN_SAMPLE))
+    while s > 1 and math.gcd(s, last) != 1:
+        s -= 1
+    return s
+
+
+def _sampler(p: torch.Tensor, local: torch.Tensor, stride: int) -> tuple[int, torch.Tensor | None]:
+    """(stride, local flat indices) of the elements of ``local``, ``p``'s local piece, whose flat
+    index in the whole of ``p`` is a multiple of the stride; None: a plain tensor, whose sample
+    is the slice ``[::stride]`` of its flat view."""
+    from torch.distributed.tensor import DTensor
+
+    s = sample_stride(tuple(p.shape), stride)
+    if not isinstance(p, DTensor):
+        return s, None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    rem = torch.arange(0, p.numel(), s, device=local.device)
+    flat = torch.zeros_like(rem)
+    inside = torch.ones_like(rem, dtype=torch.bool)
+    size = 1
+    for d in reversed(range(p.dim())):  # the global index's coordinates, inside this piece?
+        rel = rem % p.shape[d] - offset[d]
+        rem = rem // p.shape[d]
+        inside &= (rel >= 0) & (rel < shape[d])
+        flat += rel * size
+        size *= shape[d]
+    return s, flat[inside]
+
+
+def _take(t: torch.Tensor, how: tuple[int, torch.Tensor | None]) -> torch.Tensor:
+    stride, index = how
+    flat = t.reshape(-1)
+    return flat[::stride] if index is None else flat.index_select(0, index)
 
 
 def layer_of(name: str) -> str:
@@ -138,6 +196,10 @@ class Signals:
         self._update: torch.Tensor | None = None
         self._spike: torch.Tensor | None = None
         self._copies: torch.Tensor | None = None
+        self._samples: list[tuple[int, torch.Tensor | None]] | None = None
+        self._weight: list[float] = []
+        """Each tensor's stride over its copy count: what its sampled sums are scaled by."""
+        self._weights: torch.Tensor | None = None
         self._group_index: torch.Tensor | None = None
         self._order: torch.Tensor | None = None
         self._hooks = []
@@ -172,7 +234,21 @@ class Signals:
         if self._due(self._step, self.config.spike_share_every):
             self._spike = self.spike_counts(world)
         if self._due(self._step, self.config.update_ratio_every):
-            self._snapshot = torch._foreach_mul(self._locals(world)[0], 1.0)  # copies
+            self._snapshot = torch._foreach_mul(self._sampled_weights(world), 1.0)  # copies
+
+    def _sample_plan(self, world: int) -> list[tuple[int, torch.Tensor | None]]:
+        """Each parameter's sample (module docstring), made on first use."""
+        if self._samples is None:
+            pieces, copies = self._locals(world)
+            self._samples = [_sampler(p.detach(), t, self.config.sample_stride)
+                             for (_, p), t in zip(self.named, pieces)]
+            self._weight = [s / c for (s, _), c in zip(self._samples, copies.tolist())]
+        return self._samples
+
+    def _sampled_weights(self, world: int) -> list[torch.Tensor]:
+        """Every parameter's sampled weights (views where they can be)."""
+        plan, pieces = self._sample_plan(world), self._locals(world)[0]
+        return [_take(t, how) for t, how in zip(pieces, plan)]
 
     def _locals(self, world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Every parameter's local piece, and their copy counts (float64, on the device)."""
@@ -188,8 +264,8 @@ class Signals:
             qk_clip_(self.blocks, self.config.qk_clip, self._device())
         if self._snapshot is None or self.paused:
             return
-        now, copies = self._locals(world_size())
-        dev, n = copies.device, len(self.groups)
+        dev, n = self._device(), len(self.groups)
+        now = self._sampled_weights(world_size())
         moved = tensor_norms(torch._foreach_sub(now, self._snapshot), dev).to(_F64)
         before = tensor_norms(self._snapshot, dev).to(_F64)
         if self._group_index is None:
@@ -197,35 +273,39 @@ class Signals:
                                               for _ in idx], device=dev)
             self._order = torch.tensor([i for idx in self.groups.values() for i in idx],
                                        device=dev)
+            self._weights = torch.tensor(self._weight, dtype=_F64, device=dev)
+        w = self._weights
         sums = torch.zeros(2 * n, dtype=_F64, device=dev)
-        sums.index_add_(0, self._group_index, (moved.square() / copies)[self._order])
-        sums.index_add_(0, self._group_index + n, (before.square() / copies)[self._order])
+        sums.index_add_(0, self._group_index, (moved.square() * w)[self._order])
+        sums.index_add_(0, self._group_index + n, (before.square() * w)[self._order])
         self._update, self._snapshot = sums, None
 
     def spike_counts(self, world: int) -> torch.Tensor:
-        """This rank's share of [elements with g^2 > spike_k v, elements with a second moment],
-        float64 on the device; g the local gradient, v the optimizer's ``exp_avg_sq`` (a few
-        foreach kernels: ``max(g^2 - k v, 0)``, then its count of non-zeros)."""
+        """This rank's share of [elements with g^2 > spike_k v, elements with a second moment]
+        over the sample, each tensor's counts times its stride, float64 on the device; g the
+        local gradient, v the optimizer's ``exp_avg_sq`` (a few foreach kernels:
+        ``max(g^2 - k v, 0)``, then its count of non-zeros)."""
         dev = self._device()
         state = self.optimizer.state if self.optimizer is not None else {}
-        gs, vs, copies = [], [], []
-        for _, p in self.named:
+        plan = self._sample_plan(world)
+        gs, vs, weights = [], [], []
+        for i, (_, p) in enumerate(self.named):
             v = state.get(p, {}).get("exp_avg_sq") if p.grad is not None else None
             if v is None:  # no second moment before the optimizer's first step
                 continue
-            g, c, _ = local_piece(p.grad, world)
-            v = local_piece(v, world)[0]
+            g = _take(local_piece(p.grad, world)[0], plan[i])
+            v = _take(local_piece(v, world)[0], plan[i])
             if g.numel():
                 gs.append(g if g.dtype == v.dtype else g.to(v.dtype))
                 vs.append(v)
-                copies.append(c)
+                weights.append(self._weight[i])
         if not gs:
             return torch.zeros(2, dtype=_F64, device=dev)
         excess = torch._foreach_addcmul(torch._foreach_mul(vs, -self.config.spike_k), gs, gs)
         torch._foreach_clamp_min_(excess, 0.0)
-        c = torch.tensor(copies, dtype=_F64, device=dev)
-        hits = (tensor_norms(excess, dev, 0.0).to(_F64) / c).sum()
-        total = sum(g.numel() / k for g, k in zip(gs, copies))
+        w = torch.tensor(weights, dtype=_F64, device=dev)
+        hits = (tensor_norms(excess, dev, 0.0).to(_F64) * w).sum()
+        total = sum(g.numel() * k for g, k in zip(gs, weights))
         return torch.stack([hits, torch.full((), total, dtype=_F64, device=dev)])
 
     # -- the step's values ----------------------------------------------------------------------
