@@ -409,7 +409,7 @@ def test_loss_ema_is_what_the_next_ratio_divides_by():
 
 def test_version_1_state_is_refused_with_what_to_do():
     old = {"version": 1, "config": DetectorConfig().to_dict(), "scalars": {}, "pending": None}
-    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 4.*fresh "
+    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 5.*fresh "
                                          r"SpikeDetector.*arm_after=50"):
         SpikeDetector().load_state_dict(old)
 
@@ -449,3 +449,47 @@ def test_benchmark_smoke(sub_env):
     assert all(math.isfinite(x) and x > 0 for x in numbers), numbers
     actions = ast.literal_eval(r.stdout.split("actions:", 1)[1].strip().splitlines()[0])
     assert sum(actions.values()) == 10_000 and actions["continue"] > 0
+
+
+def test_an_update_ratio_past_20x_its_median_is_tier2_at_that_update():
+    """The UpdateJump rule on a stream of update ratios (log-normal noise, sigma 0.3, around
+    0.01): a 50x update at step 80 is Tier 2 at step 80, dated there; the next five large ones
+    do not fire again (one event per excursion, and they stay out of the median); after readings
+    back under the bar, a second jump fires again. Never on the noise, a skip's 0, before 16
+    readings, or with the rule off."""
+    rng = np.random.default_rng(0)
+    ratios = list(0.01 * np.exp(rng.normal(0.0, 0.3, 200)))
+    for s in range(80, 86):
+        ratios[s] = 0.5
+    ratios[120] = 0.0  # a skipped step reads 0
+    ratios[150] = 0.3
+    cfg = DetectorConfig.for_run(1000, arm_after=10)
+
+    def verdicts(config, stream):
+        d = SpikeDetector(config)
+        return [d.update(sg.StepMetrics(step=t, loss=2.0, grad_norm=1.0), update_ratio=r)
+                for t, r in enumerate(stream)]
+
+    fired = [(v.step, v.onset_step) for v in verdicts(cfg, ratios) if v.tier == 2]
+    assert fired == [(80, 80), (150, 150)]
+    v80 = verdicts(cfg, ratios)[80]
+    assert v80.reasons[0] == "update_ratio > 20x median" and v80.action is Action.ROLLBACK
+    assert v80.evidence["update_ratio"] == 0.5
+    assert v80.evidence["update_ratio_median"] == pytest.approx(0.01, rel=0.2)
+    assert verdicts(cfg, [*ratios[:80], 0.15])[80].tier < 2  # 15x: under the bar
+    # the state round trip inside the excursion: the resumed detector stays latched
+    d = SpikeDetector(cfg)
+    for t, r in enumerate(ratios[:82]):
+        d.update(sg.StepMetrics(step=t, loss=2.0, grad_norm=1.0), update_ratio=r)
+    resumed = SpikeDetector(cfg)
+    resumed.load_state_dict(json.loads(json.dumps(d.state_dict())))
+    rest = [resumed.update(sg.StepMetrics(step=t, loss=2.0, grad_norm=1.0), update_ratio=r)
+            for t, r in enumerate(ratios) if t >= 82]
+    assert [v.step for v in rest if v.tier == 2] == [150]
+    early = [0.01] * 10 + [0.5] + [0.01] * 40  # armed at 10, but 10 readings are not 16
+    assert not [v for v in verdicts(cfg, early) if v.tier == 2]
+    off = DetectorConfig.for_run(1000, arm_after=10, update_jump=0)
+    assert not [v for v in verdicts(off, ratios) if v.tier == 2]
+    assert not [v for v in verdicts(cfg, [None] * 200) if v.tier == 2]  # no readings
+    with pytest.raises(ValueError, match="update_jump"):
+        DetectorConfig(update_jump=0.5)

@@ -109,6 +109,14 @@ class DetectorConfig:
     """The halt_loss_nats rule applies once the loss EMA is below this fraction of ln(vocab)."""
     vocab_size: int | None = None
     """Vocabulary size; None (unknown) turns the halt_loss_nats rule off."""
+    update_jump: float = 20.0
+    """Tier 2 when the update ratio (the applied update's RMS over the weights', which the
+    probes' signals record every step) passes this many times its median over the last
+    update_window readings: an update far larger than the run's own (the learning rate or the
+    optimizer's state gone wrong), seen at the update itself, before the loss moves. An LR x50
+    moves it 50x; on clean runs it stayed within 2x of its median. 0: off."""
+    update_window: int = 32
+    """Readings in the update ratio's running median; the rule waits for half of them."""
     max_scaler_skips: int = 10
     """fp16: this many consecutive GradScaler overflows make Tier 3 HALT."""
     min_grad_scale: float = 1.0
@@ -117,6 +125,13 @@ class DetectorConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "update_jump":
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                        v == 0 or v > 1):
+                    raise ValueError(f"DetectorConfig.update_jump={v!r} must be a number > 1 "
+                                     "(a multiple of the update ratio's median; default 20) "
+                                     "or 0 (off)")
+                continue
             if f.name == "vocab_size":
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 2):
                     raise ValueError(f"DetectorConfig.vocab_size={v!r} must be an int >= 2 "

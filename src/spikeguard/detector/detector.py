@@ -13,7 +13,8 @@ I/O, host floats in and out; about 10 us an update. Tiers (every number a Detect
 * Tier 2 (ROLLBACK; a caller may turn it into an alert): ratio > 2.5 for 10 updates; short loss
   EMA 0.1 above its pre-spike level for > 500 updates; log Z +3 within 300 updates; log Z more
   than 3 above its running median (a drift too slow for the 300-update rule); a skip storm; an
-  unrecovered Tier 1. Tier 2 rules are events: each fires once when its condition starts to hold.
+  unrecovered Tier 1; an update ratio (the signals' reading) past 20x its median, at the update
+  itself. Tier 2 rules are events: each fires once when its condition starts to hold.
 * Tier 3 (HALT): nan_frac > 0, a non-finite loss or grad norm (under fp16: only when grad_scale
   is below 1 or after 10 consecutive overflows), or loss > 10 nats that the grad norm does not
   explain once the loss EMA is below 0.8 ln(vocab).
@@ -48,11 +49,19 @@ from .rules import (
     ScalerOverflow,
     StepInput,
 )
-from .rules_tier2 import LogZDrift, LogZRise, LossElevated, RatioHeld, Recovery, SkipStorm
+from .rules_tier2 import (
+    LogZDrift,
+    LogZRise,
+    LossElevated,
+    RatioHeld,
+    Recovery,
+    SkipStorm,
+    UpdateJump,
+)
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
-_STATE_VERSION = 4
+_STATE_VERSION = 5
 """4: the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the
 spreads; 2: one entry per rule; 1: one flat dict."""
 
@@ -138,7 +147,8 @@ class SpikeDetector:
                 "loss_ratio": LossRatio(c), "ratio_held": RatioHeld(c),
                 "loss_halt": LossHalt(c), "skip_storm": SkipStorm(c),
                 "loss_elevated": LossElevated(c), "log_z_drift": LogZDrift(c),
-                "log_z_rise": LogZRise(c), "recovery": Recovery(c), "scaler": ScalerOverflow(c),
+                "log_z_rise": LogZRise(c), "recovery": Recovery(c),
+                "update_jump": UpdateJump(c), "scaler": ScalerOverflow(c),
                 "non_finite": NonFinite()}
 
     def _use(self, rules: dict[str, Rule]) -> None:
@@ -175,7 +185,8 @@ class SpikeDetector:
         by. NaN before any history."""
         return self._ratio.ema.value
 
-    def update(self, m: StepMetrics, *, released: bool = False, blind: bool = False) -> Verdict:
+    def update(self, m: StepMetrics, *, released: bool = False, blind: bool = False,
+               update_ratio: float | None = None) -> Verdict:
         """Judge one step. Call once per step, in order, with host floats (a torch.Tensor field
         raises TypeError: convert it with ``float(...)`` where a sync is acceptable).
 
@@ -184,7 +195,8 @@ class SpikeDetector:
         step is then an ALERT with ``skip`` False, not counted towards a skip storm, and still
         kept out of every history (and watched for recovery, as a skip is). ``blind``: released
         without a test of the weights (no reference batch): it counts towards a storm as a skip
-        would, since nothing showed the weights at fault."""
+        would, since nothing showed the weights at fault. ``update_ratio``: the signals' reading
+        of this step's update (``UpdateJump``), None without one."""
         if type(m) is not StepMetrics and not isinstance(m, StepMetrics):
             raise TypeError(f"SpikeDetector.update takes a StepMetrics, got {type(m).__name__}")
         step, loss, g, lz, nf, given = (m.step, m.loss, m.grad_norm, m.log_z, m.nan_frac,
@@ -207,6 +219,7 @@ class SpikeDetector:
             step, loss, g, _nan if lz is None else lz, given)
         x.skip = x.spike = x.loss_flag = False
         x.released, x.blind = released, released and blind
+        x.update_ratio = _nan if update_ratio is None else update_ratio
         x.i, x.j = self._n_seen, self._n_clean
         x.armed = x.j >= self._arm_after
         self._n_seen += 1
@@ -259,6 +272,9 @@ class SpikeDetector:
             evidence["pre_spike_loss"] = lx.pre
             evidence["loss_elevated_steps"] = lx.count
         evidence["skips_consecutive"] = storm.run
+        if x.update_ratio == x.update_ratio:  # a reading: the update_jump rule's numbers
+            evidence["update_ratio"] = x.update_ratio
+            evidence["update_ratio_median"] = self._rules["update_jump"].median.value
         return self._verdict(x.step, tier, action, t3 + t2 + t1, advice, evidence,
                              (x.skip and not x.released) or tier == 3)
 

@@ -9,8 +9,8 @@ halts never enters any history), "after" rules run once ``x.kept`` is known. Jud
 history get the kept step through ``fold(x)``. ``SpikeDetector`` loops over its rules in
 declared order within each phase, sorts their events by onset and turns them into a Verdict.
 A rule may publish numbers for the rules after it (``x.ratio``, ``x.short``, ...): the fields
-of StepInput say who writes what. The Tier 2 rules are in ``rules_tier2.py``; the non-finite
-path (``NonFinite``, ``ScalerOverflow``) runs instead of the phases and takes the StepMetrics.
+of StepInput say who writes what. Tier 2 rules are in ``rules_tier2.py``; the non-finite path
+(``NonFinite``, ``ScalerOverflow``) runs instead of the phases and takes the StepMetrics.
 """
 
 from __future__ import annotations
@@ -83,12 +83,12 @@ class StepInput:
 
     __slots__ = ("armed", "blind", "ema_prev", "given_ratio", "grad_half", "grad_norm", "i", "j",
                  "kept", "log_z", "log_z_onset", "loss", "loss_flag", "ratio", "ratio_onset",
-                 "released", "short", "skip", "spike", "step", "t1_onset")
+                 "released", "short", "skip", "spike", "step", "t1_onset", "update_ratio")
 
     def __init__(self) -> None:
         self.step = self.i = self.j = 0
         """The step; the updates seen before it (not non-finite); the updates kept before it."""
-        self.loss = self.grad_norm = self.log_z = _nan
+        self.loss = self.grad_norm = self.log_z = self.update_ratio = _nan  # the signals' reading
         self.given_ratio: float | None = None
         """A loss_ema_ratio already in the StepMetrics (a replayed log), else None."""
         self.armed = False

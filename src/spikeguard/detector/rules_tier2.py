@@ -13,7 +13,8 @@ from ..detect.stats import EMA, EventWindow, RunningMedian, SlidingMin
 from .config import DetectorConfig
 from .rules import Event, Rule, StepInput
 
-__all__ = ["LogZDrift", "LogZRise", "LossElevated", "RatioHeld", "Recovery", "SkipStorm"]
+__all__ = ["LogZDrift", "LogZRise", "LossElevated", "RatioHeld", "Recovery", "SkipStorm",
+           "UpdateJump"]
 
 _isfinite = math.isfinite
 _nan = math.nan
@@ -326,3 +327,38 @@ class Recovery(Rule):
         super().load_state_dict(state)
         if self.pending is not None:
             self.pending = list(self.pending)
+
+
+class UpdateJump(Rule):
+    """The update ratio past update_jump x its running median (update_window readings): the
+    update just applied moved the weights many times more than the run's updates do, so the
+    learning rate or the optimizer's state is wrong, and the loss has not moved yet (under Adam
+    a gradient spike barely changes the update; a 50x LR moves it 50x). Dated at this step, the
+    update at fault. A reading past the bar stays out of the median; the rule fires once per
+    excursion and re-arms when a reading is back under the bar. Silent without readings (the
+    signals off) and on a skipped step (it reads 0)."""
+
+    __slots__ = ("jump", "latched", "median", "need", "reason")
+    _scalars = ("latched",)
+    _stats = ("median",)
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.jump = c.update_jump
+        self.median = RunningMedian(c.update_window)
+        self.need = max(1, c.update_window // 2)
+        self.latched = False
+        self.reason = f"update_ratio > {c.update_jump:g}x median"
+
+    def update(self, x: StepInput) -> Event | None:
+        r = x.update_ratio
+        if not self.jump or not (r > 0.0 and r < math.inf):  # NaN, a skip's 0, no reading
+            return None
+        median = self.median
+        if x.armed and len(median) >= self.need and r > self.jump * median.value:
+            if self.latched:
+                return None
+            self.latched = True
+            return (x.step, self.reason)
+        self.latched = False
+        median.update(r)
+        return None

@@ -51,8 +51,9 @@ class Judge:
         m = StepMetrics(step=p.step, loss=loss, grad_norm=norm, log_z=log_z, nan_frac=nan_frac,
                         lr=p.lr, grad_scale=scale if scaler is not None else None)
         blind = check is None or check.weights is None  # released without a test of the weights
+        signals = p.probes.decode(values[N_NUMBERS:]) if p.probes is not None else {}
         verdict = self.detector.update(m, released=self.respond and flag != 0.0 and not skipped,
-                                       blind=blind)
+                                       blind=blind, update_ratio=signals.get("update_ratio"))
         m.loss_ema_ratio = verdict.evidence.get("loss_ema_ratio")
         if (self.respond and verdict.tier <= 1 and verdict.skip != skipped
                 and not self._warned_disagree):
@@ -65,6 +66,5 @@ class Judge:
             extras["weights_check"] = check.record()
             if check.weights or not skipped:
                 extras["cause"] = "weights" if check.weights else "unknown"
-        if p.probes is not None:
-            extras.update(p.probes.decode(values[N_NUMBERS:]))
+        extras.update(signals)
         return m, verdict, extras, skipped
