@@ -37,11 +37,20 @@ def _run(model, opt, probes, steps=3, seed=0, hook=None):
     return records
 
 
+def _sampled(n, s):
+    """The sampled elements of a flat tensor of n at stride s: index i with (i // 16) % s == 0,
+    below the last whole period of 16 s (every element at stride 1)."""
+    i = torch.arange(n)
+    return torch.ones(n, dtype=torch.bool) if s == 1 else ((i // 16) % s == 0) & (
+        i < n // (16 * s) * 16 * s)
+
+
 @pytest.mark.parametrize("stride", [1, 64])
 def test_update_ratio_and_spike_share_equal_float64_references(stride):
     """stride 1: every element, against float64 readings of whole tensors; the default 64: the
-    float64 readings of the sampled elements (each tensor's flat slice ``[::s]``, its sums and
-    counts times s), and within 10% (the spike share within 0.02) of the whole tensors'."""
+    float64 readings of the sampled elements (``_sampled``: blocks of 16, one in every s of the
+    flat tensor; sums and counts times s), and within 10% (the spike share within 0.02) of the
+    whole tensors'."""
     torch.manual_seed(0)
     model = sg.GPT(sg.GPTConfig.tiny())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
@@ -59,8 +68,8 @@ def test_update_ratio_and_spike_share_equal_float64_references(stride):
                 hit = (p.grad.double() ** 2 > 3.0 * v.double()).reshape(-1)
                 hits, total = hits + int(hit.sum()), total + p.numel()
                 k = sample_stride(tuple(p.shape), stride)
-                sampled_hits += k * int(hit[::k].sum())
-                sampled_total += k * hit[::k].numel()
+                sampled_hits += k * int(hit[_sampled(hit.numel(), k)].sum())
+                sampled_total += k * int(_sampled(hit.numel(), k).sum())
         before.spike = hits / max(total, 1)
         before.sampled_spike = sampled_hits / max(sampled_total, 1)
 
@@ -83,8 +92,9 @@ def test_update_ratio_and_spike_share_equal_float64_references(stride):
             whole = math.sqrt(sum(float((m ** 2).sum()) for m in moved)
                               / sum(float((x ** 2).sum()) for x in w))
             k = [sample_stride(tuple(named[i][1].shape), stride) for i in idx]
-            sampled = math.sqrt(sum(s * float((m[::s] ** 2).sum()) for s, m in zip(k, moved))
-                                / sum(s * float((x[::s] ** 2).sum()) for s, x in zip(k, w)))
+            keep = [_sampled(m.numel(), s) for s, m in zip(k, moved)]
+            sampled = math.sqrt(sum(s * float((m[i] ** 2).sum()) for s, m, i in zip(k, moved, keep))
+                                / sum(s * float((x[i] ** 2).sum()) for s, x, i in zip(k, w, keep)))
             assert rec[f"update_ratio/{g}"] == pytest.approx(sampled, rel=1e-5), (t, g)
             assert rec[f"update_ratio/{g}"] == pytest.approx(whole, rel=1e-5 if stride == 1
                                                              else 0.1), (t, g)
@@ -202,13 +212,13 @@ def test_signal_intervals_and_a_step_without_update():
 
 
 def test_the_update_ratio_sample_crosses_every_column_and_keeps_enough_elements():
-    for shape in [(384, 1152), (256, 64), (64,), (1000,), (50304, 768), (7, 13)]:
+    for shape in [(384, 1152), (256, 64), (64,), (1000,), (50304, 768), (7, 13), (96, 100)]:
         n, s = math.prod(shape), sample_stride(shape, 64)
-        assert 1 <= s <= 64 and math.gcd(s, shape[-1]) == 1, shape
-        assert len(range(0, n, s)) >= min(n, 1024), shape
-        cols = {i % shape[-1] for i in range(0, n, s)} if len(shape) == 2 else None
-        assert cols is None or len(cols) == min(shape[-1], len(range(0, n, s))), shape
-    assert sample_stride((384, 1152), 64) == 61  # 64 and 63 share a factor with 1152
+        keep = _sampled(n, s)
+        assert 1 <= s <= 64 and int(keep.sum()) >= min(n, 1024) * 0.98, (shape, s)
+        cols = set((torch.nonzero(keep).reshape(-1) % shape[-1]).tolist())
+        assert len(cols) == shape[-1], shape  # every column sampled
+    assert sample_stride((384, 1152), 64) == 61  # 64, 63, 62 x 16 share 1024, 144, 32 with 1152
 
 
 def _sharded_signals(rank, world):
