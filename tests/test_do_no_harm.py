@@ -14,6 +14,7 @@ import torch
 import spikeguard as sg
 from spikeguard.detector.gate import DeviceGate
 from spikeguard.detector.rules import GradSpike, grad_limit
+from spikeguard.diagnose import diagnose
 from spikeguard.guard import GuardConfig
 from spikeguard.train import TrainConfig, train
 
@@ -268,6 +269,10 @@ def test_an_lr_fault_pages_at_the_faulty_update_and_rollback_replays_past_it(tmp
     ratios = [r["update_ratio"] for r in bare_records[48:80]]
     assert bare_records[80]["update_ratio"] >= 20 * sorted(ratios)[16]  # the premise, measured
     assert bare_records[79]["loss"] < 1.2 * bare_records[78]["loss"]  # the loss had not moved
+    # diagnose replays the log's update_ratio column through the same rule
+    replayed = diagnose(tmp_path / "bare" / "metrics.jsonl").replay.flagged
+    assert any(v.step == 80 and v.tier == 2 and v.reasons[0] == "update_ratio > 20x median"
+               for v in replayed), [(v.step, v.tier, v.reasons[:1]) for v in replayed]
     alert, records = _run(tmp_path, "alert", **kw)
     first = next(r for r in records if r["tier"] >= 2)
     assert first["step"] == 80 and first["action"] == "alert", first

@@ -137,7 +137,8 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
 
     A missing loss or grad norm column is fed as a constant 1.0 (its rules stay silent), a
     missing log Z as NaN and a missing nan_frac as 0; a missing cell of the loss or grad norm
-    as the last finite value before it (never a logged NaN or inf: a blank is not a fault).
+    as the last finite value before it (never a logged NaN or inf: a blank is not a fault). An
+    ``update_ratio`` column (the signals' reading) goes to the update-ratio rule.
     """
     n = len(log)
     cols = log.columns
@@ -154,7 +155,12 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
     columns: list[Any] = [log.steps.tolist(), loss, grad, log_z, nf]
     if "grad_scale" in cols:
         columns += [repeat(None), repeat(None), scale]
-    verdicts = map(update, map(make, *columns))  # C-level loops: no per-step unpacking
+    metrics = map(make, *columns)  # C-level loops: no per-step unpacking
+    if "update_ratio" in cols:  # the signals' reading (spikeguard's own logs): UpdateJump
+        ratios = cols["update_ratio"].tolist()
+        verdicts = map(lambda m, r: update(m, update_ratio=r), metrics, ratios)
+    else:
+        verdicts = map(update, metrics)
     # C doubles, not lists of float objects: keeping a million of the detector's floats alive
     # scatters the allocator's pools and slows the detector itself
     out: dict[str, array] = {k: array("d") for k in _TRACE} if trace else {}
