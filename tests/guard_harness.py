@@ -24,7 +24,9 @@ class Fault:
     """"outlier" (random-byte inputs, each target the byte the model finds least likely: a loss
     of at least ln(vocab) on any weights, several times a trained run's), "nan" (NaN in one
     gradient), "lr" (LR x mult), "grad" (every gradient scaled so that their norm is ``mult``
-    x the median grad norm the guard's detector holds: sized from the run itself)."""
+    x the median grad norm the guard's detector holds: sized from the run itself; a transient
+    fault, the re-run does not have it), "sharp" (the same scaling, which the re-run of the
+    step reproduces: a batch whose gradient is huge at an ordinary loss)."""
     step: int
     param: str = "blocks.0.mlp.fc.weight"
     mult: float = 50.0
@@ -116,15 +118,18 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                     y = model.logits(model(x)).argmin(-1)
             out_ = model.loss(model(x), y)
             out_.loss.backward()
+            factor = None  # "sharp": the re-run scales its gradients by the same factor
             for f in active:
                 if f.kind == "nan":
                     dict(model.named_parameters())[f.param].grad.view(-1)[0] = float("nan")
-                if f.kind == "grad":
+                if f.kind in ("grad", "sharp"):
                     grads = [p.grad for p in model.parameters() if p.grad is not None]
                     norm = torch.linalg.vector_norm(torch.stack(
                         [torch.linalg.vector_norm(g) for g in grads]))
+                    scale = float(f.mult * guard.detector.grad_median / norm)
                     for g in grads:
-                        g.mul_(f.mult * guard.detector.grad_median / norm)
+                        g.mul_(scale)
+                    factor = scale if f.kind == "sharp" else None
             saved = None
             if any(f.kind == "lr" for f in active):
                 mult = next(f.mult for f in active if f.kind == "lr")
@@ -134,9 +139,13 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
             run.lrs[t] = opt.param_groups[0]["lr"]
             run.losses[t] = float(out_.ce)
 
-            def rerun(x: torch.Tensor = x, y: torch.Tensor = y) -> Any:
+            def rerun(x: torch.Tensor = x, y: torch.Tensor = y, factor: Any = factor) -> Any:
                 o = model.loss(model(x), y)
                 guard.backward(o)
+                if factor is not None:
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(factor)
                 return o
 
             before = snapshot(model, opt) if t in watch else None
