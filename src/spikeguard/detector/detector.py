@@ -62,7 +62,7 @@ from .rules_tier2 import (
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
 _STATE_VERSION = 5
-"""4: the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the
+"""5: adds the update-ratio rule; 4: the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the
 spreads; 2: one entry per rule; 1: one flat dict."""
 
 

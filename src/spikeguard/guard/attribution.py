@@ -51,6 +51,8 @@ log = logging.getLogger("spikeguard")
 
 _KEEP = 1000
 """Skipped steps whose cause and quarantined sequences the guard remembers (Tier 2 looks back)."""
+
+
 def _no_evidence(verdict: Any, f: Finding) -> bool:
     """A Tier 1 skip on the grad norm alone, its loss at or under the recent median and less than
     one loss bar below it, reproduced by the re-run (not transient), no outlier sequence: nothing
