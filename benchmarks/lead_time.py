@@ -71,6 +71,7 @@ RULES: dict[str, tuple[str, float, float]] = {
 }
 WINDOW = 32
 PEAK = 1.2
+DEPART, DEPART_MEAN = 1.02, 5
 
 
 def jobs(seeds: list[int], defenses: str = "all", model: str = "tiny") -> list[dict[str, Any]]:
@@ -148,12 +149,33 @@ def crossings(values: list[float | None], rule: tuple[str, float, float]) -> lis
     return out
 
 
+def departure(loss: list[float], clean: list[float], at: int, horizon: int = 100) -> int | None:
+    """The first step from ``at`` (within ``horizon``) where the faulted run's loss, as a mean of
+    its last DEPART_MEAN steps, is at least DEPART (1.02) times the clean run's on the same seed
+    and batches: where the fault's damage shows in the loss. None when it never does."""
+    for t in range(at, min(len(loss), len(clean), at + horizon)):
+        lo = max(0, t - DEPART_MEAN + 1)
+        f, c = loss[lo:t + 1], clean[lo:t + 1]
+        if sum(f) >= DEPART * sum(c):
+            return t
+    return None
+
+
+def _finite(values: list[float | None]) -> list[float]:
+    return [(v if v is not None and v == v else math.inf) for v in values]
+
+
 def score(lines: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per signal: lead per fault (median over seeds and the list) and clean false alarms."""
+    """Per signal: lead per fault before the loss peak and before the loss departs from the
+    paired clean run (median over seeds and the list), the delay after the fault, and clean
+    false alarms. A faulted run's pair is the clean run of its model and seed at its LR."""
     table: dict[str, Any] = {}
     signals = [*RULES, "guard"]
+    clean = {(d["model"], d["seed"], d["lr"]): _finite(d["series"]["loss"]) for d in lines
+             if d["kind"] == "clean" and d.get("defenses", "all") == "all"}
     for sig in signals:
-        row: dict[str, Any] = {"leads": {}, "delays": {}, "false_alarms": 0, "clean_steps": 0}
+        row: dict[str, Any] = {"leads": {}, "departs": {}, "delays": {}, "false_alarms": 0,
+                               "clean_steps": 0}
         for d in lines:
             s = d["series"]
             if sig == "guard":
@@ -166,13 +188,19 @@ def score(lines: list[dict[str, Any]]) -> dict[str, Any]:
                 row["false_alarms"] += len(cross)
                 row["clean_steps"] += len(s["loss"])
                 continue
-            loss = [(v if v is not None and v == v else math.inf) for v in s["loss"]]
+            loss = _finite(s["loss"])
             at = d["fault_step"]
             end = min(len(loss), at + 100)
             peak = max(range(at, end), key=loss.__getitem__)
             before = statistics.median(loss[at - 16:at])
             first = next((c for c in cross if c >= at), None)
             row["delays"].setdefault(d["fault"], []).append(None if first is None else first - at)
+            pair = clean.get((d["model"], d["seed"], d["lr"]))
+            if pair is not None and d.get("defenses", "all") == "all":
+                dep = departure(loss, pair, at)
+                lead = (None if first is None or dep is None or first > dep else dep - first)
+                row["departs"].setdefault(d["fault"], []).append(
+                    "no departure" if dep is None else lead)
             if loss[peak] < PEAK * before:  # no loss event to lead
                 row["leads"].setdefault(d["fault"], []).append("no peak")
                 continue
@@ -183,18 +211,22 @@ def score(lines: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _cell(values: list[Any]) -> str:
-    """'median (per seed)': '-' for no crossing, 'np' for a run without a loss peak."""
+    """'median (per seed)': '-' for no crossing, 'np' for a run without a loss peak, 'nd' for
+    one whose loss never departs from its clean pair."""
     got = [x for x in values if isinstance(x, int)]
     med = statistics.median(got) if got and len(got) > len(values) / 2 else None
-    per = ",".join("np" if x == "no peak" else "-" if x is None else str(x) for x in values)
+    per = ",".join({"no peak": "np", "no departure": "nd", None: "-"}.get(x, str(x))
+                   for x in values)
     return f"{'-' if med is None else f'{med:g}'} ({per})"
 
 
-def format_table(table: dict[str, Any]) -> str:
-    """Per signal and fault: lead before the loss peak and delay after the fault (median over
-    seeds, then each seed), and the clean runs' false alarms."""
+def format_table(table: dict[str, Any], lead: str = "leads") -> str:
+    """Per signal and fault: lead before the loss peak (``lead="departs"``: before the loss
+    departs from its clean pair) and delay after the fault (median over seeds, then each seed),
+    and the clean runs' false alarms."""
     faults = list(FAULTS)
-    head = ("| signal | rule | " + " | ".join(f"{f}: lead; delay" for f in faults)
+    name = "lead" if lead == "leads" else "lead to departure"
+    head = ("| signal | rule | " + " | ".join(f"{f}: {name}; delay" for f in faults)
             + " | clean false alarms / 1k steps |")
     lines = [head, "|" + "---|" * (3 + len(faults))]
     for sig, row in table.items():
@@ -202,7 +234,7 @@ def format_table(table: dict[str, Any]) -> str:
         rtext = ("tier >= 1 verdict" if rule is None else
                  (f"> median + {rule[1]:g}" if rule[0] == "delta" else f"> {rule[1]:g}x median"
                   + (f", > {rule[2]:g}" if rule[2] else "")))
-        cells = [f"{_cell(row['leads'].get(f, []))}; {_cell(row['delays'].get(f, []))}"
+        cells = [f"{_cell(row[lead].get(f, []))}; {_cell(row['delays'].get(f, []))}"
                  for f in faults]
         fa = (f"{1000 * row['false_alarms'] / row['clean_steps']:.1f}" if row["clean_steps"]
               else "-")
@@ -239,7 +271,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i}/{len(todo)}] {job['cell']} seed {job['seed']}: {line['wall_s']} s",
                   file=sys.stderr, flush=True)
     lines = [d for d in load_results(args.results) if "series" in d]
-    print(format_table(score(lines)))
+    table = score(lines)
+    print(format_table(table))
+    if any(row["departs"] for row in table.values()):
+        print(f"\nLead before the loss departs from the clean run of the same seed (its "
+              f"{DEPART_MEAN}-step mean >= {DEPART:g}x the clean one's):\n")
+        print(format_table(table, "departs"))
     return 0
 
 
