@@ -172,6 +172,17 @@ def test_logit_bound_is_never_below_the_measured_max_logit(knobs):
     _check_formula(model, heads)
 
 
+def test_the_logit_bound_of_a_float64_model_is_its_float64_formula():
+    """A float64 model's rows are normed in float64 (they were asked for float32, which torch
+    refuses for a float64 input: a guard on a float64 model raised at its first bound)."""
+    torch.manual_seed(2)
+    model = sg.GPT(sg.GPTConfig.tiny(n_head=4, n_kv_head=2)).double()
+    probes = Probes(model, ProbeConfig(activation_max=False, layer_grad_norms=False,
+                                       signals=EVERY))
+    probes.start_step(0)
+    _check_formula(model, probes.collect()["attn_logit_bound_heads"])
+
+
 @torch.no_grad()
 def _check_formula(model, heads):
     """The float64 formula, layer 0: QK-norm gains, or the rows' norms and ln1's gain and bias."""

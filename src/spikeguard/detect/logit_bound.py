@@ -110,7 +110,8 @@ def bound_parts(blocks: list[AttentionBlock], world: int, device: torch.device) 
             rows = torch.zeros(h * hd + 2 * h_kv * hd, dtype=_F64, device=device)
             if w.numel():
                 rows[offset:offset + w.shape[0]] = torch.linalg.vector_norm(
-                    w, dim=1, dtype=torch.float32).to(device, _F64).square() / c
+                    w, dim=1, dtype=_F64 if w.dtype == _F64 else torch.float32
+                ).to(device, _F64).square() / c
             vec[4:4 + h] = rows[:h * hd].view(h, hd).sum(1)
             vec[4 + h:] = rows[h * hd:h * hd + h_kv * hd].view(h_kv, hd).sum(1)
         parts.append(vec)
