@@ -10,6 +10,7 @@ step ratios guard/base and base2/base are printed beside it.
 
     PYTHONPATH=src:. python benchmarks/bench_guard.py                  # 30 bench() steps per arm
     PYTHONPATH=src:. python benchmarks/bench_guard.py --probes --checkpoint-every 10
+    PYTHONPATH=src:. python benchmarks/bench_guard.py --no-signals     # probes=False
     PYTHONPATH=src:. python benchmarks/bench_guard.py --smoke          # tiny model, a few steps
 """
 
@@ -33,7 +34,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--steps", type=int, default=30, help="measured steps per arm")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1 keeps timings steady)")
-    p.add_argument("--probes", action="store_true", help="turn the guard's probes on")
+    p.add_argument("--probes", action="store_true", help="turn every probe of the guard on")
+    p.add_argument("--no-signals", action="store_true",
+                   help="build the guard with probes=False (no signals either: the old default)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint interval (0: off)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     args = p.parse_args(argv)
@@ -56,7 +59,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ckpt = (sg.CheckpointManager(tempfile.mkdtemp(prefix="bench_guard_"),
                                  every=args.checkpoint_every, keep=2)
             if args.checkpoint_every else None)
-    guard = sg.Guard(model, opt, scheduler=sched, checkpoints=ckpt, probes=args.probes,
+    probes = True if args.probes else False if args.no_signals else None  # None: the signals
+    guard = sg.Guard(model, opt, scheduler=sched, checkpoints=ckpt, probes=probes,
                      config=sg.GuardConfig(detector=sg.DetectorConfig(arm_after=2)))
     times: dict[str, list[float]] = {a: [] for a in arms}
     tails: dict[str, list[float]] = {a: [] for a in arms}
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     share = (tail["guard"] - base_tail) / med["base"]
     print(f"\n{cfg.n_layer} layers d={cfg.d_model} T={cfg.seq_len} batch {args.batch_size}, fused "
           f"AdamW, {torch.get_num_threads()} CPU thread(s); {steps} interleaved steps per arm; "
-          f"probes {'on' if args.probes else 'off'}, checkpoints "
+          f"probes {'on' if args.probes else 'off' if args.no_signals else 'signals only'}, "
+          f"checkpoints "
           f"{f'every {args.checkpoint_every}' if args.checkpoint_every else 'off'}"
           f"{', compiled' if args.compile else ''}")
     for a in names:

@@ -89,7 +89,8 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                 out: Path | None = None, every: int = 25, read_lag: int = 0, fused: bool = True,
                 batch: int = 8, lr: float = 3e-3, max_rollbacks: int = 3,
                 config: sg.GPTConfig | None = None, resume: bool = False,
-                stop_at: int | None = None, watch: tuple[int, ...] = ()) -> Run:
+                stop_at: int | None = None, watch: tuple[int, ...] = (),
+                signals: bool = True) -> Run:
     torch.manual_seed(seed)
     cfg = config or sg.GPTConfig.tiny()
     model = sg.GPT(cfg)
@@ -102,7 +103,8 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
     sinks = [sg.JsonlSink(out / "metrics.jsonl")] if out is not None else None
     guard = Guard(model, opt, scheduler=sched, data=data, checkpoints=ckpt, sinks=sinks,
                   config=GuardConfig(detector=sg.DetectorConfig.for_run(steps), tier2=tier2,
-                                     read_lag=read_lag, max_rollbacks=max_rollbacks))
+                                     read_lag=read_lag, max_rollbacks=max_rollbacks,
+                                     signals=signals))
     run = Run(guard=guard, model=model)
     if resume:
         guard.resume()

@@ -39,9 +39,9 @@ def _batch(model, data, guard):
     return out
 
 
-def test_decide_then_the_framework_steps_is_bit_identical_to_guard_step():
-    model_a, opt_a, data_a, guard_a = _run()
-    model_b, opt_b, data_b, guard_b = _run()
+def test_decide_then_the_framework_steps_is_bit_identical_to_guard_step(tmp_path):
+    model_a, opt_a, data_a, guard_a = _run(tmp_path, name="a.jsonl")
+    model_b, opt_b, data_b, guard_b = _run(tmp_path, name="b.jsonl")
     sched = torch.optim.lr_scheduler.LambdaLR(opt_b, lambda s: 1.0 / (1 + s))
     sched_a = torch.optim.lr_scheduler.LambdaLR(opt_a, lambda s: 1.0 / (1 + s))
     guard_a.updater.scheduler = sched_a  # the guard steps it per applied update
@@ -64,6 +64,12 @@ def test_decide_then_the_framework_steps_is_bit_identical_to_guard_step():
     assert decisions[OUTLIER].action is sg.Action.SKIP
     assert sched.last_epoch == sched_a.last_epoch == STEPS - 1
     assert opt_b.state[next(model_b.parameters())]["step"] == STEPS - 1
+    guard_a.close(), guard_b.close()
+    # the plain guards read the signals; guard.step()'s records carry the update it applied
+    # (the withheld one reads 0), decide()'s none: the framework steps after the step is read
+    ratios = [r.get("update_ratio") for r in sg.read_metrics(tmp_path / "a.jsonl")]
+    assert ratios[OUTLIER] == 0 and all(v > 0 for i, v in enumerate(ratios) if i != OUTLIER)
+    assert all("update_ratio" not in r for r in sg.read_metrics(tmp_path / "b.jsonl"))
 
 
 def test_decide_refuses_what_would_step_twice_or_late():

@@ -116,6 +116,10 @@ def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
     median = (prior[(window - 1) // 2] + prior[window // 2]) / 2
     assert records[OUTLIER]["grad_norm"] > 3 * median
     assert records[OUTLIER]["reasons"][0].startswith("grad_norm")
+    # the guard reads the signals through the optimizer's step hooks: each applied update
+    # moved the weights, the withheld one reads 0 (the update-ratio rule sees this framework too)
+    ratios = [r.get("update_ratio") for r in records]
+    assert ratios[OUTLIER] == 0 and all(v > 0 for i, v in enumerate(ratios) if i != OUTLIER)
     # the skipped step: params, AdamW moments and step count, schedule position, all unchanged
     p0, m0, pos0, lr0 = snaps.before[OUTLIER]
     p1, m1, pos1, lr1 = snaps.after[OUTLIER]

@@ -142,6 +142,10 @@ def test_an_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
     assert lrs[OUTLIER] == lrs[OUTLIER - 1] != lrs[OUTLIER - 2]
     assert cb.schedule.held_steps == 1 and cb.guard.applied == STEPS - 1
     assert all(r["log_z"] > 0 for r in records)  # from the logits of the loss's own pass
+    # the signals read the update through the optimizer's step hooks (steps are 1-based here)
+    ratios = [r.get("update_ratio") for r in records]
+    assert ratios[OUTLIER - 1] == 0
+    assert all(v > 0 for i, v in enumerate(ratios) if i != OUTLIER - 1), ratios
     assert trainer.train_module.optim is cb.parts.optimizer.optimizer  # the plain one is back
 
 

@@ -87,6 +87,16 @@ def test_outlier_batch_is_skipped_on_both_ranks_and_nothing_moves(job, name, lag
     assert bad["grad_norm"] > 3 * (prior[4] + prior[5]) / 2  # 3x the median before it
     # the LR of the step after the skip is the skipped step's: the schedule did not advance
     assert records[11]["lr"] == records[10]["lr"] != records[9]["lr"]
+    # read_lag 1: guard.step() steps the view, whose step hooks (around both inner optimizers)
+    # give the signals the update: every applied one reads above 0, the withheld one 0. read_lag
+    # 0: the trainer steps the optimizers after guard.decide() has read the step, so no record
+    # carries an update ratio (none is made up)
+    ratios = [r.get("update_ratio") for r in records]
+    if lag:
+        assert ratios[10] == 0 and sum(v is not None for v in ratios) >= len(records) - 1
+        assert all(v > 0 for i, v in enumerate(ratios) if i != 10 and v is not None), ratios
+    else:
+        assert ratios == [None] * len(records)
     for rank in range(WORLD):
         state = torch.load(out / name / f"outlier-rank{rank}.pt", weights_only=False)
         snaps = state["snaps"]  # by torchtitan's step: the guard's + 1

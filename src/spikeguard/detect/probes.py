@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from .._validate import check_int
 from ._grad_layout import collect
 from .signals import SignalConfig, Signals, SignalValues
 
-__all__ = ["ProbeConfig", "ProbeValues", "Probes", "layer_grad_norms"]
+__all__ = ["ProbeConfig", "ProbeValues", "Probes", "guard_probes", "layer_grad_norms"]
 
 _SKIP_TYPES = (nn.Dropout, nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -238,3 +238,24 @@ class Probes:
         self.signals.remove()
         for m in self._attn_modules:
             m.logit_p99_request = False
+
+
+def guard_probes(model: nn.Module, optimizer: torch.optim.Optimizer, config: ProbeConfig, *,
+                 probes: Probes | bool | None, signals: bool,
+                 pp_group: dist.ProcessGroup | None = None) -> Probes | None:
+    """The guard's probes: ``probes`` True builds every probe of ``config``, a Probes object is
+    used as it is, False builds none. None (the default) builds the signals of
+    ``config.signals`` only, the other probes off, when ``signals`` is set: the detector's
+    update-ratio rule reads them, and they ride in the read-back vector the guard reads anyway.
+    Under pipeline parallelism (``pp_group``) none: the stages hold different layers, and the
+    signals' all-reduce needs every rank to hold the same ones. Nor for an optimizer that keeps
+    no step hooks (a subclass that skipped ``Optimizer.__init__``): torch would never call them."""
+    if probes is True:
+        return Probes(model, config, optimizer=optimizer)
+    hooks = hasattr(optimizer, "_optimizer_step_pre_hooks")
+    if probes is None and signals and pp_group is None and hooks:
+        quiet = replace(config, activation_max=False, attn_logit_p99=False,
+                        layer_grad_norms=False)
+        return Probes(model, quiet, optimizer=optimizer)
+    return probes or None
+

@@ -233,6 +233,20 @@ class Signals:
         self._step = step
         self._snapshot = self._update = self._spike = None
 
+    def steps_after_read(self) -> None:
+        """The optimizer steps after the step's numbers are read (``guard.decide()``: the
+        framework steps it itself), so the update ratio and the spike share, taken around that
+        step, cannot ride in its read: they are not recorded at all, rather than recorded as 0.
+        The logit bound (the weights alone) stays, and so does QK-Clip after each update."""
+        if self.optimizer is None:
+            return
+        keep = self._hooks[1:] if self.config.qk_clip is not None else []
+        for h in self._hooks:
+            if h not in keep:
+                h.remove()
+        self._hooks, self.optimizer = keep, None
+        self._snapshot = self._update = self._spike = None
+
     def remove(self) -> None:
         """Detach the optimizer hooks."""
         for h in self._hooks:

@@ -111,8 +111,8 @@ class DetectorConfig:
     """Vocabulary size; None (unknown) turns the halt_loss_nats rule off."""
     update_jump: float = 20.0
     """Tier 2 when the update ratio (the applied update's RMS over the weights', which the
-    probes' signals record every step: ``Guard(probes=True)``, as ``spikeguard train`` builds
-    it; without probes the rule is silent) passes this many times its median over the last
+    signals record every step: every guard reads them unless built with ``probes=False`` or
+    ``GuardConfig(signals=False)``, and then the rule is silent) passes this many times its median over the last
     update_window readings: an update far larger than the run's own (the learning rate or the
     optimizer's state gone wrong), seen at the update itself, before the loss moves. An LR x50
     moves it 50x; on clean runs it stayed within 2x of its median. 0: off."""

@@ -35,6 +35,11 @@ class GuardConfig:
     multiplies it again), so the replay does not retrace the path that failed."""
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     """Which probes run and how often, when the guard is built with probes=True."""
+    signals: bool = True
+    """Built without probes (Guard(probes=None)), the guard still reads the early-warning signals
+    of probes.signals (the update ratio every step from its sample, the spike share and the
+    logit bound every tenth), the other probes off: the update-ratio rule (Tier 2 at the update
+    an LR or optimizer fault makes) needs them. False, or Guard(probes=False): none."""
     read_lag: int | None = None
     """Steps between a step and the host reading its numbers: 0, 1, or None (1 on CUDA, else 0)."""
     respond: bool = True
@@ -61,9 +66,10 @@ class GuardConfig:
         if self.rollback_lr_scale > 1.0:
             raise ValueError(f"GuardConfig.rollback_lr_scale={self.rollback_lr_scale} must be "
                              "<= 1 (1 replays at the scheduled LR; 0.5 is the default)")
-        if not isinstance(self.weights_check, bool):
-            raise ValueError(f"GuardConfig.weights_check={self.weights_check!r} must be True "
-                             "or False")
+        for name in ("weights_check", "signals"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GuardConfig.{name}={getattr(self, name)!r} must be True "
+                                 "or False")
         check_nested(self)
         if self.read_lag not in (None, 0, 1):
             raise ValueError(f"GuardConfig.read_lag={self.read_lag!r} must be 0, 1 or None (auto)")

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..detect.precision import PrecisionPolicy, PrecisionRuntime
-from ..detect.probes import Probes
+from ..detect.probes import Probes, guard_probes
 from ..detector.detector import SpikeDetector, Verdict
 from ..detector.gate import DeviceGate
 from ..readback import Readback
@@ -64,8 +64,8 @@ class Guard:
     CheckpointManager (the guard registers the model, optimizer, scheduler, scaler, data, its own
     state and ``extra_state`` with it; saves at its interval, rollback, resume); ``data`` the
     batch source (a TokenStream: its position is saved, and a rollback skips the poisoned range);
-    ``sinks`` where each step's record goes; ``probes`` True (built from ``config.probes``) or a
-    Probes object; ``on_alert(summary)`` is called on a Tier 2 alert; ``reconfigure(report)`` may
+    ``sinks`` where each step's record goes; ``probes`` True (built from ``config.probes``), a
+    Probes object, False (none) or None (the signals only, ``config.signals``); ``on_alert(summary)`` is called on a Tier 2 alert; ``reconfigure(report)`` may
     answer a halt with changes (``{"precision": "bf16-mixed", "lr_scale": 0.5, "z_loss": 1e-3}``)
     to resume with from the last healthy checkpoint. ``extra_state`` names more objects with
     ``state_dict``/``load_state_dict`` to checkpoint with the run; those named in
@@ -105,8 +105,8 @@ class Guard:
         if not isinstance(precision, PrecisionRuntime):
             precision = (precision or PrecisionPolicy(kind="fp32")).runtime(model)
         self.recorder = Recorder(Sinks(sinks) if sinks is not None else None)
-        self.probes: Probes | None = (Probes(model, cfg.probes, optimizer=optimizer)
-                                      if probes is True else probes or None)
+        self.probes: Probes | None = guard_probes(model, optimizer, cfg.probes, probes=probes,
+                                                  signals=cfg.signals, pp_group=pp_group)
         self.named_params = list(model.named_parameters())
         self.params = [p for _, p in self.named_params]
         lag = cfg.read_lag
@@ -242,6 +242,8 @@ class Guard:
         no loss scaler and no ``scheduler`` in the guard. A halt raises TrainingHalted."""
         up = self.updater
         check_decide(self.read_lag, up.precision.scaler, up.scheduler, self.checkpoints)
+        if self.probes is not None:  # the framework steps after the read: no update readings
+            self.probes.signals.steps_after_read()
         up.defer = True
         try:
             (verdict,) = self.step(out, log_z=log_z, rerun=rerun, reference=reference)

@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,10 @@ class OptimizersView(torch.optim.Optimizer):
                              f"'optimizers' list); got a {type(container).__name__}")
         self.container, self.inner = container, inner
         self.defaults = inner[0].defaults
+        # step hooks (the guard's signals read the update through them) run around every inner
+        # step at once: without Optimizer.__init__ torch would neither keep nor call them
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._step_supports_amp_scaling = all(
             getattr(o, "_step_supports_amp_scaling", False) for o in inner)
 
@@ -66,6 +71,8 @@ class OptimizersView(torch.optim.Optimizer):
             raise ValueError("OptimizersView.step takes no closure (torchtitan's container "
                              "takes none either)")
         found_inf = getattr(self, "found_inf", None)
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
         for o in self.inner:
             if found_inf is not None:
                 o.found_inf = found_inf
@@ -74,6 +81,8 @@ class OptimizersView(torch.optim.Optimizer):
             finally:
                 if found_inf is not None:
                     del o.found_inf
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.container.zero_grad(set_to_none=set_to_none)
