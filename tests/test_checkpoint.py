@@ -158,6 +158,34 @@ def test_a_failed_save_raises_or_warns_and_its_alerts_carry_to_the_next(tmp_path
         mgr.close()
 
 
+def test_a_ctrl_c_inside_dcps_write_is_an_interrupt_not_a_failed_save(tmp_path, monkeypatch):
+    """A SIGINT that lands while DCP writes a shard (a synchronous save: the write runs on the
+    main thread, where Python raises KeyboardInterrupt): DCP catches it and raises a
+    CheckpointException around it. That is no failure of the machine (which spikeguard train
+    answers with exit 1) but the Ctrl-C (exit 130, "rerun to resume"). The partial files go,
+    the checkpoint before stays the newest."""
+    import signal
+
+    from spikeguard.checkpoint.safe_reader import HashingWriter
+
+    model, opt, _ = build()
+    mgr = CheckpointManager(tmp_path, model=model, optimizer=opt, every=2, async_save=False)
+    mgr.save(2)
+    write = HashingWriter.write_data
+
+    def interrupted(self, plan, planner):  # a real SIGINT, at a known point of the write
+        signal.raise_signal(signal.SIGINT)
+        return write(self, plan, planner)
+
+    monkeypatch.setattr(HashingWriter, "write_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(4)
+    monkeypatch.setattr(HashingWriter, "write_data", write)
+    assert [c.step for c in mgr.list()] == [2]
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+    mgr.close()
+
+
 def test_enospc_efbig_and_edquot_are_one_condition_a_full_disk():
     from spikeguard.checkpoint.io import save_failure
 
