@@ -49,7 +49,7 @@ from .info import CheckpointError, CheckpointInfo, CheckpointWarning, no_old_for
 from .load import INFO as _INFO
 from .load import MANIFEST as _MANIFEST
 from .load import Refused, load, verify_checkpoint
-from .save import Job, Staging, agree, failure_message, make_tmp, manifest
+from .save import Job, Staging, agree, failure_message, interrupt_of, make_tmp, manifest
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "CheckpointWarning",
            "rollback_target", "verify_checkpoint"]
@@ -263,7 +263,7 @@ class CheckpointManager:
         """A save failed on every rank alike (the ranks agree before and after each write). A
         Ctrl-C is no failure of the machine: it goes on as itself, also when DCP caught it
         inside its write and wrapped it in a CheckpointException."""
-        stop = _interrupt(exc)
+        stop = interrupt_of(exc)
         if _dist.rank() == 0:  # free what the failed save took; committed ones stay
             shutil.rmtree(job.tmp, ignore_errors=True)
         if stop is not None:
@@ -387,22 +387,3 @@ class CheckpointManager:
         info = self.restore(at_or_before=onset - 2)
         data.skip(lo, hi)
         return info
-
-
-def _interrupt(exc: BaseException) -> BaseException | None:
-    """The KeyboardInterrupt or SystemExit that stopped a save: ``exc`` itself, one that DCP's
-    CheckpointException carries for some rank (its ``failures``: rank -> (exception,
-    traceback)), or one behind either (a Ctrl-C inside torch.save's zip writer surfaces as the
-    RuntimeError its cleanup raises, "unexpected pos", with the interrupt as its context)."""
-    todo, seen = [exc], set()
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            return e
-        todo += [e.__cause__, e.__context__]
-        todo += [f[0] if isinstance(f, tuple) else f
-                 for f in (getattr(e, "failures", None) or {}).values()]
-    return None

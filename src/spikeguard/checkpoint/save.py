@@ -20,7 +20,7 @@ from . import io
 from .files import FileEntry, IOStats
 from .load import INFO
 
-__all__ = ["Job", "Staging", "agree", "failure_message", "make_tmp", "manifest"]
+__all__ = ["Job", "Staging", "agree", "failure_message", "interrupt_of", "make_tmp", "manifest"]
 
 
 @dataclass
@@ -169,3 +169,22 @@ def manifest(job: Job, gathered: list[dict], digest: str) -> dict[str, FileEntry
                          f"hashed but absent: {sorted(set(files) - present)} (is the "
                          "directory on a file system every rank shares?)")
     return files
+
+
+def interrupt_of(exc: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit that stopped a save: ``exc`` itself, one that DCP's
+    CheckpointException carries for some rank (its ``failures``: rank -> (exception,
+    traceback)), or one behind either (a Ctrl-C inside torch.save's zip writer surfaces as the
+    RuntimeError its cleanup raises, "unexpected pos", with the interrupt as its context)."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            return e
+        todo += [e.__cause__, e.__context__]
+        todo += [f[0] if isinstance(f, tuple) else f
+                 for f in (getattr(e, "failures", None) or {}).values()]
+    return None
