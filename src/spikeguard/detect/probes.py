@@ -258,4 +258,3 @@ def guard_probes(model: nn.Module, optimizer: torch.optim.Optimizer, config: Pro
                         layer_grad_norms=False)
         return Probes(model, quiet, optimizer=optimizer)
     return probes or None
-

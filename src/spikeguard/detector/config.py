@@ -112,10 +112,10 @@ class DetectorConfig:
     update_jump: float = 20.0
     """Tier 2 when the update ratio (the applied update's RMS over the weights', which the
     signals record every step: every guard reads them unless built with ``probes=False`` or
-    ``GuardConfig(signals=False)``, and then the rule is silent) passes this many times its median over the last
-    update_window readings: an update far larger than the run's own (the learning rate or the
-    optimizer's state gone wrong), seen at the update itself, before the loss moves. An LR x50
-    moves it 50x; on clean runs it stayed within 2x of its median. 0: off."""
+    ``GuardConfig(signals=False)``, and then the rule is silent) passes this many times its
+    median over the last update_window readings: an update far larger than the run's own (the
+    learning rate or the optimizer's state gone wrong), seen at the update itself, before the
+    loss moves. An LR x50 moves it 50x; on clean runs it stayed within 2x of its median. 0: off."""
     update_window: int = 32
     """Readings in the update ratio's running median; the rule waits for half of them."""
     max_scaler_skips: int = 10

@@ -64,13 +64,13 @@ class Guard:
     CheckpointManager (the guard registers the model, optimizer, scheduler, scaler, data, its own
     state and ``extra_state`` with it; saves at its interval, rollback, resume); ``data`` the
     batch source (a TokenStream: its position is saved, and a rollback skips the poisoned range);
-    ``sinks`` where each step's record goes; ``probes`` True (built from ``config.probes``), a
-    Probes object, False (none) or None (the signals only, ``config.signals``); ``on_alert(summary)`` is called on a Tier 2 alert; ``reconfigure(report)`` may
-    answer a halt with changes (``{"precision": "bf16-mixed", "lr_scale": 0.5, "z_loss": 1e-3}``)
-    to resume with from the last healthy checkpoint. ``extra_state`` names more objects with
-    ``state_dict``/``load_state_dict`` to checkpoint with the run; those named in
-    ``keep_on_rollback`` are restored on ``resume`` only, never by a rollback (state outside the
-    run's timeline, such as a fault injector). ``pp_group``/``tp_group`` go to ``grad_stats``.
+    ``sinks`` where each step's record goes; ``probes`` True (``config.probes``), a Probes object,
+    False (none) or None (the signals only, ``config.signals``); ``on_alert(summary)`` is called
+    on a Tier 2 alert; ``reconfigure(report)`` may answer a halt with changes (``{"precision":
+    "bf16-mixed", "lr_scale": 0.5, "z_loss": 1e-3}``) to resume with from the last healthy
+    checkpoint. ``extra_state``: more objects to checkpoint (``state_dict``/``load_state_dict``);
+    those in ``keep_on_rollback`` are restored on ``resume`` only, never by a rollback (state
+    outside the run's timeline, such as a fault injector). ``pp_group``/``tp_group``: grad_stats.
     """
 
     _step = 0
