@@ -32,7 +32,8 @@ def test_an_outlier_is_skipped_and_the_run_dir_holds_config_record_checkpoints_p
     r = _run([*TINY, "--steps", "80", "--inject", "outlier@60", "--ckpt-every", "20",
               "--out", str(tmp_path)], sub_env)
     records = sg.read_metrics(tmp_path / "metrics.jsonl")
-    assert [x["step"] for x in records] == list(range(80))
+    # --steps counts updates: the withheld one is made up by one more batch (step 80)
+    assert [x["step"] for x in records] == list(range(81))
     # the planted batch is unambiguous on this run's own trajectory (the premise, checked): a
     # grad norm at 20x or more the median of the 20 steps before (63x on torch 2.13)
     before = records[40:60]
@@ -44,14 +45,15 @@ def test_an_outlier_is_skipped_and_the_run_dir_holds_config_record_checkpoints_p
     assert [x["step"] for x in records if x["skipped"]] == [60]
     assert records[61]["lr"] == records[60]["lr"] != records[59]["lr"]
     ranks = json.loads((tmp_path / "ranks" / "rank0.json").read_text())
-    assert ranks["applied"] == 79 and ranks["skipped"] == [60]
+    assert ranks["applied"] == 80 and ranks["skipped"] == [60] and ranks["made_up"] == 1
     meta = json.loads((tmp_path / "config.json").read_text())
     assert meta["config"]["gpt"]["qk_norm"] and meta["config"]["gpt"]["z_loss"] == 1e-4
     assert meta["config"]["guard"]["clip"] == 1.0 and len(meta["run_hash"]) == 64
     assert meta["config"]["guard"]["detector"]["median_window"] == 20  # for_run(80)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == \
-        ["step_00000020", "step_00000040", "step_00000060", "step_00000079"]  # + the last step
+        ["step_00000020", "step_00000040", "step_00000060", "step_00000080"]  # + the last step
     assert "what the guard did" in r.stdout and "held-out loss" in r.stdout
+    assert "skipped batches made up" in r.stdout
     _check_run_png(tmp_path, "outlier")
 
 
@@ -194,11 +196,13 @@ def test_two_ranks_under_torchrun_skip_an_outlier_on_rank_1_together(tmp_path, s
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
     records = sg.read_metrics(tmp_path / "metrics.jsonl")
-    assert [x["step"] for x in records] == list(range(40))  # one record for the job
+    # one record for the job; both ranks make up the withheld update with one more batch
+    assert [x["step"] for x in records] == list(range(41))
     assert [x["step"] for x in records if x["skipped"]] == [30]
     ranks = [json.loads((tmp_path / "ranks" / f"rank{i}.json").read_text()) for i in (0, 1)]
     assert ranks[0]["skipped"] == ranks[1]["skipped"] == [30]
-    assert ranks[0]["applied"] == ranks[1]["applied"] == 39
+    assert ranks[0]["applied"] == ranks[1]["applied"] == 40
+    assert ranks[0]["made_up"] == ranks[1]["made_up"] == 1
     assert os.path.getsize(tmp_path / "config.json") > 0
 
 

@@ -11,7 +11,8 @@ from ..detect.probes import ProbeConfig
 from ..detector.config import DetectorConfig
 from ..prevent.clipping import ClipConfig
 
-__all__ = ["check_grads", "check_loss", "check_nested", "check_pair", "check_states"]
+__all__ = ["check_grads", "check_loss", "check_nested", "check_pair", "check_start_at",
+           "check_states"]
 
 
 def check_pair(model: Any, optimizer: Any) -> None:
@@ -77,3 +78,13 @@ def check_states(config: Any, checkpoints: Any, extra_state: Any, keep_on_rollba
     if unknown:
         raise ValueError(f"keep_on_rollback names {sorted(unknown)}, which are not in "
                          f"extra_state ({sorted(extra_state or {})})")
+
+
+def check_start_at(step: Any, *, at: int, ran: int) -> int:
+    """``guard.start_at(step)``'s argument: an int >= 0, never behind ``at`` once the guard has
+    stepped (``ran`` steps in this process)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0 or (ran and step < at):
+        raise ValueError(f"guard.start_at(step={step!r}) at step {at} after {ran} steps in this "
+                         "process: give an int >= 0 (the framework's step count), never behind "
+                         "the guard's once it stepped")
+    return step

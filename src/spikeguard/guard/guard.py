@@ -38,7 +38,7 @@ from ..record import Action
 from ..sinks import Sinks
 from .adapter import Decision, check_data, check_decide
 from .attribution import Attribution, AttributionConfig
-from .checks import check_grads, check_pair, check_states
+from .checks import check_grads, check_pair, check_start_at, check_states
 from .config import GuardConfig
 from .forensics import HaltReport, TrainingHalted
 from .judge import Judge
@@ -73,13 +73,12 @@ class Guard:
     outside the run's timeline, such as a fault injector). ``pp_group``/``tp_group``: grad_stats.
     """
 
-    _step = 0
+    _step, _ran = 0, 0  # _ran: steps taken in this process (0: a restore is a resume)
     last_skipped: bool = False
     """Whether the last resolved step's update was withheld (a skip or a halt); a framework
     that steps the LR scheduler itself holds it then (integrations/)."""
     last_action: Action = Action.CONTINUE
     """What the guard did at the last resolved step."""
-    _ran = 0  # steps taken in this process (0: a restore is a resume)
     _rerun_now: Callable[..., Any] | None = None
     _reference = True
     _pending: Pending | None = None
@@ -158,6 +157,11 @@ class Guard:
     def applied(self) -> int:
         """Updates applied so far. The LR schedule steps on each and on a loss-scaler overflow."""
         return self.updater.applied
+
+    @property
+    def withheld(self) -> int:
+        """Updates withheld on this timeline (``spikeguard train`` makes them up with batches)."""
+        return self.updater.withheld
 
     @property
     def rollbacks(self) -> int:
@@ -305,7 +309,8 @@ class Guard:
         self.watch.judged(m.grad_norm)
         self.last_skipped = skipped
         # Tier 0 at a non-finite norm is the loss scaler's own overflow skip, not the guard's
-        self.updater.commit(skipped, overflow=verdict.tier == 0 and not math.isfinite(m.grad_norm))
+        overflow = verdict.tier == 0 and not math.isfinite(m.grad_norm)
+        self.updater.commit(skipped, overflow=overflow)
         check = extras.get("weights_check")
         if check is not None:
             verdict = verdict._replace(reasons=(*verdict.reasons, weights_reason(check)))
@@ -322,6 +327,7 @@ class Guard:
                 # the same batch on the same weights reproduces whichever is at fault: without
                 # a weights check that cleared the weights, the re-run cannot say "data"
                 extras["cause"] = "unknown"
+        self.updater.withheld += self.last_skipped and not overflow  # a rollback restores it
         action = verdict.action
         if not self.config.respond:
             extras["verdict"] = action.value  # what the guard would have done
@@ -368,22 +374,16 @@ class Guard:
         return info
 
     def resumed(self) -> None:
-        """The guard's state came back (``resume``, or another checkpointer's restore through
-        ``stateful()``): measure the data from where it stands; before any step in this process
-        the metrics file also continues after the restored records (no step written twice)."""
+        """The guard's state came back (``resume``, or a restore through ``stateful()``): the
+        data is measured from where it stands; before any step in this process the metrics file
+        continues after the restored records (no step written twice)."""
         self.state.continue_at(self._step, records=self.records if self._ran == 0 else None)
 
     def start_at(self, step: int) -> None:
-        """Number the next step ``step``: the framework resumed at its own step ``step`` without
-        the guard's state (with it, the state carries the number), or skipped steps itself.
-        Records of step ``step`` and later already in the metrics file are dropped: those steps
-        run again. Before the guard's first step in this process any step; after, only ahead."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or (
-                self._ran and step < self._step):
-            raise ValueError(f"guard.start_at(step={step!r}) at step {self._step} after "
-                             f"{self._ran} steps in this process: give an int >= 0 (the "
-                             "framework's step count), never behind the guard's once it stepped")
-        self._step = step
+        """Number the next step ``step`` (the framework resumed without the guard's state, or
+        skipped steps itself); records of step ``step`` on in the metrics file are dropped (they
+        run again). Before the guard's first step in this process any step; after, only ahead."""
+        self._step = check_start_at(step, at=self._step, ran=self._ran)
         self.state.continue_at(step, at_step=True)
 
     def stateful(self) -> GuardState:

@@ -49,7 +49,8 @@ class PartsState:
     def state_dict(self, step_index: int) -> dict[str, Any]:
         """JSON-ready: detector, device statistics, counters, recent batch ranges (syncs)."""
         return {"version": STATE_VERSION, "step_index": step_index,
-                "applied": self.updater.applied, "rollbacks": self.responder.rollbacks,
+                "applied": self.updater.applied, "withheld": self.updater.withheld,
+                "rollbacks": self.responder.rollbacks,
                 "records": self.recorder.records, "detector": self.detector.state_dict(),
                 "gate": self.updater.gate.state_dict(), "history": self.history.state_dict(),
                 "batches": self.ledger.state_dict(), "attribution": self.attribution.state_dict(),
@@ -66,6 +67,7 @@ class PartsState:
         self.history.load_state_dict(state["history"])
         self.attribution.load_state_dict(state.get("attribution"))
         self.updater.applied = int(state["applied"])
+        self.updater.withheld = int(state.get("withheld", 0))  # older states lack it
         self.recorder.records = int(state["records"])
         # a rollback restores an older state: the budget already spent stays spent
         self.responder.rollbacks = max(self.responder.rollbacks, int(state["rollbacks"]))

@@ -173,6 +173,8 @@ class Updater:
         self.clipper = Clipper(clipping, clip, params)
         self.pp_group, self.tp_group = pp_group, tp_group
         self.applied = 0
+        self.withheld = 0
+        """Updates the guard withheld (skips, halts), loss-scaler overflows not included."""
         self.loss_weight, self.backwards = 1.0, 0
         self._factor = 1.0  # the LR factor of the last device step (a release applies it too)
         self.lr_ramp: tuple[int, int, float] | None = None

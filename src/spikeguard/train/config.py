@@ -42,7 +42,10 @@ class TrainConfig:
     """One training run of the reference GPT (``spikeguard train``)."""
 
     steps: int = 300
-    """Optimizer steps (skipped ones included)."""
+    """Updates to apply: the LR schedule's length (a loss-scaler overflow counts as one)."""
+    make_up_skips: int = 100
+    """Each update the guard withholds (a skip) is made up by one more batch, up to this many
+    in a run: a skipped batch does not shorten training. 0: every step counts, skipped or not."""
     model: Literal["tiny", "demo", "bench"] = "demo"
     """GPTConfig preset for the shape: tiny (2x64), demo (4x128, T=128), bench (6x384, T=256)."""
     gpt: GPTConfig = field(default_factory=lambda: GPTConfig(qk_norm=True))
@@ -105,9 +108,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "warmup_steps", "ckpt_every", "keep", "eval_batches",
-                     "print_every"):
+                     "print_every", "make_up_skips"):
             check_int(getattr(self, name), f"TrainConfig.{name}",
-                      minimum=0 if name == "warmup_steps" else 1,
+                      minimum=0 if name in ("warmup_steps", "make_up_skips") else 1,
                       default=getattr(type(self), name, None))
         if self.steps < 4:
             raise ValueError(f"TrainConfig.steps={self.steps} must be >= 4 (the detector's "

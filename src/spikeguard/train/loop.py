@@ -7,7 +7,9 @@ the process group (gloo on CPU, NCCL on GPUs) and wraps the model in DDP or FSDP
 takes the same decisions (the guard's are made from all-reduced numbers) and only rank 0 writes
 the record, the config and the plot. After a skip the guard may re-run the step through the
 loop's ``rerun`` closure (``rerun(keep=mask)`` re-runs it on the rows ``mask`` keeps), and the
-sequences it quarantines go to ``DIR/quarantine.jsonl``.
+sequences it quarantines go to ``DIR/quarantine.jsonl``. ``--steps`` counts updates: each one the
+guard withholds is made up by one more batch (``TrainConfig.make_up_skips`` caps them), so a
+skipped garbage batch costs one batch of data, not one update of the schedule.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class TrainResult:
     halted: HaltReport | None = None
     resumed_from: int | None = None
     applied: int = 0
+    made_up: int = 0
+    """Withheld updates made up with more batches (steps run past ``--steps``)."""
     rollbacks: int = 0
     out: Path | None = None
     plot: Path | None = None
@@ -203,9 +207,12 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
                             tokens_per_step=cfg.batch_size * gcfg.seq_len * world,
                             bar=cfg.progress, print_every=cfg.print_every)
     sinks = [JsonlSink(out / "metrics.jsonl"), progress] if rank == 0 else []
+    def target() -> int:  # steps to run: --steps plus the withheld updates made up
+        return cfg.steps + min(guard.withheld, cfg.make_up_skips)
+
     guard = Guard(model, optimizer, config=cfg.guard, scheduler=scheduler, precision=policy,
                   checkpoints=RunCheckpoints(out / "checkpoints", every=cfg.ckpt_every,
-                                             keep=cfg.keep, last_step=cfg.steps - 1),
+                                             keep=cfg.keep, last_step=lambda: target() - 1),
                   data=stream, sinks=sinks, probes=True, extra_state={"faults": injector},
                   keep_on_rollback=("faults",))
     threads = (f"--threads {cfg.threads}; torch's default here: {torch_threads}" if cfg.threads
@@ -225,20 +232,26 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
             resumed_at = stream.position
             if rank == 0:
                 cut_quarantine(out / "quarantine.jsonl", info.step)
-            if guard.step_index >= cfg.steps:
+            if guard.step_index >= target():
                 guard.close()
                 progress.close()
                 result.complete, result.applied = True, guard.applied
-                console.print(f"the run in {out} is complete: all {cfg.steps} steps done, the "
-                              f"last checkpoint at step {info.step}; nothing to train (--fresh "
-                              f"starts it over, a new --out runs beside it)")
+                console.print(f"the run in {out} is complete: all {guard.step_index} steps done "
+                              f"({guard.applied} updates applied), the last checkpoint at step "
+                              f"{info.step}; nothing to train (--fresh starts it over, a new "
+                              f"--out runs beside it)")
                 return result
             console.print(f"resumed from the checkpoint at step {info.step}")
     start = time.perf_counter()
     skipped: list[int] = []
     try:
-        while guard.step_index < cfg.steps:
+        while True:
+            if guard.step_index >= target():  # the last step's verdict may make up one more
+                skipped += [v.step for v in guard.flush() if v.skip]
+                if guard.step_index >= target():
+                    break
             t = guard.step_index
+            progress.extend(target())
             x, y = next(stream)
             x, y = injector.begin(t, model, x, y)
             x, y = x.to(device), y.to(device)
@@ -264,7 +277,6 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
             injector.after_step(optimizer)
             result.losses.append(float(loss.ce))
             skipped += [v.step for v in verdicts if v.skip]
-        skipped += [v.step for v in guard.flush() if v.skip]
     except TrainingHalted as halt:
         result.halted = halt.report
     except KeyboardInterrupt:
@@ -274,18 +286,19 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
         progress.close()
     result.seconds = time.perf_counter() - start
     result.applied, result.rollbacks = guard.applied, guard.rollbacks
+    result.made_up = min(guard.withheld, cfg.make_up_skips)
     # every rank says what it did: under torchrun the ranks must have decided alike
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     (out / "ranks" / f"rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "steps": guard.step_index, "applied": guard.applied,
-         "rollbacks": guard.rollbacks, "skipped": skipped, "resumed_from": result.resumed_from,
+         "rollbacks": guard.rollbacks, "made_up": result.made_up, "skipped": skipped, "resumed_from": result.resumed_from,
          "resumed_at_batch": resumed_at,
          "halted": result.halted.step if result.halted else None}))
     if result.halted is None:
         result.val_loss = evaluate(model, data.val, batches=cfg.eval_batches,
                                    batch_size=cfg.batch_size)
     if rank == 0:
-        console.print(summary_table(progress, steps=cfg.steps, applied=guard.applied,
+        console.print(summary_table(progress, applied=guard.applied, made_up=result.made_up,
                                     rollbacks=guard.rollbacks, val_loss=result.val_loss,
                                     seconds=result.seconds, halted=result.halted is not None))
         if cfg.plot and (out / "metrics.jsonl").exists():

@@ -58,13 +58,18 @@ class ProgressSink:
         elif (step + 1) % self.print_every == 0:
             self.console.print(f"step {step + 1:>6}  {status}")
 
+    def extend(self, total: int) -> None:
+        """The run grew to ``total`` steps (withheld updates made up)."""
+        if self._progress is not None:
+            self._progress.update(self._task, total=total)
+
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
 
 
-def summary_table(progress: ProgressSink, *, steps: int, applied: int, rollbacks: int,
+def summary_table(progress: ProgressSink, *, applied: int, made_up: int, rollbacks: int,
                   val_loss: float, seconds: float, halted: bool) -> Table:
     """What the guard did over the run, one row a kind of action."""
     table = Table(title="what the guard did", show_header=True)
@@ -72,6 +77,8 @@ def summary_table(progress: ProgressSink, *, steps: int, applied: int, rollbacks
     table.add_column("count", justify="right")
     table.add_row("steps run (replays after a rollback included)", f"{sum(progress.actions.values()):,}")
     table.add_row("updates applied", f"{applied:,}")
+    if made_up:
+        table.add_row("skipped batches made up (steps past --steps)", f"{made_up:,}")
     for action in ("skip", "alert", "rollback", "halt"):
         table.add_row(f"{action}s", f"{progress.actions.get(action, 0):,}")
     table.add_row("rollbacks used", f"{rollbacks}")
