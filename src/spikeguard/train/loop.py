@@ -286,13 +286,13 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
         progress.close()
     result.seconds = time.perf_counter() - start
     result.applied, result.rollbacks = guard.applied, guard.rollbacks
-    result.made_up = min(guard.withheld, cfg.make_up_skips)
+    result.made_up = target() - cfg.steps
     # every rank says what it did: under torchrun the ranks must have decided alike
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     (out / "ranks" / f"rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "steps": guard.step_index, "applied": guard.applied,
-         "rollbacks": guard.rollbacks, "made_up": result.made_up, "skipped": skipped, "resumed_from": result.resumed_from,
-         "resumed_at_batch": resumed_at,
+         "rollbacks": guard.rollbacks, "made_up": result.made_up, "skipped": skipped,
+         "resumed_from": result.resumed_from, "resumed_at_batch": resumed_at,
          "halted": result.halted.step if result.halted else None}))
     if result.halted is None:
         result.val_loss = evaluate(model, data.val, batches=cfg.eval_batches,
