@@ -74,7 +74,8 @@ def main(argv: list[str]) -> int:
     halted = result.halted
     summary = {"status": "halted" if halted is not None else "finished",
                "guard": what_the_guard_did(folder / "metrics.jsonl"),
-               "applied": result.applied, "rollbacks": result.rollbacks,
+               "applied": result.applied, "made_up": result.made_up,
+               "rollbacks": result.rollbacks,
                "train_seconds": round(result.seconds, 2),
                "val_loss": round(result.val_loss, 4) if math.isfinite(result.val_loss) else None,
                "halt": None if halted is None else {"step": halted.step,

@@ -98,6 +98,8 @@
     const status = $("real-status");
     if (out.status === "finished") {
       status.textContent = "finished: " + out.applied + " updates applied" +
+        (out.made_up ? " (" + out.made_up + " skipped batch" + (out.made_up > 1 ? "es" : "") +
+          " made up by running past the last step)" : "") +
         (out.rollbacks ? ", " + out.rollbacks + " rollbacks" : "") +
         (out.val_loss !== null ? ", held-out loss " + out.val_loss.toFixed(3) : "") +
         (out.guard ? ". " + out.guard : "");
