@@ -80,6 +80,8 @@ FAULT_SPECS: dict[str, tuple[str, int]] = {   # name -> (--inject spec, steps it
     "fp16-overflow": (f"overflow@{FAULT_AT}", 1),
 }
 assert tuple(FAULT_SPECS) == FAULT_KINDS
+LOST = {"outlier": f"gap@{FAULT_AT}:1", "storm": f"gap@{FAULT_AT}:5"}
+"""The batches these faults replace: each gets a clean unguarded run whose stream skips them."""
 SMOKE = (("tiny", 1e-3, 20), ("tiny", 3e-3, 20))
 
 
@@ -89,13 +91,14 @@ def _clean_id(model: str, lr: float, steps: int) -> str:
 
 def _job(kind: str, model: str, lr: float, steps: int, seed: int, arm: str,
          fault: str | None = None) -> dict[str, Any]:
-    job = {"cell": _clean_id(model, lr, steps) if fault is None else f"fault/{model}/{fault}",
+    job = {"cell": _clean_id(model, lr, steps) if fault is None else f"{kind}/{model}/{fault}",
            "kind": kind, "model": model, "lr": lr, "steps": steps, "seed": seed, "arm": arm,
            "batch_size": BATCH[model], "clean_ref": _clean_id(model, lr, steps),
            "precision": "fp16-mixed" if fault == "fp16-overflow" else "fp32"}
     if fault is not None:
         spec, length = FAULT_SPECS[fault]
-        job.update(fault=fault, fault_spec=spec, fault_step=FAULT_AT, fault_len=length)
+        job.update(fault=fault, fault_spec=LOST[fault] if kind == "gap" else spec,
+                   fault_step=FAULT_AT, fault_len=length)
     return job
 
 
@@ -121,13 +124,14 @@ def matrix(which: str, seeds: list[int] | None = None) -> list[dict[str, Any]]:
                                 "clean", model, lr, t, seed, arm)))
     if which in ("faults", "all"):
         for model, seeds in FAULT_SEEDS.items():
-            for fault in FAULT_SPECS:
+            for kind, fault in [("fault", f) for f in FAULT_SPECS] + [("gap", f) for f in LOST]:
                 for seed in range(seeds) if chosen is None else chosen:
-                    for arm in ARMS:
+                    arms = ARMS if kind == "fault" else ("unguarded",)
+                    for arm in arms:
                         # seed-major: every fault gets its first seeds before any its fifth
                         jobs.append(((1 if model == "tiny" else 4, fault == "fp16-overflow",
-                                      seed, FAULT_KINDS.index(fault), 0),
-                                     _job("fault", model, FAULT_LR, FAULT_STEPS, seed, arm,
+                                      seed, FAULT_KINDS.index(fault), kind == "gap"),
+                                     _job(kind, model, FAULT_LR, FAULT_STEPS, seed, arm,
                                           fault)))
     if which not in ("clean", "faults", "all"):
         raise ValueError(f"--matrix {which!r}: use clean, faults, smoke or all")

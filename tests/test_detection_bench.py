@@ -78,7 +78,14 @@ def test_the_matrix_has_the_issue_s_cells():
         runs[d["cell"]].add(d["seed"])
     assert {len(s) for c, s in runs.items() if c.startswith("clean/tiny")} == {10}
     assert {len(s) for c, s in runs.items() if c.startswith("fault/demo")} == {3}
-    assert len(everything) == 3 * (4 * 5 * 10 + 2 * 4 * 5 + 9 * 5 + 9 * 3)
+    # and the gap references: one clean unguarded run per seed without the outlier's and the
+    # storm's batches, on the same seeds as their faulted cells
+    gaps = [d for d in everything if d["kind"] == "gap"]
+    assert {(d["cell"], d["fault_spec"]) for d in gaps} == {
+        (f"gap/{m}/{f}", spec) for m in ("tiny", "demo")
+        for f, spec in (("outlier", "gap@150:1"), ("storm", "gap@150:5"))}
+    assert {d["arm"] for d in gaps} == {"unguarded"} and len(gaps) == 2 * (5 + 3)
+    assert len(everything) == 3 * (4 * 5 * 10 + 2 * 4 * 5 + 9 * 5 + 9 * 3) + len(gaps)
     assert everything[0]["cell"] == "clean/tiny/lr0.003/T20"  # the first priority first
     fp16 = [d for d in everything if d.get("fault") == "fp16-overflow"]
     assert {d["precision"] for d in fp16} == {"fp16-mixed"}

@@ -143,6 +143,34 @@ def test_a_storm_is_caught_only_when_every_batch_of_it_was_skipped_and_final_is_
     assert max(c.final_over_clean) == pytest.approx(1.0025)
     assert c.targets["final <= 1.002x clean"] is False  # 2.005 / 2.0
     assert c.targets["not worse than unguarded"] is True
+    assert "final <= 1.002x kept data" not in c.targets  # no gap reference was run
+
+
+def test_a_storm_is_also_judged_against_the_clean_run_without_its_batches():
+    """The gap run (the same seed, clean, the storm's batches never yielded) is the reference a
+    perfect skip equals; its own final/clean is what losing the batches costs."""
+    ref = [_line("clean/tiny/lr0.003/T300", "unguarded", s, _clean(300), 2.0) for s in (0, 1)]
+    gap = [_line("gap/tiny/storm", "unguarded", 0, _clean(300), 2.006, kind="gap",
+                 clean_ref="clean/tiny/lr0.003/T300", fault="storm", fault_step=150,
+                 fault_len=5)]
+    full = _clean(300, skips=range(150, 155))
+    lines = ref + gap + [_fault("storm", "unguarded", s, _clean(300), 2.01, length=5)
+                         for s in (0, 1)]
+    lines += [_fault("storm", "alert", 0, full, 2.006, length=5)]
+    cells = score(lines)
+    c = _cell(cells, "fault/tiny/storm", "alert")
+    assert c.final_over_kept == [1.0] and c.final_over_clean == [pytest.approx(1.003)]
+    assert c.targets["final <= 1.002x clean"] is False
+    assert c.targets["final <= 1.002x kept data"] is True
+    g = _cell(cells, "gap/tiny/storm", "unguarded")
+    assert g.final_over_clean == [pytest.approx(1.003)] and not g.targets
+    row = next(r for r in format_table(cells).splitlines()
+               if r.startswith("| fault/tiny/storm | alert"))
+    assert "| 1.0030 | 1.0000 |" in row
+    # a second seed without its gap run: that target waits rather than passing
+    lines += [_fault("storm", "alert", 1, full, 2.002, length=5)]
+    assert _cell(score(lines), "fault/tiny/storm", "alert").targets[
+        "final <= 1.002x kept data"] is None
 
 
 def test_a_nan_fault_is_caught_by_a_halt_at_its_step_naming_a_tensor():

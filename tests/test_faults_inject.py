@@ -30,8 +30,9 @@ def test_the_new_specs_parse_and_bad_ones_are_refused_with_the_forms():
     assert parse_fault("nan-data@7:2").args == ("2",)
     assert parse_fault("nan@7").kind == "nan"  # not swallowed by nan-data
     assert parse_fault("overflow@9").length == 1
+    assert parse_fault("gap@10:5").length == 5
     for bad in ("storm@10", "storm@10:0", "storm@10:2:x", "nan-data@7:a", "nan-data@7:1:2",
-                "overflow@9:2"):
+                "overflow@9:2", "gap@10", "gap@10:0", "gap@10:2:repeat", "gap@10:2!"):
         with pytest.raises(ValueError, match="storm@S:N.*nan-data@S.*overflow@S"):
             parse_fault(bad)
 
@@ -55,6 +56,26 @@ def test_a_storm_replaces_n_consecutive_batches_each_with_new_garbage():
             assert not any(torch.equal(xt, g) for g in garbage)  # each batch drawn anew
             garbage.append(xt)
     assert seen == [False, False, True, True, True, False, False]
+
+
+def test_a_skipped_storm_is_bit_for_bit_a_clean_run_without_the_storms_batches(tmp_path):
+    """What a skip costs is the batches the storm replaced, nothing else: the guarded storm run
+    (its three updates withheld, then made up) equals an unguarded clean run whose stream never
+    yields those three batches (gap@S:N), loss for loss and in the held-out loss."""
+    def run(inject, guard):
+        return train(TrainConfig(model="tiny", steps=100, batch_size=8, inject=(inject,),
+                                 guard=guard, out=str(tmp_path / inject[:3]), progress=False,
+                                 plot=False), echo=False)
+
+    storm = run("storm@60:3", GuardConfig())
+    gap = run("gap@60:3", GuardConfig(respond=False))
+    assert storm.applied == gap.applied == 100 and storm.made_up == 3 and gap.made_up == 0
+    assert storm.losses[:60] == gap.losses[:60]
+    assert all(x > 1.2 * gap.losses[59] for x in storm.losses[60:63])  # the garbage batches
+    assert storm.losses[63:] == gap.losses[60:]
+    assert storm.val_loss == gap.val_loss
+    ranks = json.loads((tmp_path / "sto" / "ranks" / "rank0.json").read_text())
+    assert ranks["skipped"] == [60, 61, 62]
 
 
 def test_nan_data_poisons_that_row_on_every_re_run_and_nothing_else():

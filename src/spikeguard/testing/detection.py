@@ -16,6 +16,11 @@ The rules (a defense is judged against doing nothing):
   ``HARM_RATIO`` (1.005) times the unguarded arm's;
 - a **false skip** is any skip or drop on a clean run (halt records excluded); the rate is per
   1,000 *armed* steps (records whose ``armed`` key is true), so warmup steps do not dilute it;
+- a fault that replaces batches (outlier, storm) costs the guard those batches even when it
+  skips every one: its guarded runs are also divided by a ``gap`` run (``kind`` "gap", cell
+  ``gap/<model>/<fault>``: unguarded, clean, with the stream skipping the same batches), which
+  a perfect skip equals bit for bit ("final/kept data"); the gap run's own final/clean is what
+  losing those batches costs any run;
 - a guarded faulted run is **worse than unguarded** when the unguarded run ended finite and the
   guarded one halted or ended above ``HARM_RATIO`` times it, except where the target asks for a
   halt (NaN faults; the sticky LR fault under rollback).
@@ -146,6 +151,9 @@ class CellScore:
     caught: int = 0
     worse: int = 0
     final_over_clean: list[float] = field(default_factory=list)
+    final_over_kept: list[float] = field(default_factory=list)
+    """Guarded outlier/storm runs over the clean run without the batches the fault replaced."""
+    kept_refs: int = 0
     over_unguarded: list[float] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)
     targets: dict[str, bool | None] = field(default_factory=dict)
@@ -200,6 +208,12 @@ def score(summaries: Iterable[dict[str, Any]], *, max_rollbacks: int = 3) -> lis
         if vs is not None:
             c.over_unguarded.append(vs)
         base_finite = base is not None and _finite(base["val_loss"])
+        kept = runs.get((cell.replace("fault/", "gap/", 1), "unguarded", seed))
+        if s["kind"] == "fault" and kept is not None:
+            c.kept_refs += 1
+            k = _ratio(s["val_loss"], kept["val_loss"])
+            if k is not None:
+                c.final_over_kept.append(k)
         if s["kind"] == "clean":
             c.armed_steps += s["armed_steps"]
             c.false_skips += s["armed_skips"]
@@ -242,6 +256,10 @@ def _targets(c: CellScore) -> None:
     if fault in ("outlier", "storm"):
         t["skipped on every seed"] = all_caught
         t[f"final <= {OUTLIER_FINAL:g}x clean"] = within(OUTLIER_FINAL)
+        if c.kept_refs:  # judged where the benchmark ran the gap reference
+            t[f"final <= {OUTLIER_FINAL:g}x kept data"] = (
+                None if len(c.final_over_kept) < c.runs
+                else max(c.final_over_kept) <= OUTLIER_FINAL)
     elif fault in ("nan-grad", "nan-data"):
         t["halts at the step, naming the tensor"] = all_caught
     elif fault == "lr" and c.arm == "rollback":
@@ -266,8 +284,9 @@ def _fmt(values: list[float]) -> str:
 def format_table(cells: list[CellScore], *, only_failed: bool = False) -> str:
     """A Markdown table, one row per (cell, arm): worst ratios, counts and targets."""
     head = ("| cell | arm | runs | halts | rollbacks | harmed | false skips/1k armed | caught "
-            "| final/clean (max) | vs unguarded (max) | wall/run s | targets |")
-    lines = [head, "|" + "---|" * 12]
+            "| final/clean (max) | final/kept data (max) | vs unguarded (max) | wall/run s "
+            "| targets |")
+    lines = [head, "|" + "---|" * 13]
     for c in cells:
         if only_failed and c.met is not False:
             continue
@@ -282,7 +301,8 @@ def format_table(cells: list[CellScore], *, only_failed: bool = False) -> str:
             f"{c.harmed if clean else '-'} | "
             f"{f'{c.false_skips_per_1k:.1f} ({c.false_skips}/{c.armed_steps})' if clean else '-'}"
             f" | {f'{c.caught}/{c.runs}' if c.kind == 'fault' and c.arm != 'unguarded' else '-'}"
-            f" | {_fmt(c.final_over_clean)} | {_fmt(c.over_unguarded)} | "
+            f" | {_fmt(c.final_over_clean)} | {_fmt(c.final_over_kept)} | "
+            f"{_fmt(c.over_unguarded)} | "
             f"{f'{statistics.median(c.wall_s):.1f}' if c.wall_s else '-'} | {verdict} |")
     met, judged = overall(cells)
     failed = sum(c.met is False for c in cells)

@@ -4,6 +4,8 @@ Specs (several may be given; a trailing ``!`` makes a fault sticky):
 
 - ``outlier@S``: batch S is garbage (random bytes; ``outlier@S:repeat`` repeats one byte);
 - ``storm@S:N[:repeat]``: batches S to S+N-1 are garbage (a storm of N outliers, each drawn anew);
+- ``gap@S:N``: batches S to S+N-1 never arrive (the stream skips them): the data a storm of N
+  replaces, lost, on an otherwise clean run (the reference a skipped storm is measured against);
 - ``seq@S[:ROW[:repeat]]``: one sequence of batch S (row ROW, default 0) is garbage (random
   bytes, or one byte repeated): what the guard's attribution should trace to that row;
 - ``grad@S:MULT``: every gradient of step S times MULT after the backward (a transient numeric
@@ -43,7 +45,8 @@ from .._dist import local_tensor
 
 __all__ = ["Fault", "Injector", "parse_fault"]
 
-_SPEC = re.compile(r"^(outlier|storm|seq|grad|nan-data|nan|lr-ramp|lr|logit-drift|overflow)@(\d+)"
+_SPEC = re.compile(r"^(outlier|storm|gap|seq|grad|nan-data|nan|lr-ramp|lr|logit-drift|overflow)"
+                   r"@(\d+)"
                    r"(?::([^!]*))?(!?)$")
 _FP16_MAX = 65504.0
 
@@ -63,7 +66,7 @@ class Fault:
         end; others: 1)."""
         if self.kind == "lr":
             return int(self.args[1])
-        if self.kind == "storm":
+        if self.kind in ("storm", "gap"):
             return int(self.args[0])
         return 1 << 62 if self.kind in ("logit-drift", "lr-ramp") else 1
 
@@ -77,7 +80,7 @@ class Fault:
 def parse_fault(spec: str) -> Fault:
     """Parse one spec; ValueError with the accepted forms on anything else."""
     m = _SPEC.match(spec.strip())
-    forms = ("outlier@S[:repeat], storm@S:N[:repeat], seq@S[:ROW[:repeat]], grad@S:MULT, "
+    forms = ("outlier@S[:repeat], storm@S:N[:repeat], gap@S:N, seq@S[:ROW[:repeat]], grad@S:MULT, "
              "nan@S[:PARAM], nan-data@S[:ROW], lr@S:MULT:LEN, lr-ramp@S:MULT:LEN, "
              "logit-drift@S[:EPS], overflow@S "
              "(add ! to repeat)")
@@ -96,6 +99,8 @@ def parse_fault(spec: str) -> Fault:
             raise ValueError
         elif kind == "storm" and (not args or int(args[0]) < 1
                                   or args[1:] not in ((), ("repeat",))):
+            raise ValueError
+        elif kind == "gap" and (len(args) != 1 or int(args[0]) < 1 or bang):
             raise ValueError
         elif kind == "nan-data" and (len(args) > 1 or (args and int(args[0]) < 0)):
             raise ValueError
@@ -132,6 +137,11 @@ class Injector:
         self._poison: list[tuple[int, torch.Tensor]] = []  # nan-data: (step, the row's tokens)
         self._overflow = False
         self._data_hook = self._grad_hook = None
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """The inclusive batch ranges of the ``gap`` faults (the loop has the stream skip them
+        before the first step)."""
+        return [(f.step, f.step + f.length - 1) for f in self.faults if f.kind == "gap"]
 
     def _is_active(self, i: int, f: Fault, t: int) -> bool:
         if f.sticky:

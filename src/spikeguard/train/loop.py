@@ -196,6 +196,8 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
               else PrecisionPolicy(kind=cfg.precision))
     injector = Injector(cfg.inject, rank=rank, only_rank=cfg.inject_rank,
                         vocab_size=gcfg.vocab_size, seed=cfg.seed)
+    for first, last in injector.gaps():  # batches that never arrive (a resume restores them)
+        stream.skip(first, last)
     result = TrainResult(unigram_entropy=_unigram_entropy(data.train, data.vocab_size), out=out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
