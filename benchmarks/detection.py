@@ -19,12 +19,17 @@ Cells (the matrix of issue "Do no harm", item 5):
   ``lr@150:50:20`` and the sticky ``lr@150:50:20!``, ``logit-drift@150:0.05``, ``grad@150:10``,
   ``overflow@150`` (fp16 overflow; that cell runs ``--precision fp16-mixed`` on all three arms
   and is compared with the fp32 clean run). "final/clean" divides by the clean unguarded run of
-  the same model, LR, length and seed.
+  the same model, LR, length and seed;
+- gap references, unguarded only, on the faulted cells' seeds: ``gap@150:1`` and ``gap@150:5``,
+  clean runs whose stream never yields the batches the outlier and the storm overwrite (cells
+  ``gap/<model>/outlier|storm``). "final/kept data" divides a guarded outlier or storm run by
+  it: a skip that withholds exactly the bad updates (and makes them up) equals it bit for bit.
 
 Scoring and targets: ``spikeguard.testing.detection`` (pure, torch-free).
 
-Sizing. The matrix is 936 runs and 265,800 steps: tiny clean 600 runs / 184,800 steps, demo
-clean 120 / 16,200, tiny faults 135 / 40,500, demo faults 81 / 24,300. On a quiet 2-core
+Sizing. The matrix is 952 runs and 270,600 steps: tiny clean 600 runs / 184,800 steps, demo
+clean 120 / 16,200, tiny faults 135 / 40,500 and gaps 10 / 3,000, demo faults 81 / 24,300 and
+gaps 6 / 1,800. On a quiet 2-core
 machine, one torch thread per run: tiny (batch 8) ~30 ms a step plus ~1.5 s start-up (300 steps
 ~9 s), fp16-mixed ~5x that (CPU autocast in fp16 is slow); demo (batch 16, the default, kept:
 batch 8 would halve demo's share) ~370 ms a step (300 steps ~110 s). That is ~7.8 worker-hours,

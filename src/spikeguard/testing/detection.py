@@ -19,8 +19,11 @@ The rules (a defense is judged against doing nothing):
 - a fault that replaces batches (outlier, storm) costs the guard those batches even when it
   skips every one: its guarded runs are also divided by a ``gap`` run (``kind`` "gap", cell
   ``gap/<model>/<fault>``: unguarded, clean, with the stream skipping the same batches), which
-  a perfect skip equals bit for bit ("final/kept data"); the gap run's own final/clean is what
-  losing those batches costs any run;
+  a perfect skip equals bit for bit ("final/kept data"). Where the gap run is there, the target
+  "final within 0.2% of clean" is judged against it: the clean run of a stream that holds bad
+  batches is that stream without them, and the batches the benchmark's fault overwrote were
+  never the guard's to keep (the gap run's own final/clean says what losing them costs any
+  run; the table shows both ratios);
 - a guarded faulted run is **worse than unguarded** when the unguarded run ended finite and the
   guarded one halted or ended above ``HARM_RATIO`` times it, except where the target asks for a
   halt (NaN faults; the sticky LR fault under rollback).
@@ -255,11 +258,12 @@ def _targets(c: CellScore) -> None:
         return None if worst is None or len(c.final_over_clean) < c.runs else worst <= limit
     if fault in ("outlier", "storm"):
         t["skipped on every seed"] = all_caught
-        t[f"final <= {OUTLIER_FINAL:g}x clean"] = within(OUTLIER_FINAL)
-        if c.kept_refs:  # judged where the benchmark ran the gap reference
+        if c.kept_refs:  # the clean run of these data is the one without the bad batches
             t[f"final <= {OUTLIER_FINAL:g}x kept data"] = (
                 None if len(c.final_over_kept) < c.runs
                 else max(c.final_over_kept) <= OUTLIER_FINAL)
+        else:
+            t[f"final <= {OUTLIER_FINAL:g}x clean"] = within(OUTLIER_FINAL)
     elif fault in ("nan-grad", "nan-data"):
         t["halts at the step, naming the tensor"] = all_caught
     elif fault == "lr" and c.arm == "rollback":
