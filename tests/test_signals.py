@@ -233,16 +233,9 @@ def test_the_update_ratio_sample_crosses_every_column_and_keeps_enough_elements(
 
 
 def _sharded_signals(rank, world):
-    from torch.distributed.fsdp import fully_shard
-
     out = {}
     for kind in ("plain", "fsdp"):
-        torch.manual_seed(0)
-        model = sg.GPT(sg.GPTConfig.tiny(n_head=4, n_kv_head=2))
-        if kind == "fsdp":
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
+        model = laid_out_model(kind)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
         # QK-Clip on too (below the start's bounds, so it rescales): the sharded rows and gains
         signals = dataclasses.replace(EVERY, qk_clip=6.0)
@@ -305,6 +298,26 @@ def _sharded_clip(rank, world):
     return out
 
 
+def laid_out_model(kind, mesh=None):
+    """The tiny GQA model (seed 0): whole ("plain", "whole", "one"), FSDP2-sharded block by
+    block ("fsdp"), or Megatron-style TP DTensors on ``mesh`` ("tp")."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(0)
+    model = sg.GPT(sg.GPTConfig.tiny(n_head=4, n_kv_head=2))
+    if kind == "fsdp":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    elif kind == "tp":
+        for name, mod in list(model.named_modules()):
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(pname, torch.nn.Parameter(distribute_tensor(
+                    p.detach(), mesh, [_tp_place(name, pname)])))
+    return model
+
+
 def _tp_place(module_name, param_name):
     from torch.distributed.tensor import Replicate, Shard
 
@@ -324,13 +337,7 @@ def _tensor_parallel_signals(rank, world):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = {}
     for kind in ("whole", "tp"):
-        torch.manual_seed(0)
-        model = sg.GPT(sg.GPTConfig.tiny(n_head=4, n_kv_head=2))
-        if kind == "tp":
-            for name, mod in list(model.named_modules()):
-                for pname, p in list(mod.named_parameters(recurse=False)):
-                    mod.register_parameter(pname, torch.nn.Parameter(distribute_tensor(
-                        p.detach(), mesh, [_tp_place(name, pname)])))
+        model = laid_out_model(kind, mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
         probes = Probes(model, ProbeConfig(activation_max=False, layer_grad_norms=False,
                                            signals=EVERY), optimizer=opt)

@@ -33,10 +33,11 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .._dist import local_tensor
-from ._grad_layout import GradLayout, collect, tensor_norms
+from .._dist import group_size, local_tensor, world_size
+from ._grad_layout import GradLayout, _copies, _dtensor_piece, collect, tensor_norms
 
-__all__ = ["GradStats", "clip_grad_norm_", "grad_stats", "nonfinite_params"]
+__all__ = ["GradStats", "clip_grad_norm_", "grad_stats", "local_pieces", "nonfinite_params",
+           "tensor_norms"]
 
 _F64 = torch.float64
 _warned_plain_replicated = False
@@ -318,3 +319,25 @@ def nonfinite_params(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> li
         return []
     amax = tensor_norms(grads, grads[0].device, math.inf)
     return [n for n, bad in zip(names, (~torch.isfinite(amax)).tolist()) if bad]
+
+
+def local_pieces(tensors: Iterable[torch.Tensor], *, pp_group: dist.ProcessGroup | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> tuple[list[torch.Tensor], list[int]]:
+    """Each parameter-like tensor's piece on this rank (a DTensor's local shard, a view of its
+    storage; a plain tensor itself) and how many ranks hold a copy of that piece, by the
+    gradient norm's rule (``_grad_layout``): summed over ranks, ``sumsq(piece) / copies``
+    counts every element of the unsharded tensors once. Host only: metadata, no device read."""
+    from torch.distributed.tensor import DTensor
+
+    world = world_size()
+    pp, tp = group_size(pp_group, "pp_group"), group_size(tp_group, "tp_group")
+    pieces, copies = [], []
+    for t in tensors:
+        if isinstance(t, DTensor):
+            local, n, _ = _dtensor_piece(t.detach(), world, pp)
+        else:
+            sharded = tp if getattr(t, "tensor_model_parallel", True) else 1
+            local, n = t.detach(), _copies(world, pp * sharded, "a plain tensor")
+        pieces.append(local)
+        copies.append(n)
+    return pieces, copies

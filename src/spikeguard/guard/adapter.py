@@ -116,8 +116,14 @@ class Decision:
         return not self.apply
 
 
-def check_decide(read_lag: int, scaler: Any, scheduler: Any, checkpoints: Any) -> None:
+def check_decide(read_lag: int, scaler: Any, scheduler: Any, checkpoints: Any,
+                 bound: Any = None) -> None:
     """``guard.decide()``'s preconditions: a ValueError naming the one that fails."""
+    if bound is not None and bound.active:
+        raise ValueError("guard.decide() with ClipConfig(update_bound=...): the framework "
+                         "steps its optimizer after the decision, so the guard never sees the "
+                         "update it would bound; set update_bound=0 (the default) with "
+                         "decide(), or train through guard.step()")
     if read_lag != 0 or scaler is not None or scheduler is not None:
         raise ValueError("guard.decide() needs GuardConfig(read_lag=0), no fp16 loss scaler "
                          "and Guard(scheduler=None): the framework steps its optimizer and "

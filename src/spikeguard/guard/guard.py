@@ -245,7 +245,7 @@ class Guard:
         framework calls ``optimizer.step()`` and its scheduler's ``step()``). Needs read_lag 0,
         no loss scaler and no ``scheduler`` in the guard. A halt raises TrainingHalted."""
         up = self.updater
-        check_decide(self.read_lag, up.precision.scaler, up.scheduler, self.checkpoints)
+        check_decide(self.read_lag, up.precision.scaler, up.scheduler, self.checkpoints, up.bound)
         if self.probes is not None:  # the framework steps after the read: no update readings
             self.probes.signals.steps_after_read()
         up.defer = True

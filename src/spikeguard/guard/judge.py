@@ -21,7 +21,7 @@ __all__ = ["N_NUMBERS", "Judge"]
 
 log = logging.getLogger("spikeguard")
 
-N_NUMBERS = 8
+N_NUMBERS = 9
 """The step's numbers at the head of the read-back vector (see Updater.device_step)."""
 
 
@@ -39,7 +39,7 @@ class Judge:
         """Read the step's numbers, weigh a flagged one and give them to the detector (and the
         history). Returns (metrics, verdict, record extras, whether the update was withheld)."""
         values = p.readback.values()
-        loss, log_z, norm, _, armed, coef, scale, flag = values[:N_NUMBERS]
+        loss, log_z, norm, _, armed, coef, scale, flag, bounded = values[:N_NUMBERS]
         skipped, check = (self.weights.weigh(p, values) if self.weights is not None
                           else (values[3] != 0.0, None))
         nan_frac: float | None = 0.0
@@ -62,6 +62,8 @@ class Judge:
                         skipped, verdict.skip, p.step)
         self.history.add(p.step, loss, norm, log_z)
         extras: dict[str, Any] = {"armed": armed != 0.0, "skipped": skipped, "clip_coef": coef}
+        if self.updater.bound.active:
+            extras["update_coef"] = bounded
         if check is not None:
             extras["weights_check"] = check.record()
             if check.weights or not skipped:

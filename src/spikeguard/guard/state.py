@@ -55,7 +55,8 @@ class PartsState:
                 "gate": self.updater.gate.state_dict(), "history": self.history.state_dict(),
                 "batches": self.ledger.state_dict(), "attribution": self.attribution.state_dict(),
                 "lr_ramp": self.updater.lr_ramp, "replay": self.responder.replay,
-                "clip": self.updater.state_dict()}
+                "clip": self.updater.state_dict(),
+                "update_bound": self.updater.bound.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> int:
         """Restore every part; returns the step number the state was saved at."""

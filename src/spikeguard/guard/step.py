@@ -9,6 +9,8 @@
    (``prevent/clipping.py``: z-score, per-tensor EMA, per-element spikes) under that ceiling;
 4. **apply** through ``apply_update``: on fused AdamW the gate becomes ``found_inf`` for this
    step (no host read); other optimizers read the gate once and are not called on a skip.
+   With ``ClipConfig.update_bound`` the applied update is then bounded against its own EMA
+   (``guard/update_bound.py``), in this step, a release and a re-run's update alike.
 
 No host read on a healthy or skipped step. ``commit(skipped)`` is the host side, once the step's
 numbers are read: it counts an applied update and steps the LR schedule for it (and for a
@@ -34,6 +36,7 @@ from ..detector.gate import DeviceGate
 from ..prevent.clipping import ClipConfig, Clipper
 from ..readback import Readback
 from .adapter import GuardMisuseWarning
+from .update_bound import UpdateBound
 
 __all__ = ["Pending", "RerunUpdate", "ScalerState", "Updater", "apply_update", "gated_step",
            "loss_of"]
@@ -171,6 +174,9 @@ class Updater:
         self.params, self.optimizer, self.precision, self.gate = params, optimizer, precision, gate
         self.clip, self.respond, self.scheduler = clip, respond, scheduler
         self.clipper = Clipper(clipping, clip, params)
+        c = self.clipper.config
+        self.bound = UpdateBound(c.update_bound, c.update_beta, c.warmup, params,
+                                 pp_group=pp_group, tp_group=tp_group)
         self.pp_group, self.tp_group = pp_group, tp_group
         self.applied = 0
         self.withheld = 0
@@ -218,7 +224,8 @@ class Updater:
                     lr_factor: float = 1.0) -> tuple[GradStats, list]:
         """Measure, gate, clip, apply (module docstring). Returns the GradStats and the step's
         numbers as 0-d tensors: loss, log Z, norm, applied gate (what was withheld), armed,
-        clip coefficient, scale, and the gate itself (what Tier 1 or a non-finite value flags)."""
+        clip coefficient, scale, the gate itself (what Tier 1 or a non-finite value flags) and the
+        update bound's coefficient (1 when off or not bounded)."""
         stats = self.measure(loss, log_z)
         loss_g, log_z_g = stats.extras[0], stats.extras[1]
         armed = self.gate.armed()
@@ -234,13 +241,26 @@ class Updater:
         self._factor = lr_factor
         if self.defer:  # decide() reads the gate at once anyway (read_lag 0)
             self.deferred, self.deferred_grads = not bool(skip), None
+        applied_gate = skip if self.respond else False
+        if self.defer or not self.bound.active:
+            bounded = torch.ones_like(stats.norm)
+            if not self.defer:
+                with _scaled_lr(self.optimizer, lr_factor):
+                    apply_update(self.precision, self.optimizer, skip=applied_gate)
         else:
-            with _scaled_lr(self.optimizer, lr_factor):
-                apply_update(self.precision, self.optimizer, skip=skip if self.respond else False)
+            bounded = self._bounded(applied_gate, lr_factor)
         scale = self.precision.scale_tensor()
         if scale is None:
             scale = torch.full((), float("nan"), device=stats.norm.device)
-        return stats, [loss_g, log_z_g, stats.norm, skip, armed, coef, scale, gate]
+        return stats, [loss_g, log_z_g, stats.norm, skip, armed, coef, scale, gate, bounded]
+
+    def _bounded(self, skip: torch.Tensor | bool, factor: float) -> torch.Tensor:
+        """``apply_update`` under the update bound (``guard/update_bound.py``): the weights
+        copied before, the update bounded after; returns the bound's coefficient."""
+        self.bound.before()
+        with _scaled_lr(self.optimizer, factor):
+            apply_update(self.precision, self.optimizer, skip=skip)
+        return self.bound.after(skip, factor)
 
     def release(self) -> None:
         """Apply the update the gate withheld at this step, now: its gradients are still in
@@ -249,18 +269,24 @@ class Updater:
         if self.defer:
             self.deferred = True
             return
+        if self.bound.active:
+            self.bound.before()
         with _scaled_lr(self.optimizer, self._factor):
             gated_step(self.optimizer, False)
+        if self.bound.active:
+            self.bound.after(False, self._factor)
 
     def state_dict(self) -> dict[str, Any]:
         """The clipping rule's statistics (JSON-ready; a host read)."""
         return self.clipper.state_dict()
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """From the guard's state: the replay's LR ramp and the clipping rule's statistics."""
+        """From the guard's state: the replay's LR ramp, the clipping rule's and the update
+        bound's statistics."""
         ramp = state.get("lr_ramp")
         self.lr_ramp = tuple(ramp) if ramp else None
         self.clipper.load_state_dict(state.get("clip"))
+        self.bound.load_state_dict(state.get("update_bound"))
 
     def commit(self, skipped: bool, overflow: bool = False) -> None:
         """The host side of a resolved step: an applied update counts and steps the schedule.
@@ -338,6 +364,8 @@ class Updater:
         if self.defer:
             self.deferred = ok
             self.deferred_grads = [p.grad for p in self.params] if ok else None
+        elif self.bound.active:
+            self._bounded(not ok, 1.0)
         else:
             apply_update(self.precision, self.optimizer, skip=not ok)
         for p in self.params:

@@ -59,23 +59,35 @@ class ClipConfig:
     spam_k: float = 5000.0
     """spam: an element is cut where g^2 > spam_k x its second moment (SPAM's 5,000)."""
     warmup: int = 25
-    """zscore and adagc: kept steps that only measure before the rule clips (fixed meanwhile)."""
+    """zscore, adagc and the update bound: kept steps that only measure before the rule acts."""
+    update_bound: float = 0.0
+    """Bound each applied update, in every mode: an update whose RMS over the weights' passes
+    this many times an EMA of its own is moved back to that bar (a learning rate far too high
+    passes any gradient clip under Adam, whose step ignores the gradient's scale). 0: off; at
+    3 no clean benchmark run was bounded. Keeps one copy of the weights."""
+    update_beta: float = 0.98
+    """update bound: EMA factor of the update ratio (a half-life of about 34 steps)."""
 
     def __post_init__(self) -> None:
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"ClipConfig.clip_mode={self.clip_mode!r} must be one of "
                              f"{', '.join(CLIP_MODES)}")
-        for name in ("zscore_alpha", "adagc_beta"):
+        for name in ("zscore_alpha", "adagc_beta", "update_beta"):
             value = getattr(self, name)
             if not 0.0 < value < 1.0:
                 raise ValueError(f"ClipConfig.{name}={value} must be in (0, 1) (an EMA factor; "
-                                 f"{getattr(type(self), name)} is the published value)")
+                                 f"{getattr(type(self), name)} is the default)")
         check_positive(self.zscore_z, "ClipConfig.zscore_z", default=2.5)
         check_positive(self.spam_k, "ClipConfig.spam_k", default=5000.0)
         if not self.adagc_lambda >= 1.0:
             raise ValueError(f"ClipConfig.adagc_lambda={self.adagc_lambda} must be >= 1 (a norm "
                              f"may exceed its EMA by this factor; AdaGC uses 1.05)")
         check_int(self.warmup, "ClipConfig.warmup", minimum=1, default=25)
+        b = self.update_bound
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b == 0 or b > 1):
+            raise ValueError(f"ClipConfig.update_bound={b!r} must be 0 (off) or a number above "
+                             "1 (the multiple of the update ratio's EMA that bounds an update; "
+                             "3 is a safe start)")
 
 
 class Clipper:
