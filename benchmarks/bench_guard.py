@@ -11,6 +11,7 @@ step ratios guard/base and base2/base are printed beside it.
     PYTHONPATH=src:. python benchmarks/bench_guard.py                  # 30 bench() steps per arm
     PYTHONPATH=src:. python benchmarks/bench_guard.py --probes --checkpoint-every 10
     PYTHONPATH=src:. python benchmarks/bench_guard.py --no-signals     # probes=False
+    PYTHONPATH=src:. python benchmarks/bench_guard.py --update-bound 3  # the update bound on
     PYTHONPATH=src:. python benchmarks/bench_guard.py --smoke          # tiny model, a few steps
 """
 
@@ -24,6 +25,7 @@ import time
 import torch
 
 import spikeguard as sg
+from spikeguard.prevent.clipping import ClipConfig
 
 __all__ = ["main"]
 
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                    help="build the guard with probes=False (no signals either: the old default)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint interval (0: off)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    p.add_argument("--update-bound", type=float, default=0.0,
+                   help="the guard arm's ClipConfig.update_bound (0: off, the default)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     steps, warmup = (4, 1) if args.smoke else (args.steps, 3)
@@ -61,7 +65,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if args.checkpoint_every else None)
     probes = True if args.probes else False if args.no_signals else None  # None: the signals
     guard = sg.Guard(model, opt, scheduler=sched, checkpoints=ckpt, probes=probes,
-                     config=sg.GuardConfig(detector=sg.DetectorConfig(arm_after=2)))
+                     config=sg.GuardConfig(detector=sg.DetectorConfig(arm_after=2),
+                                           clipping=ClipConfig(update_bound=args.update_bound)))
     times: dict[str, list[float]] = {a: [] for a in arms}
     tails: dict[str, list[float]] = {a: [] for a in arms}
 
@@ -99,7 +104,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"probes {'on' if args.probes else 'off' if args.no_signals else 'signals only'}, "
           f"checkpoints "
           f"{f'every {args.checkpoint_every}' if args.checkpoint_every else 'off'}"
-          f"{', compiled' if args.compile else ''}")
+          f"{', compiled' if args.compile else ''}"
+          f"{f', update bound {args.update_bound:g}' if args.update_bound else ''}")
     for a in names:
         print(f"  {a:6s} median step {med[a] * 1e3:9.2f} ms   after backward {tail[a] * 1e3:8.2f} ms")
     print(f"  guard.step beyond clip+step+schedule / median step: {share:.3%} "
