@@ -148,13 +148,15 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from spikeguard.guard import GuardConfig
+    from spikeguard.prevent.clipping import ClipConfig
     from spikeguard.train import TrainConfig, train
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = tempfile.mkdtemp(prefix="sg-detection-")
-    guard = GuardConfig(respond=False) if job["arm"] == "unguarded" else GuardConfig(
-        tier2=job["arm"])
+    clipping = ClipConfig(update_bound=job.get("update_bound", 0.0))
+    guard = GuardConfig(respond=False, clipping=clipping) if job["arm"] == "unguarded" else \
+        GuardConfig(tier2=job["arm"], clipping=clipping)
     cfg = TrainConfig(model=job["model"], steps=job["steps"], batch_size=job["batch_size"],
                       lr=job["lr"], seed=job["seed"], guard=guard, precision=job["precision"],
                       inject=(job["fault_spec"],) if job.get("fault_spec") else (), out=out,
@@ -355,6 +357,13 @@ def compare(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def with_bound(job: dict[str, Any], k: float) -> dict[str, Any]:
+    """``job`` under the update bound k: its own cell (the model part tagged), the same clean
+    reference (the clean run without the bound: what the bound should get back to)."""
+    kind, model, rest = job["cell"].split("/", 2)
+    return dict(job, update_bound=k, cell=f"{kind}/{model}+bound{k:g}/{rest}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--matrix", default="smoke", choices=("clean", "faults", "smoke", "all"))
@@ -372,8 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--estimate", action="store_true", help="print the selection's wall time")
     p.add_argument("--compare", type=Path, metavar="BEFORE",
                    help="with --table: each cell of --results beside the same cell in BEFORE")
+    p.add_argument("--update-bound", type=float, default=0.0, metavar="K",
+                   help="run every arm with ClipConfig.update_bound=K; the cells are named "
+                        "<kind>/<model>+boundK/..., still judged against the plain clean runs")
     args = p.parse_args(argv)
     jobs = _select(matrix(args.matrix, args.seeds), args)
+    if args.update_bound:
+        jobs = [with_bound(j, args.update_bound) for j in jobs]
     if args.estimate:
         print(estimate(jobs, load_results(args.results), args.workers))
         return 0
