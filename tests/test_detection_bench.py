@@ -7,7 +7,7 @@ import json
 import pytest
 from benchmarks import detection as bench
 
-from spikeguard.testing.detection import HARM_RATIO, format_table, score
+from spikeguard.testing.detection import HARM_RATIO, format_table, score, summarize_run
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +98,22 @@ def test_compare_puts_each_cell_beside_itself_in_another_file(smoke):
     assert table.count("\n| clean/tiny/") == 4  # two cells x two guarded arms
     assert "| clean/tiny/lr0.001/T20 | alert | 1/1 -> 0/1 | 1 -> 0 |" in table
     assert "NOT met -> met" in table
+
+
+def test_a_bound_job_has_its_own_cell_and_the_plain_clean_reference():
+    job = next(j for j in bench.matrix("faults") if j["cell"] == "fault/tiny/lr")
+    bound = bench.with_bound(job, 3.0)
+    assert bound["cell"] == "fault/tiny+bound3/lr" and bound["update_bound"] == 3.0
+    assert bound["clean_ref"] == job["clean_ref"] == "clean/tiny/lr0.003/T300"
+    assert "update_bound" not in job  # the matrix's own job is left as it was
+    records = [{"step": t, "action": "continue", "tier": 0, "armed": True, "skipped": False}
+               for t in range(4)]
+
+    def line(j, arm, val, **over):
+        s = summarize_run(records, val_loss=val, fault_step=j.get("fault_step"))
+        return {**j, **s, "arm": arm, "seed": 0, **over}
+
+    lines = [line(bound, "alert", 2.2), line(bound, "unguarded", 2.2),
+             line(job, "unguarded", 2.0, cell=job["clean_ref"], kind="clean")]
+    cells = {(c.cell, c.arm): c for c in score(lines)}
+    assert cells[("fault/tiny+bound3/lr", "alert")].final_over_clean == [pytest.approx(1.1)]
