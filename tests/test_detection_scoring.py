@@ -270,3 +270,10 @@ def test_without_its_clean_run_the_final_target_is_not_judged_rather_than_failed
     lines.append(_line("clean/tiny/lr0.003/T300", "unguarded", 0, _clean(300), 2.0))
     c = _cell(score(lines), "fault/tiny/outlier", "alert")
     assert c.met is True and c.final_over_clean == [1.0]
+
+
+def test_summary_counts_the_updates_the_bound_moved_back():
+    recs = _clean(6)
+    recs[2]["update_coef"], recs[3]["update_coef"], recs[4]["update_coef"] = 0.2, 1.0, 0.999
+    assert summarize_run(recs, val_loss=2.0)["bounded"] == 2
+    assert summarize_run(_clean(6), val_loss=2.0)["bounded"] == 0  # no bound, no field

@@ -70,7 +70,7 @@ def summarize_run(records: Iterable[dict[str, Any]], *, val_loss: float | None,
     """One run's summary from its metrics records (run order) and its held-out loss (None or
     NaN when it halted). ``fault_step``: where a planted fault fires (first anomaly at or after
     it, the first Tier 2 event after that)."""
-    n = armed = armed_skips = rollbacks = 0
+    n = armed = armed_skips = rollbacks = bounded = 0
     skip_steps: list[int] = []
     alerts: list[int] = []
     causes: Counter[str] = Counter()
@@ -90,6 +90,7 @@ def summarize_run(records: Iterable[dict[str, Any]], *, val_loss: float | None,
             causes[str(r.get("cause") or "none")] += 1
         if action == "rollback":
             rollbacks += 1
+        bounded += float(r.get("update_coef", 1.0)) < 1.0  # --update-bound moved it back
         if action == "alert" and r.get("summary") is not None:
             alerts.append(step)
         if action == "halt" and halt is None:
@@ -108,6 +109,7 @@ def summarize_run(records: Iterable[dict[str, Any]], *, val_loss: float | None,
                 first_tier2, first_tier2_action = step, action
     return {"records": n, "armed_steps": armed, "armed_skips": armed_skips,
             "skip_steps": skip_steps, "alerts": alerts, "rollbacks": rollbacks,
+            "bounded": bounded,
             "causes": dict(causes), "halted": halt is not None, "halt": halt,
             "val_loss": val_loss if _finite(val_loss) else None,
             "first_anomaly": first_anomaly, "first_tier2": first_tier2,
