@@ -95,10 +95,9 @@ def survey_table(lines: list[dict[str, Any]]) -> str:
     rows = ["| cell | runs | runs with a bounded update | bounded updates | steps |",
             "|---|---|---|---|---|"]
     got = [d for d in lines if d.get("fault") == "clean-matrix"]
-    for cell in sorted({d["cell"] for d in got}, key=lambda c: (float(c.split("/")[2][2:]),
-                                                                 int(c.split("/")[3][1:]))):
-        ds = [d for d in got if d["cell"] == cell]
-        rows.append(f"| {cell.removesuffix('/bound')} | {len(ds)} | "
+    for lr, steps in sorted({(d["lr"], d["steps"]) for d in got}):
+        ds = [d for d in got if (d["lr"], d["steps"]) == (lr, steps)]
+        rows.append(f"| {ds[0]['cell'].removesuffix('/bound')} | {len(ds)} | "
                     f"{sum(d['bounded_steps'] > 0 for d in ds)} | "
                     f"{sum(d['bounded_steps'] for d in ds)} | {sum(d['steps'] for d in ds)} |")
     return "\n".join(rows)

@@ -34,10 +34,17 @@ import torch
 import torch.distributed as dist
 
 from .._dist import group_size, local_tensor, world_size
-from ._grad_layout import GradLayout, _copies, _dtensor_piece, collect, tensor_norms
+from ._grad_layout import (
+    GradLayout,
+    _copies,
+    _dtensor_piece,
+    collect,
+    group_by_device_dtype,
+    tensor_norms,
+)
 
-__all__ = ["GradStats", "clip_grad_norm_", "grad_stats", "local_pieces", "nonfinite_params",
-           "tensor_norms"]
+__all__ = ["GradStats", "clip_grad_norm_", "grad_stats", "group_by_device_dtype", "local_pieces",
+           "nonfinite_params", "tensor_norms"]
 
 _F64 = torch.float64
 _warned_plain_replicated = False

@@ -241,26 +241,28 @@ class Updater:
         self._factor = lr_factor
         if self.defer:  # decide() reads the gate at once anyway (read_lag 0)
             self.deferred, self.deferred_grads = not bool(skip), None
-        applied_gate = skip if self.respond else False
-        if self.defer or not self.bound.active:
+        bounded = None
+        if not self.defer:
+            withhold = skip if self.respond else False
+            bounded = self._apply(lambda: apply_update(self.precision, self.optimizer,
+                                                       skip=withhold), withhold, lr_factor)
+        if bounded is None:
             bounded = torch.ones_like(stats.norm)
-            if not self.defer:
-                with _scaled_lr(self.optimizer, lr_factor):
-                    apply_update(self.precision, self.optimizer, skip=applied_gate)
-        else:
-            bounded = self._bounded(applied_gate, lr_factor)
         scale = self.precision.scale_tensor()
         if scale is None:
             scale = torch.full((), float("nan"), device=stats.norm.device)
         return stats, [loss_g, log_z_g, stats.norm, skip, armed, coef, scale, gate, bounded]
 
-    def _bounded(self, skip: torch.Tensor | bool, factor: float) -> torch.Tensor:
-        """``apply_update`` under the update bound (``guard/update_bound.py``): the weights
-        copied before, the update bounded after; returns the bound's coefficient."""
-        self.bound.before()
+    def _apply(self, step: Callable[[], None], skip: torch.Tensor | bool,
+               factor: float) -> torch.Tensor | None:
+        """Run ``step`` (the optimizer's step, gated by ``skip``) at the LR times ``factor``,
+        under the update bound when it is on (``guard/update_bound.py``: the weights copied
+        before, the update bounded after). Returns the bound's coefficient, None when off."""
+        if self.bound.active:
+            self.bound.before()
         with _scaled_lr(self.optimizer, factor):
-            apply_update(self.precision, self.optimizer, skip=skip)
-        return self.bound.after(skip, factor)
+            step()
+        return self.bound.after(skip, factor) if self.bound.active else None
 
     def release(self) -> None:
         """Apply the update the gate withheld at this step, now: its gradients are still in
@@ -269,12 +271,7 @@ class Updater:
         if self.defer:
             self.deferred = True
             return
-        if self.bound.active:
-            self.bound.before()
-        with _scaled_lr(self.optimizer, self._factor):
-            gated_step(self.optimizer, False)
-        if self.bound.active:
-            self.bound.after(False, self._factor)
+        self._apply(lambda: gated_step(self.optimizer, False), False, self._factor)
 
     def state_dict(self) -> dict[str, Any]:
         """The clipping rule's statistics (JSON-ready; a host read)."""
@@ -364,10 +361,9 @@ class Updater:
         if self.defer:
             self.deferred = ok
             self.deferred_grads = [p.grad for p in self.params] if ok else None
-        elif self.bound.active:
-            self._bounded(not ok, 1.0)
         else:
-            apply_update(self.precision, self.optimizer, skip=not ok)
+            self._apply(lambda: apply_update(self.precision, self.optimizer, skip=not ok),
+                        not ok, 1.0)
         for p in self.params:
             p.grad = None
         self.commit(skipped=not ok)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .._dist import collective_device, world_size
-from ..detect.gradnorm import local_pieces, tensor_norms
+from ..detect.gradnorm import group_by_device_dtype, local_pieces, tensor_norms
 
 __all__ = ["UpdateBound"]
 
@@ -131,16 +131,15 @@ class UpdateBound:
         fire = (n >= self.warmup) & (ratio > bar) & torch.isfinite(ratio)
         coef = torch.where(fire, bar / ratio.clamp(min=1e-300), torch.ones_like(ratio))
         # w - (1 - coef) delta: w itself when coef is 1 (no host read, no branch)
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, t in enumerate(delta):
-            groups.setdefault((t.device, t.dtype), []).append(i)
-        for (device, dtype), idx in groups.items():
-            back = (1.0 - coef).to(device, dtype)
+        for idx in group_by_device_dtype(delta):
             d = [delta[i] for i in idx]
-            torch._foreach_mul_(d, back)
+            torch._foreach_mul_(d, (1.0 - coef).to(d[0].device, d[0].dtype))
             torch._foreach_sub_([pieces[i] for i in idx], d)
-        gated = skip if isinstance(skip, torch.Tensor) else torch.tensor(bool(skip))
-        keep = ~gated.to(dev, torch.bool).reshape(()) & (ratio > 0) & torch.isfinite(ratio)
+        keep = (ratio > 0) & torch.isfinite(ratio)
+        if isinstance(skip, torch.Tensor):
+            keep = keep & ~skip.to(dev, torch.bool).reshape(())
+        elif skip:  # a host bool: no tensor to build and copy to the device
+            keep = torch.zeros_like(keep)
         a = torch.where(n >= self.warmup, torch.full_like(ema, self.beta), n / (n + 1))
         ema.copy_(torch.where(keep, a * ema + (1 - a) * ratio * coef, ema))
         n.add_(keep.to(n.dtype))
