@@ -493,3 +493,64 @@ def test_an_update_ratio_past_20x_its_median_is_tier2_at_that_update():
     assert not [v for v in verdicts(cfg, [None] * 200) if v.tier == 2]  # no readings
     with pytest.raises(ValueError, match="update_jump"):
         DetectorConfig(update_jump=0.5)
+
+
+def test_log_z_jump_fires_where_a_float64_median_of_the_last_32_says():
+    """LogZJump on a noisy flat log Z that ramps by 0.08 a step from step 400: Tier 2 at the
+    first armed step whose log Z stands more than 1 above the median of the 32 kept values before
+    it (recomputed here with statistics.median over the list), dated where it first stood 0.5
+    above; once per excursion; a healthy climb of 0.005 a step never crosses; 0 turns it off."""
+    rng = np.random.default_rng(3)
+    n = 600
+    log_z = [6.0 + 0.005 * t + 0.05 * rng.standard_normal() + 0.08 * max(0, t - 400)
+             for t in range(n)]
+    metrics = [sg.StepMetrics(step=t, loss=2.4, grad_norm=1.0, log_z=log_z[t]) for t in range(n)]
+    cfg = DetectorConfig.for_run(1000, arm_after=50)
+    reason = "log_z > median of last 32 + 1"
+    d = SpikeDetector(cfg)
+    fired = [(v.step, v.onset_step) for v in (d.update(m) for m in metrics)
+             if reason in v.reasons]
+    # the reference: every step is kept (loss and grad norm are flat)
+    devs = [log_z[t] - statistics.median(log_z[t - 32:t]) if t >= 32 else math.nan
+            for t in range(n)]
+    first = next(t for t in range(50, n) if devs[t] > 1.0)
+    onset = max(t for t in range(first + 1) if not devs[t] > 0.5) + 1
+    assert first > 400 and fired[0] == (first, onset)
+    assert len(fired) <= 2 and all(b > a + 20 for (a, _), (b, _) in zip(fired, fired[1:]))
+    assert not [t for t in range(50, 400) if devs[t] > 1.0]  # no crossing on the climb
+    healthy = [sg.StepMetrics(step=t, loss=2.4, grad_norm=1.0, log_z=log_z[t]) for t in range(400)]
+    d = SpikeDetector(cfg)
+    assert not [v for v in (d.update(m) for m in healthy) if v.tier == 2]
+    off = SpikeDetector(DetectorConfig.for_run(1000, arm_after=50, log_z_jump=0))
+    assert not [v for v in (off.update(sg.StepMetrics(step=t, loss=2.4, grad_norm=1.0,
+                                                      log_z=log_z[t])) for t in range(n))
+                if reason in v.reasons]
+    for bad in (-1.0, math.inf, math.nan, True):
+        with pytest.raises(ValueError, match="log_z_jump"):
+            DetectorConfig(log_z_jump=bad)
+
+
+def test_log_z_jump_state_round_trip_and_a_state_saved_before_it():
+    """Resumed inside the excursion, the rule stays latched (the uninterrupted run's verdicts);
+    a state saved before the rule existed (no ``log_z_jump`` entry) loads, the rule fresh; a state
+    with a rule this detector does not know is refused."""
+    log_z = [6.0 + 0.02 * math.sin(t) + 0.1 * max(0, t - 100) for t in range(200)]
+    metrics = [sg.StepMetrics(step=t, loss=2.4, grad_norm=1.0, log_z=z) for t, z in enumerate(log_z)]
+    cfg = DetectorConfig.for_run(1000, arm_after=20)
+    whole = [(v.step, v.tier, v.reasons) for v in run(metrics, cfg)]
+    d = SpikeDetector(cfg)
+    run(metrics[:112], detector=d)
+    assert d.state_dict()["rules"]["log_z_jump"]["fired"] is True
+    resumed = SpikeDetector(cfg)
+    resumed.load_state_dict(json.loads(json.dumps(d.state_dict())))
+    assert [(v.step, v.tier, v.reasons) for v in run(metrics[112:], detector=resumed)] == \
+        whole[112:]
+    old = d.state_dict()
+    del old["rules"]["log_z_jump"]
+    fresh = SpikeDetector(cfg)
+    fresh.load_state_dict(old)
+    assert fresh.state_dict()["rules"]["log_z_jump"]["fired"] is False
+    alien = d.state_dict()
+    alien["rules"]["made_up"] = {}
+    with pytest.raises(ValueError, match="made_up"):
+        SpikeDetector(cfg).load_state_dict(alien)

@@ -2,12 +2,13 @@
 
 The defaults are sized for a long pretraining run: medians over 5,000 updates, a loss EMA over
 1,000. ``DetectorConfig.for_run`` shrinks the windows (and the arming delay) for short runs. Why
-each rule exists is written beside it, in ``_rules.py`` and ``_rules_tier2.py``.
+each rule exists is written beside it, in ``rules.py``, ``rules_tier2.py`` and ``rules_log_z.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,12 @@ class DetectorConfig:
     the rise rule)."""
     log_z_onset: float = 0.5
     """A log Z excursion (and its onset) starts where log Z stands this far above its median."""
+    log_z_jump: float = 1.0
+    """Tier 2 when log Z stands more than this above its median over the last log_z_jump_window
+    kept updates (a logit blow-up too fast for that median to follow, long before the +3 rules:
+    a 0.05-a-step logit drift crossed it 7-14 updates in). 0: off."""
+    log_z_jump_window: int = 32
+    """Kept updates in the log Z jump rule's median; the rule waits for a full window."""
     z_loss_advice_log_z: float = 12.0
     """Above this log Z, still rising over the median window, the verdict advises z-loss."""
     max_consecutive_skips: int = 5
@@ -126,6 +133,13 @@ class DetectorConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "log_z_jump":
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                        v == 0 or 0 < v < math.inf):
+                    raise ValueError(f"DetectorConfig.log_z_jump={v!r} must be a number > 0 "
+                                     "(nats above log Z's recent median; default 1.0) or 0 "
+                                     "(off)")
+                continue
             if f.name == "update_jump":
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
                         v == 0 or v > 1):

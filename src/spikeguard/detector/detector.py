@@ -19,7 +19,7 @@ I/O, host floats in and out; about 10 us an update. Tiers (every number a Detect
   is below 1 or after 10 consecutive overflows), or loss > 10 nats that the grad norm does not
   explain once the loss EMA is below 0.8 ln(vocab).
 
-Each rule is a small object in ``rules.py`` / ``rules_tier2.py`` with one interface
+Each rule is a small object in ``rules.py`` / ``rules_tier2.py`` / ``rules_log_z.py`` with one interface
 (``update(StepInput) -> events``, a tier and a phase); this class loops over them in declared
 order within two phases (judge, then after the kept decision), keeps flagged steps out of their
 histories and turns their events into a Verdict.
@@ -49,9 +49,8 @@ from .rules import (
     ScalerOverflow,
     StepInput,
 )
+from .rules_log_z import LogZDrift, LogZJump, LogZRise
 from .rules_tier2 import (
-    LogZDrift,
-    LogZRise,
     LossElevated,
     RatioHeld,
     Recovery,
@@ -62,6 +61,8 @@ from .rules_tier2 import (
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
 _STATE_VERSION = 5
+_NEWER_RULES = frozenset({"log_z_jump"})
+"""Rules a version-5 state saved before them may lack: they start fresh on load."""
 """5: adds the update-ratio rule; 4: the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the
 spreads; 2: one entry per rule; 1: one flat dict."""
 
@@ -147,7 +148,7 @@ class SpikeDetector:
                 "loss_ratio": LossRatio(c), "ratio_held": RatioHeld(c),
                 "loss_halt": LossHalt(c), "skip_storm": SkipStorm(c),
                 "loss_elevated": LossElevated(c), "log_z_drift": LogZDrift(c),
-                "log_z_rise": LogZRise(c), "recovery": Recovery(c),
+                "log_z_rise": LogZRise(c), "log_z_jump": LogZJump(c), "recovery": Recovery(c),
                 "update_jump": UpdateJump(c), "scaler": ScalerOverflow(c),
                 "non_finite": NonFinite()}
 
@@ -340,11 +341,15 @@ class SpikeDetector:
             raise ValueError(f"detector state was saved with a different DetectorConfig "
                              f"(fields {diff}); build the detector with the saved config")
         rules = self._build()
-        if set(state["rules"]) != set(rules):
+        # a rule newer than the state starts fresh (it fills its own window); one this
+        # detector does not know is an error
+        unknown = set(state["rules"]) - set(rules)
+        if unknown or not set(state["rules"]) >= set(rules) - _NEWER_RULES:
             raise ValueError(f"detector state has rules {sorted(state['rules'])}, expected "
                              f"{sorted(rules)}")
         for name, rule in rules.items():
-            rule.load_state_dict(state["rules"][name])
+            if name in state["rules"]:
+                rule.load_state_dict(state["rules"][name])
         self._use(rules)
         self._n_seen = int(state["updates"]["seen"])
         self._n_clean = int(state["updates"]["kept"])

@@ -2,7 +2,8 @@
 
 Tier 2 rules are events: each fires once, at the update where its condition starts to hold, not
 on every step while it holds; a latch re-arms it once the condition has cleared. The conventions
-(events, ``keep``, the ``kept`` argument, state dicts) are those of ``_rules.py``.
+(events, ``keep``, the ``kept`` argument, state dicts) are those of ``rules.py``. The log Z
+rules are in ``rules_log_z.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from ..detect.stats import EMA, EventWindow, RunningMedian, SlidingMin
 from .config import DetectorConfig
 from .rules import Event, Rule, StepInput
 
-__all__ = ["LogZDrift", "LogZRise", "LossElevated", "RatioHeld", "Recovery", "SkipStorm",
-           "UpdateJump"]
+__all__ = ["LossElevated", "RatioHeld", "Recovery", "SkipStorm", "UpdateJump"]
 
 _isfinite = math.isfinite
 _nan = math.nan
@@ -174,104 +174,6 @@ class LossElevated(Rule):
             # kept), but the count of spike-level updates must be consecutive
             self.count = 0
         return None
-
-
-class LogZDrift(Rule):
-    """log Z (the mean log-partition of the output logits) more than log_z_drift above its running
-    median over the kept updates.
-
-    A drift slower than log_z_rise per log_z_rise_steps never trips ``LogZRise`` (a climb of +2
-    per 300 updates, say), yet carries log Z many nats above where it was: the logits are growing
-    without bound, which ends in a loss spike. An excursion starts (and is dated) where log Z
-    stands log_z_onset above the median; it also sets ``advice`` (add or raise the z-loss of PaLM,
-    which pulls log Z back to 0) when log Z is above z_loss_advice_log_z. A missing (None/NaN)
-    log Z leaves the rule and its history untouched.
-    """
-
-    __slots__ = ("advice", "advice_at", "context", "drift", "fired", "med", "median", "onset",
-                 "onset_dev", "reason")
-    _scalars = ("onset", "fired")
-    _stats = ("median",)
-
-    def __init__(self, c: DetectorConfig) -> None:
-        self.median = RunningMedian(c.median_window)
-        self.onset_dev = c.log_z_onset
-        self.drift = c.log_z_drift
-        self.advice_at = c.z_loss_advice_log_z
-        self.onset: int | None = None
-        self.fired = False
-        self.med = _nan
-        """The median this step was judged against."""
-        self.advice = False
-        """This update advises a z-loss."""
-        self.reason = f"log_z > median + {c.log_z_drift:g}"
-        self.context = f"log_z > median + {c.log_z_onset:g}"
-
-    def update(self, x: StepInput) -> Event | None:
-        """Publishes ``x.log_z_onset``."""
-        step, lz, armed = x.step, x.log_z, x.armed
-        med = self.med = self.median.value
-        self.advice = False
-        if not _isfinite(lz):
-            x.log_z_onset = self.onset
-            return None
-        dev = lz - med
-        if dev > self.onset_dev:
-            if self.onset is None:
-                self.onset = step
-        else:
-            self.onset = None
-            self.fired = False
-        event = None
-        if armed:
-            if dev > self.drift and not self.fired:
-                event = (self.onset, self.reason)
-                self.fired = True
-            self.advice = lz > self.advice_at and dev > self.onset_dev
-        if x.kept:
-            self.median.update(lz)
-        x.log_z_onset = self.onset
-        return event
-
-
-class LogZRise(Rule):
-    """log Z more than log_z_rise above its minimum over the last log_z_rise_steps kept updates.
-
-    Dated by the log Z excursion (``LogZDrift.onset``) when one is open, else by the step of that
-    minimum. Once fired it stays quiet until the excursion has ended: a ramp that keeps climbing
-    would otherwise fire again each time the window slides past its foot.
-    """
-
-    __slots__ = ("fired", "limit", "reason", "rise", "window")
-    _scalars = ("fired",)
-    _stats = ("window",)
-
-    def __init__(self, c: DetectorConfig) -> None:
-        self.window = SlidingMin(c.log_z_rise_steps)
-        self.limit = c.log_z_rise
-        self.fired = False
-        self.rise = _nan
-        """log Z minus the window's minimum at this update; NaN without a log Z."""
-        self.reason = f"log_z +{c.log_z_rise:g} within {c.log_z_rise_steps} steps"
-
-    def update(self, x: StepInput) -> Event | None:
-        step, lz, j, armed, onset = x.step, x.log_z, x.j, x.armed, x.log_z_onset
-        if not _isfinite(lz):
-            self.rise = _nan
-            return None
-        low, low_step = self.window.min_before(j)
-        rise = self.rise = lz - low
-        event = None
-        if armed:
-            if rise > self.limit:
-                if not self.fired:
-                    event = (onset if onset is not None else low_step, self.reason)
-                    self.fired = True
-            elif onset is None:
-                self.fired = False
-        if x.kept:
-            self.window.push(j, lz, step)
-        return event
 
 
 class Recovery(Rule):

@@ -1,0 +1,166 @@
+"""The detector's Tier 2 rules on log Z, the mean log-partition of the output logits.
+
+Logits that grow without bound end in a loss spike (PaLM's output z-loss exists to hold log Z
+near 0); log Z shows the growth before the loss does. Three views of it, each an event of the
+conventions in ``rules_tier2.py``: a drift above its running median over the run
+(``LogZDrift``), a rise within a few hundred updates (``LogZRise``), and a jump above its median
+of the last few dozen updates (``LogZJump``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..detect.stats import RunningMedian, SlidingMin
+from .config import DetectorConfig
+from .rules import Event, Rule, StepInput
+
+__all__ = ["LogZDrift", "LogZJump", "LogZRise"]
+
+_isfinite = math.isfinite
+_nan = math.nan
+
+
+class LogZDrift(Rule):
+    """log Z (the mean log-partition of the output logits) more than log_z_drift above its running
+    median over the kept updates.
+
+    A drift slower than log_z_rise per log_z_rise_steps never trips ``LogZRise`` (a climb of +2
+    per 300 updates, say), yet carries log Z many nats above where it was: the logits are growing
+    without bound, which ends in a loss spike. An excursion starts (and is dated) where log Z
+    stands log_z_onset above the median; it also sets ``advice`` (add or raise the z-loss of PaLM,
+    which pulls log Z back to 0) when log Z is above z_loss_advice_log_z. A missing (None/NaN)
+    log Z leaves the rule and its history untouched.
+    """
+
+    __slots__ = ("advice", "advice_at", "context", "drift", "fired", "med", "median", "onset",
+                 "onset_dev", "reason")
+    _scalars = ("onset", "fired")
+    _stats = ("median",)
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.median = RunningMedian(c.median_window)
+        self.onset_dev = c.log_z_onset
+        self.drift = c.log_z_drift
+        self.advice_at = c.z_loss_advice_log_z
+        self.onset: int | None = None
+        self.fired = False
+        self.med = _nan
+        """The median this step was judged against."""
+        self.advice = False
+        """This update advises a z-loss."""
+        self.reason = f"log_z > median + {c.log_z_drift:g}"
+        self.context = f"log_z > median + {c.log_z_onset:g}"
+
+    def update(self, x: StepInput) -> Event | None:
+        """Publishes ``x.log_z_onset``."""
+        step, lz, armed = x.step, x.log_z, x.armed
+        med = self.med = self.median.value
+        self.advice = False
+        if not _isfinite(lz):
+            x.log_z_onset = self.onset
+            return None
+        dev = lz - med
+        if dev > self.onset_dev:
+            if self.onset is None:
+                self.onset = step
+        else:
+            self.onset = None
+            self.fired = False
+        event = None
+        if armed:
+            if dev > self.drift and not self.fired:
+                event = (self.onset, self.reason)
+                self.fired = True
+            self.advice = lz > self.advice_at and dev > self.onset_dev
+        if x.kept:
+            self.median.update(lz)
+        x.log_z_onset = self.onset
+        return event
+
+
+class LogZRise(Rule):
+    """log Z more than log_z_rise above its minimum over the last log_z_rise_steps kept updates.
+
+    Dated by the log Z excursion (``LogZDrift.onset``) when one is open, else by the step of that
+    minimum. Once fired it stays quiet until the excursion has ended: a ramp that keeps climbing
+    would otherwise fire again each time the window slides past its foot.
+    """
+
+    __slots__ = ("fired", "limit", "reason", "rise", "window")
+    _scalars = ("fired",)
+    _stats = ("window",)
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.window = SlidingMin(c.log_z_rise_steps)
+        self.limit = c.log_z_rise
+        self.fired = False
+        self.rise = _nan
+        """log Z minus the window's minimum at this update; NaN without a log Z."""
+        self.reason = f"log_z +{c.log_z_rise:g} within {c.log_z_rise_steps} steps"
+
+    def update(self, x: StepInput) -> Event | None:
+        step, lz, j, armed, onset = x.step, x.log_z, x.j, x.armed, x.log_z_onset
+        if not _isfinite(lz):
+            self.rise = _nan
+            return None
+        low, low_step = self.window.min_before(j)
+        rise = self.rise = lz - low
+        event = None
+        if armed:
+            if rise > self.limit:
+                if not self.fired:
+                    event = (onset if onset is not None else low_step, self.reason)
+                    self.fired = True
+            elif onset is None:
+                self.fired = False
+        if x.kept:
+            self.window.push(j, lz, step)
+        return event
+
+
+class LogZJump(Rule):
+    """log Z more than log_z_jump above the median of its last log_z_jump_window kept readings:
+    the logits grew by a nat within a few dozen updates. A healthy run's log Z climbs as it
+    trains (+0.3 to +1.4 over 300 steps on the small models), which a short median follows and
+    the run-long one of ``LogZDrift`` does not; a logit drift of 0.05 a step crossed this bar
+    7-14 updates in, before the loss had moved 2% (the +3 rules came 37-73 updates in), and no
+    step of the clean benchmark matrix crossed it. Dated by the start of the excursion, where
+    log Z first stood log_z_onset above that median; fires once per excursion, re-armed when
+    log Z is back within log_z_onset of it. Waits for a full window; a missing log Z leaves it
+    untouched. 0: off."""
+
+    __slots__ = ("dev", "fired", "jump", "median", "onset", "onset_dev", "reason", "window")
+    _scalars = ("onset", "fired")
+    _stats = ("median",)
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.jump = c.log_z_jump
+        self.window = c.log_z_jump_window
+        self.median = RunningMedian(c.log_z_jump_window)
+        self.onset_dev = min(c.log_z_onset, c.log_z_jump)
+        self.onset: int | None = None
+        self.fired = False
+        self.dev = _nan
+        """log Z minus the short median at this update; NaN until the window is full."""
+        self.reason = f"log_z > median of last {c.log_z_jump_window} + {c.log_z_jump:g}"
+
+    def update(self, x: StepInput) -> Event | None:
+        lz = x.log_z
+        if not self.jump or not _isfinite(lz):
+            return None
+        median = self.median
+        dev = self.dev = lz - median.value if len(median) >= self.window else _nan
+        if dev > self.onset_dev:
+            if self.onset is None:
+                self.onset = x.step
+        else:
+            self.onset = None
+            self.fired = False
+        event = None
+        if x.armed and dev > self.jump and not self.fired:
+            self.fired = True
+            event = (self.onset, self.reason)
+        if x.kept:
+            median.update(lz)
+        return event
