@@ -103,8 +103,9 @@ def run_series(job: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     out = tempfile.mkdtemp(prefix="sg-lead-")
-    probes = ProbeConfig(attn_logit_p99=True, attn_every=1, signals=SignalConfig(
-        update_ratio_every=1, spike_share_every=1, logit_bound_every=1))
+    probes = ProbeConfig() if job.get("light") else ProbeConfig(
+        attn_logit_p99=True, attn_every=1, signals=SignalConfig(
+            update_ratio_every=1, spike_share_every=1, logit_bound_every=1))
     cfg = TrainConfig(model=job["model"], steps=job["steps"], batch_size=job["batch_size"],
                       lr=job["lr"], seed=job["seed"], guard=GuardConfig(respond=False,
                                                                          probes=probes),
@@ -123,6 +124,47 @@ def run_series(job: dict[str, Any]) -> dict[str, Any]:
     line.update(val_loss=result.val_loss, wall_s=round(time.perf_counter() - start, 2),
                 load=round(os.getloadavg()[0], 2))
     return line
+
+
+def clean_matrix_jobs() -> list[dict[str, Any]]:
+    """The detection benchmark's whole clean matrix (its ``unguarded`` arm), each run recording
+    its series with the guard's default probes (``light``): the false alarms of each rule over
+    every clean cell, not only the lead-time runs' three LRs at 300 steps."""
+    from benchmarks.detection import matrix
+
+    out = []
+    for j in matrix("clean"):
+        if j["arm"] == "unguarded":
+            out.append({**j, "cell": "scan/" + j["cell"], "light": True})
+    return out
+
+
+def clean_alarms(lines: list[dict[str, Any]]) -> str:
+    """Per clean cell of a ``--clean-matrix`` results file: steps and each rule's crossings."""
+    cells: dict[str, dict[str, int]] = {}
+    for d in lines:
+        if d["kind"] != "clean":
+            continue
+        row = cells.setdefault(d["cell"], {"runs": 0, "steps": 0, **{k: 0 for k in RULES}})
+        row["runs"] += 1
+        row["steps"] += len(d["series"]["loss"])
+        for sig, rule in RULES.items():
+            values = d["series"].get(sig) or []
+            if any(v is not None for v in values):
+                row[sig] += len(crossings(values, rule))
+    head = "| cell | runs | steps | " + " | ".join(RULES) + " |"
+    out = [head, "|" + "---|" * (3 + len(RULES))]
+    total = {"runs": 0, "steps": 0, **{k: 0 for k in RULES}}
+    for cell in sorted(cells, key=lambda c: (c.split("/")[2], c)):
+        row = cells[cell]
+        for k in total:
+            total[k] += row[k]
+        out.append(f"| {cell.removeprefix('scan/')} | {row['runs']} | {row['steps']:,} | "
+                   + " | ".join(str(row[k]) for k in RULES) + " |")
+    out.append(f"| all | {total['runs']} | {total['steps']:,} | "
+               + " | ".join(f"{total[k]} ({1000 * total[k] / max(total['steps'], 1):.2f}/1k)"
+                            for k in RULES) + " |")
+    return "\n".join(out)
 
 
 def _num(v: Any) -> float | None:
@@ -253,7 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=("tiny", "demo"), default="tiny",
                    help="demo: the results file gets a _demo suffix")
     p.add_argument("--table", action="store_true", help="only score the results file")
+    p.add_argument("--clean-matrix", action="store_true",
+                   help="run (or score) the detection benchmark's whole clean matrix with the "
+                        "default probes: each rule's false alarms per cell")
+    p.add_argument("--workers", type=int, default=1)
     args = p.parse_args(argv)
+    if args.clean_matrix:
+        return _clean_matrix(args)
     if args.results is None:
         suffix = ("" if args.defenses == "all" else "_none") + (
             "" if args.model == "tiny" else f"_{args.model}")
@@ -277,6 +325,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nLead before the loss departs from the clean run of the same seed (its "
               f"{DEPART_MEAN}-step mean >= {DEPART:g}x the clean one's):\n")
         print(format_table(table, "departs"))
+    return 0
+
+
+def _clean_matrix(args: argparse.Namespace) -> int:
+    results = args.results or Path("benchmarks/results/lead_time_clean_matrix.jsonl")
+    if not args.table:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        _repair(results)
+        done = {_key(d) for d in load_results(results)}
+        todo = [j for j in clean_matrix_jobs() if _key(j) not in done]
+        code, start = _code_version(), time.perf_counter()
+        print(f"lead_time --clean-matrix: {len(todo)} runs to go, {args.workers} worker(s)",
+              file=sys.stderr, flush=True)
+
+        def finished(i: int, line: dict[str, Any]) -> None:
+            line["code"] = code
+            _append(results, line)
+            print(f"[{i}/{len(todo)}] {line['cell']} seed {line['seed']}: {line['wall_s']} s "
+                  f"({time.perf_counter() - start:.0f} s elapsed)", file=sys.stderr, flush=True)
+
+        if args.workers <= 1:
+            for i, job in enumerate(todo, 1):
+                finished(i, run_series(job))
+        else:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor, as_completed
+
+            with ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as pool:
+                futures = [pool.submit(run_series, job) for job in todo]
+                for i, fut in enumerate(as_completed(futures), 1):
+                    finished(i, fut.result())
+    print(clean_alarms([d for d in load_results(results) if "series" in d]))
     return 0
 
 
