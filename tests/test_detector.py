@@ -521,6 +521,11 @@ def test_log_z_jump_fires_where_a_float64_median_of_the_last_32_says():
     healthy = [sg.StepMetrics(step=t, loss=2.4, grad_norm=1.0, log_z=log_z[t]) for t in range(400)]
     d = SpikeDetector(cfg)
     assert not [v for v in (d.update(m) for m in healthy) if v.tier == 2]
+    # it arms with the grad rule: not before grad_arm_after kept updates
+    late = SpikeDetector(DetectorConfig.for_run(1000, arm_after=50, grad_arm_after=first + 5))
+    assert [v.step for v in (late.update(sg.StepMetrics(step=t, loss=2.4, grad_norm=1.0,
+                                                        log_z=log_z[t])) for t in range(n))
+            if reason in v.reasons][0] == first + 5
     off = SpikeDetector(DetectorConfig.for_run(1000, arm_after=50, log_z_jump=0))
     assert not [v for v in (off.update(sg.StepMetrics(step=t, loss=2.4, grad_norm=1.0,
                                                       log_z=log_z[t])) for t in range(n))

@@ -12,15 +12,16 @@ I/O, host floats in and out; about 10 us an update. Tiers (every number a Detect
   updates, else Tier 2.
 * Tier 2 (ROLLBACK; a caller may turn it into an alert): ratio > 2.5 for 10 updates; short loss
   EMA 0.1 above its pre-spike level for > 500 updates; log Z +3 within 300 updates; log Z more
-  than 3 above its running median (a drift too slow for the 300-update rule); a skip storm; an
-  unrecovered Tier 1; an update ratio (the signals' reading) past 20x its median, at the update
-  itself. Tier 2 rules are events: each fires once when its condition starts to hold.
+  than 3 above its running median (a drift too slow for the 300-update rule); log Z more than 1
+  above its median over the last 32 kept updates (a blow-up too fast for that median); a skip
+  storm; an unrecovered Tier 1; an update ratio (the signals' reading) past 20x its median, at
+  the update itself. Tier 2 rules are events: each fires once when its condition starts to hold.
 * Tier 3 (HALT): nan_frac > 0, a non-finite loss or grad norm (under fp16: only when grad_scale
   is below 1 or after 10 consecutive overflows), or loss > 10 nats that the grad norm does not
   explain once the loss EMA is below 0.8 ln(vocab).
 
-Each rule is a small object in ``rules.py`` / ``rules_tier2.py`` / ``rules_log_z.py`` with one interface
-(``update(StepInput) -> events``, a tier and a phase); this class loops over them in declared
+Each rule is a small object in ``rules.py`` / ``rules_tier2.py`` / ``rules_log_z.py`` with one
+interface (``update(StepInput) -> events``, a tier and a phase); this class loops over them in declared
 order within two phases (judge, then after the kept decision), keeps flagged steps out of their
 histories and turns their events into a Verdict.
 ``Verdict.reasons`` lists what fired and which other metrics are in an excursion, ordered by
