@@ -130,7 +130,7 @@ class LogZJump(Rule):
     log Z is back within log_z_onset of it. Waits for a full window, and arms with the grad rule
     (``grad_arm_after`` kept updates when the warmup is known): through the warmup log Z moves as
     fast as the grad norm does (the clean runs stood up to 0.92 above their median at step 32,
-    at most 0.78 from step 50 on). A missing log Z leaves it untouched. 0: off."""
+    at most 0.78 from step 40 on). A missing log Z leaves it untouched. 0: off."""
 
     __slots__ = ("arm", "dev", "fired", "jump", "median", "onset", "onset_dev", "reason",
                  "window")
