@@ -230,9 +230,12 @@ def _append(path: Path, line: dict[str, Any]) -> None:
 
 
 def run_jobs(jobs: list[dict[str, Any]], results: Path, *, workers: int = 1,
-             log: Any = sys.stderr) -> list[dict[str, Any]]:
+             log: Any = sys.stderr, run: Any = None) -> list[dict[str, Any]]:
     """Run the jobs not yet in ``results``, appending a line per finished run; returns every
-    finished line. ``workers`` > 1: a pool of spawned processes (one torch thread each)."""
+    finished line. ``workers`` > 1: a pool of spawned processes (one torch thread each).
+    ``run``: what runs a job (a module-level function; default ``run_one``, a crash becoming an
+    ``error`` line)."""
+    run = run or _safe_run
     results.parent.mkdir(parents=True, exist_ok=True)
     _repair(results)
     done = {_key(d) for d in load_results(results)}
@@ -252,6 +255,8 @@ def run_jobs(jobs: list[dict[str, Any]], results: Path, *, workers: int = 1,
         eta = elapsed / steps_done * (total_steps - steps_done) if steps_done else 0.0
         if "error" in line:
             what = f"ERROR {line['error'][:200]}"
+        elif "skip_steps" not in line:  # another benchmark's line (lead_time's series)
+            what = f"{line['wall_s']:.1f} s"
         else:
             val = line["val_loss"]
             what = (f"val {val:.4f}" if val is not None else "val -") + (
@@ -263,14 +268,14 @@ def run_jobs(jobs: list[dict[str, Any]], results: Path, *, workers: int = 1,
 
     if workers <= 1:
         for i, job in enumerate(todo, 1):
-            finished(i, job, _safe_run(job))
+            finished(i, job, run(job))
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
                                  initializer=_init_worker) as pool:
-            futures = {pool.submit(_safe_run, job): job for job in todo}
+            futures = {pool.submit(run, job): job for job in todo}
             for i, fut in enumerate(as_completed(futures), 1):
                 finished(i, futures[fut], fut.result())
     return load_results(results)

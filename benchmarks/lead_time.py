@@ -42,15 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.detection import (
-    FAULT_SPECS,
-    _append,
-    _code_version,
-    _job,
-    _key,
-    _repair,
-    load_results,
-)
+from benchmarks.detection import FAULT_SPECS, _job, load_results, run_jobs
 
 __all__ = ["FAULTS", "RULES", "crossings", "jobs", "main", "run_series", "score"]
 
@@ -307,17 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             "" if args.model == "tiny" else f"_{args.model}")
         args.results = Path(f"benchmarks/results/lead_time{suffix}.jsonl")
     if not args.table:
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        _repair(args.results)
-        done = {_key(d) for d in load_results(args.results)}
-        todo = [j for j in jobs(args.seeds, args.defenses, args.model) if _key(j) not in done]
-        code = _code_version()
-        for i, job in enumerate(todo, 1):
-            line = run_series(job)
-            line["code"] = code
-            _append(args.results, line)
-            print(f"[{i}/{len(todo)}] {job['cell']} seed {job['seed']}: {line['wall_s']} s",
-                  file=sys.stderr, flush=True)
+        run_jobs(jobs(args.seeds, args.defenses, args.model), args.results,
+                 workers=args.workers, run=run_series)
     lines = [d for d in load_results(args.results) if "series" in d]
     table = score(lines)
     print(format_table(table))
@@ -331,31 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 def _clean_matrix(args: argparse.Namespace) -> int:
     results = args.results or Path("benchmarks/results/lead_time_clean_matrix.jsonl")
     if not args.table:
-        results.parent.mkdir(parents=True, exist_ok=True)
-        _repair(results)
-        done = {_key(d) for d in load_results(results)}
-        todo = [j for j in clean_matrix_jobs() if _key(j) not in done]
-        code, start = _code_version(), time.perf_counter()
-        print(f"lead_time --clean-matrix: {len(todo)} runs to go, {args.workers} worker(s)",
-              file=sys.stderr, flush=True)
-
-        def finished(i: int, line: dict[str, Any]) -> None:
-            line["code"] = code
-            _append(results, line)
-            print(f"[{i}/{len(todo)}] {line['cell']} seed {line['seed']}: {line['wall_s']} s "
-                  f"({time.perf_counter() - start:.0f} s elapsed)", file=sys.stderr, flush=True)
-
-        if args.workers <= 1:
-            for i, job in enumerate(todo, 1):
-                finished(i, run_series(job))
-        else:
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor, as_completed
-
-            with ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as pool:
-                futures = [pool.submit(run_series, job) for job in todo]
-                for i, fut in enumerate(as_completed(futures), 1):
-                    finished(i, fut.result())
+        run_jobs(clean_matrix_jobs(), results, workers=args.workers, run=run_series)
     print(clean_alarms([d for d in load_results(results) if "series" in d]))
     return 0
 
