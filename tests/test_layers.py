@@ -74,10 +74,10 @@ def test_nothing_imports_upward_or_sideways():
     assert not bad, "\n".join(bad)
 
 
-def test_no_module_is_over_400_lines():
+def test_no_module_is_over_600_lines():
     long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
-    assert not long, f"split these (STYLE: 100-400 lines a module): {long}"
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"split these by job (STYLE: 100-400 lines a module, 600 at most): {long}"
 
 
 # -- no import cycle, type hints included ------------------------------------------------------
