@@ -2,7 +2,8 @@
 
 Read top to bottom: every spikeguard line is marked ``# sg``. The reference GPT trains on the
 Python docs that ship with the interpreter; ``--inject-at S`` replaces batch S with random bytes
-(a data outlier) so you can watch the guard skip it.
+(a data outlier) so you can watch the guard skip it. A halt (Tier 3) writes ``report.txt`` into
+``--out`` and exits with status 3, as ``spikeguard train`` does.
 
     PYTHONPATH=src python examples/train_loop.py --steps 200 --inject-at 120 --out runs/example
 """
@@ -10,6 +11,8 @@ Python docs that ship with the interpreter; ``--inject-at S`` replaces batch S w
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
 from pathlib import Path
 
 import torch
@@ -36,14 +39,21 @@ def main(steps: int = 200, out: str = "runs/example", inject_at: int | None = No
         sinks=[sg.JsonlSink(Path(out) / "metrics.jsonl")])              # sg
     guard.resume()                  # sg: continue after a crash; the metrics file continues too
 
+    def forward_backward(x, y, keep=None):  # sg: the guard re-runs it (keep: rows to keep)
+        if keep is not None:
+            x, y = x[keep], y[keep]
+        out = model.loss(model(x), y)    # LossOutput: .loss to backprop, .ce and .log_z detached
+        guard.backward(out)                 # sg: out.loss.backward(), weighed on a re-run
+        return out
+
     verdicts = []
     while guard.step_index < steps:                                      # a rollback replays steps
         x, y = next(data)
         if guard.step_index == inject_at:
             x = torch.randint(0, cfg.vocab_size, x.shape, generator=torch.Generator().manual_seed(1))
-        loss = model.loss(model(x), y)   # LossOutput: .loss to backprop, .ce and .log_z detached
-        loss.loss.backward()
-        for verdict in guard.step(loss):  # sg: clip, skip or step, decide, log, checkpoint
+        out = forward_backward(x, y)
+        rerun = functools.partial(forward_backward, x, y)                # sg: holds this batch
+        for verdict in guard.step(out, rerun=rerun):  # sg: clip, skip or step, decide, log, save
             verdicts.append(verdict)
             if verdict.action is not sg.Action.CONTINUE or verdict.step % 50 == 0:
                 e = verdict.evidence
@@ -62,5 +72,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     try:
         main(a.steps, a.out, a.inject_at, a.seed)
-    except sg.TrainingHalted as halt:                                    # sg: Tier 3 report
-        raise SystemExit(f"{halt}") from None
+    except sg.TrainingHalted as halt:                 # sg: Tier 3: the report, exit status 3
+        report = Path(a.out) / "report.txt"
+        report.write_text(f"{halt.report}\n")
+        print(f"{halt.report}\nreport: {report}", file=sys.stderr)
+        raise SystemExit(3) from None

@@ -1,6 +1,7 @@
 """The warnings for silent misuse (guard/misuse.py): a foreign GradScaler, a rollback without
 data=, a loop that does not follow step_index after a rollback, an LR the guard cannot read, a
-micro-batch loss of the wrong reduction. Each is a GuardMisuseWarning; the right use of each
+micro-batch loss of the wrong reduction, a scheduler stepped by the loop beside the guard, a
+gradient clipped before the guard measured it. Each is a GuardMisuseWarning; the right use of each
 runs without one (pytest turns any warning into an error)."""
 
 from __future__ import annotations
@@ -134,3 +135,49 @@ def test_a_summed_micro_batch_loss_is_told_and_the_mean_is_not():
     mean.loss.backward()
     (v,) = guard.step(mean)  # the micro-batch's own mean: no warning
     assert math.isclose(v.evidence["loss"], mean.ce.item(), rel_tol=1e-6)
+
+
+def test_a_scheduler_the_loop_steps_too_is_told_and_one_owner_is_not():
+    model, opt, data, cfg = _parts()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    guard = sg.Guard(model, opt, config=cfg, data=data, scheduler=sched)
+    for _ in range(3):  # the guard alone steps it: once per applied update
+        guard.step(_batch(model, data, poisoned=False))
+    assert sched.last_epoch == 3
+    with pytest.warns(sg.GuardMisuseWarning, match=r"moved 2 steps \(last_epoch 3 -> 5\).*"
+                                                     r"drop your scheduler.step\(\)"):
+        for _ in range(3):
+            guard.step(_batch(model, data, poisoned=False))
+            sched.step()  # the loop's own, kept beside Guard(scheduler=)
+    assert sched.last_epoch == 9  # twice as fast: what the warning is about
+
+
+def test_a_gradient_clipped_before_the_guard_is_told_and_a_clip_by_the_guard_is_not():
+    model, opt, data, cfg = _parts()
+    guard = sg.Guard(model, opt, config=cfg, data=data)
+    for _ in range(6):  # the guard clips at 1.0 after measuring: the norms it sees all differ
+        (v,) = guard.step(_batch(model, data, poisoned=False))
+    assert not guard.watch._warned_clipped
+    norms = []
+    with pytest.warns(sg.GuardMisuseWarning, match=r"was 0.5 at 5 steps in a row.*clipped "
+                                                     "before guard.step"):
+        for _ in range(5):
+            x, y = next(data)
+            out = model.loss(model(x), y)
+            out.loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            (v,) = guard.step(out)
+            assert v.evidence["grad_norm"] == pytest.approx(0.5, rel=1e-5)
+    assert min(norms) > 0.5  # every one of them was clipped: the guard saw none of them
+
+
+def test_a_record_whose_weights_check_could_not_run_says_why(tmp_path):
+    model, opt, data, _ = _parts()
+    det = sg.DetectorConfig.for_run(30, arm_after=5, grad_z=0.01)
+    guard = sg.Guard(model, opt, config=sg.GuardConfig(detector=det, read_lag=0), data=data)
+    for i in range(12):  # no rerun=: the step that is skipped cannot be checked, and says so
+        (v,) = guard.step(_batch(model, data, poisoned=i == 11))
+    assert v.action is sg.Action.SKIP
+    (why,) = [r for r in v.reasons if r.startswith("weights")]
+    assert why.startswith("weights: not checked (no rerun= was passed: pass guard.step(out, "
+                          "rerun=fn)")

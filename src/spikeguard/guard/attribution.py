@@ -235,7 +235,8 @@ class Attribution:
             self._write(p.step, f.quarantined)
             f.extras["quarantined"] = len(f.quarantined)
             f.reasons.append(f"quarantined {len(f.quarantined)} sequence(s): " + ", ".join(
-                f"batch {q['stream_index']} rank {q['rank']} row {q['row']} (z {q['z']:.3g})"
+                f"batch {q['stream_index']} micro-batch {q['micro_batch']} rank {q['rank']} "
+                f"row {q['row']} (z {q['z']:.3g})"
                 for q in f.quarantined[:4]))
         # the same re-run step: the budget was charged by the verifying pass
         if (cfg.drop_sequences and f.cause == "data" and f.quarantined and tier == 1
@@ -296,7 +297,8 @@ class Attribution:
                 ids = (self.ledger.rows_of(index, len(s.ce)) if self.ledger is not None
                        else list(range(len(s.ce))))
                 for row in ids:
-                    local.append({"stream_index": index, "rank": rank, "row": int(row),
+                    local.append({"stream_index": index, "micro_batch": i, "rank": rank,
+                                  "row": int(row),
                                   "loss": values[0][pos], "log_z": values[1][pos],
                                   "tokens": values[2][pos], "pos": pos})
                     pos += 1
@@ -310,7 +312,7 @@ class Attribution:
         path = self.path if self.path is not None else self._beside_sink()
         if path is None or (self.path is not None and _dist.rank() != 0):
             return
-        keys = ("stream_index", "rank", "row", "loss", "log_z", "z")
+        keys = ("stream_index", "micro_batch", "rank", "row", "loss", "log_z", "z")
         lines = [encode_record({"step": step, **{k: q[k] for k in keys}}) for q in quarantined]
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:

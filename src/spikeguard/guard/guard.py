@@ -98,7 +98,7 @@ class Guard:
         self.keep_on_rollback = tuple(keep_on_rollback)
         check_states(cfg, checkpoints, extra_state, self.keep_on_rollback)
         check_data(data)
-        self.watch = MisuseWatch(cfg, data)
+        self.watch = MisuseWatch(cfg, data, scheduler)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.checkpoints, self.data = checkpoints, data
         if not isinstance(precision, PrecisionRuntime):
@@ -313,7 +313,8 @@ class Guard:
         self.updater.commit(skipped, overflow=overflow)
         check = extras.get("weights_check")
         if check is not None:
-            verdict = verdict._replace(reasons=(*verdict.reasons, weights_reason(check)))
+            verdict = verdict._replace(reasons=(*verdict.reasons,
+                                                 weights_reason(check, self.micro.why_not)))
         # a loss-scaler overflow (tier 0) is the scaler's own skip: nothing to attribute; a
         # step whose weights were at fault has its cause
         if (skipped and self.config.respond and 1 <= verdict.tier < 3

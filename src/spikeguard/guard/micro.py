@@ -1,16 +1,36 @@
 """The step's micro-batches: their losses, and a re-run of the whole step that means what it says.
 
-``guard.accumulate(out, rerun=...)`` (or ``guard.step(out, rerun=...)`` for the last or only one)
-hands over each micro-batch's loss and log Z (detached), its per-sequence values, and the closure
-that re-runs its forward and backward. ``guard.autocast()`` notes the RNG state as each forward
-starts, so a re-run forks the RNG to that state and dropout draws the same masks.
+The one recipe, for one micro-batch or ``k`` of them (README, "Use in your loop")::
+
+    def forward_backward(x, y, keep=None):          # keep: a bool mask of the rows to re-run
+        if keep is not None:
+            x, y = x[keep], y[keep]
+        out = sg.cross_entropy(model(x), y)          # a LossOutput: the micro-batch's own mean
+        guard.backward(out.loss / k)                 # divide by k here, in the loop and re-run
+        return out                                   # undivided: the guard averages the k
+
+    for x, y in micro_batches:                       # k of them (k = 1: no accumulation)
+        out = forward_backward(x, y)
+        guard.accumulate(out, rerun=functools.partial(forward_backward, x, y))
+    guard.step()                                     # after the k-th backward
+
+The closure's contract: ``rerun()`` (or ``rerun(keep=mask)``) runs the micro-batch's forward and
+backward exactly as the loop did, division by ``k`` included, and returns its LossOutput (or its
+0-d loss) undivided: the micro-batch's own mean. ``guard.step(out, rerun=...)`` is the same as
+``guard.accumulate(out, rerun=...)`` then ``guard.step()``. The guard keeps each closure (the
+weights check re-runs the batch of a step 16 kept steps back), so it must hold its batch, not
+read a loop variable later (``functools.partial``, or default arguments).
 
 The step's re-run (attribution's "does the step reproduce?", the weights check's reference, a
-halt's forensics) replays *every* micro-batch, each under its own RNG state, running only the
-closures' forward and backward. Where that is impossible it is None and the cause of a skip is
-``unknown``, never a guess: a step of several micro-batches of which one has no closure (the
-gradient of the last alone is not the step's), or dropout active in a forward whose RNG state
-was not noted (the masks would differ, and a re-run of a bad batch would look transient).
+halt's forensics) replays *every* micro-batch in order, running only the closures. The guard
+notes the RNG state each micro-batch's forward started from (a forward pre-hook on the model,
+or ``guard.autocast()``), and a re-run sets it again as that forward starts, so dropout (an
+``nn.Dropout``, or an attention's functional dropout such as HF's ``attention_dropout``) draws
+the same masks and a re-run reproduces the step bit for bit. Where a faithful re-run is
+impossible it is None, ``why_not`` says why, and the cause of a skip is ``unknown``, never a
+guess: a micro-batch without a closure (the gradient of the last alone is not the step's), or
+a stochastic forward (``stochastic``) whose start the guard did not see (it did not run
+through the guard's model).
 """
 
 from __future__ import annotations
@@ -18,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +49,7 @@ from torch import nn
 from .adapter import GuardMisuseWarning
 from .checks import check_loss
 
-__all__ = ["MicroBatches", "StepBatch"]
+__all__ = ["MicroBatches", "StepBatch", "stochastic"]
 
 
 @dataclass
@@ -44,9 +65,34 @@ class StepBatch:
     """A faithful re-run of the whole step (module docstring), or None."""
 
 
-def _dropout_active(model: nn.Module) -> bool:
-    return model.training and any(
-        isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob",
+                   "hidden_dropout", "hidden_dropout_prob", "resid_pdrop", "embd_pdrop",
+                   "dropout", "dropout_p", "activation_dropout")
+"""Module attributes and model-config fields that hold a dropout probability: HF models apply
+attention dropout functionally (``config.attention_dropout``), with no ``nn.Dropout`` to see."""
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def stochastic(model: nn.Module) -> str | None:
+    """Whether a training forward of ``model`` draws random numbers: the name of the first
+    module in training mode that applies dropout with p > 0 (an ``nn.Dropout``, a module whose
+    ``attention_dropout``/``dropout_p``/... attribute or whose ``config`` field of that name is
+    positive), or None. A walk over the modules (no device read)."""
+    for name, m in model.named_modules():
+        if not m.training:
+            continue
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            if m.p > 0:
+                return name or "the model"
+            continue
+        config = getattr(m, "config", None)
+        for field in _DROPOUT_FIELDS:
+            if _positive(getattr(m, field, None)) or _positive(getattr(config, field, None)):
+                return f"{name or 'the model'} ({field})"
+    return None
 
 
 def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -68,15 +114,33 @@ def _forked(state: tuple[torch.Tensor, torch.Tensor | None] | None,
 
 
 class MicroBatches:
-    """Collects one step's micro-batches (module docstring)."""
+    """Collects one step's micro-batches (module docstring). It registers a forward pre-hook on
+    ``model`` that notes the RNG state as a training forward starts."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.model, self.device = model, device
         self._items: list[tuple[torch.Tensor, torch.Tensor, Any, Any, Any]] = []
         self._rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._hooked = False  # the hook noted this micro-batch's forward
+        self._replay: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.rerunning = False
         """True inside a re-run: its forwards are not new micro-batches."""
+        self.closures = 0
+        """Micro-batches handed over with a re-run closure so far."""
+        self.why_not: str | None = None
+        """Why the last step taken has no faithful re-run (None when it has one)."""
         self._warned_reduction = False
+        me, root = weakref.ref(self), weakref.ref(model)
+
+        def note(module: nn.Module, args: Any) -> None:
+            self_ = me()
+            if self_ is not None and module is root() and module.training \
+                    and torch.is_grad_enabled():
+                self_.forward_hook()
+
+        # a plain function holding weak references: a deepcopy of the model (an EMA copy)
+        # shares it and is told apart by ``module is root()``; no cycle keeps the guard alive
+        model.register_forward_pre_hook(note)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -87,12 +151,24 @@ class MicroBatches:
 
     def clear(self) -> None:
         self._items.clear()
-        self._rng = None
+        self._rng, self._hooked = None, False
 
     def forward_starts(self) -> None:
         """A forward is about to run (``guard.autocast()``): note the RNG state it starts from."""
         if not self.rerunning:
-            self._rng = _rng_state(self.device)
+            self._rng, self._hooked = _rng_state(self.device), False
+
+    def forward_hook(self) -> None:
+        """The model's training forward starts: note the RNG state (the first forward of a
+        micro-batch); in a re-run, set the state noted for it again."""
+        if self.rerunning:
+            if self._replay is not None:
+                torch.set_rng_state(self._replay[0])
+                if self._replay[1] is not None:
+                    torch.cuda.set_rng_state(self._replay[1], self.device)
+                self._replay = None
+        elif not self._hooked:
+            self._rng, self._hooked = _rng_state(self.device), True
 
     def add(self, out: Any, *, log_z: torch.Tensor | None = None,
             rerun: Callable[..., Any] | None = None) -> torch.Tensor:
@@ -110,7 +186,8 @@ class MicroBatches:
         z = (torch.full_like(loss, float("nan")) if log_z is None
              else log_z.detach().float().reshape(()).to(loss.device))
         self._items.append((loss, z, seq, rerun, self._rng))
-        self._rng = None
+        self._rng, self._hooked = None, False
+        self.closures += rerun is not None
         return out.loss if hasattr(out, "ce") and hasattr(out, "log_z") else out
 
     def _check_reduction(self, reduction: str) -> None:
@@ -141,12 +218,33 @@ class MicroBatches:
         if rerun is not None and items[-1][3] is None:
             items[-1] = (*items[-1][:3], rerun, items[-1][4])
         losses, zs, rows, closures, states = zip(*items)
-        faithful = all(c is not None for c in closures) and not (
-            _dropout_active(self.model) and any(s is None for s in states))
+        self.why_not = self._why_not(closures, states)
         return StepBatch(torch.stack(losses).mean(), torch.stack(zs).mean(), rows,
-                         self._replay(closures, states) if faithful else None)
+                         self._replay_of(closures, states) if self.why_not is None else None)
 
-    def _replay(self, closures: tuple[Callable[..., Any], ...],
+    def _why_not(self, closures: tuple[Any, ...], states: tuple[Any, ...]) -> str | None:
+        """Why the step cannot be re-run faithfully, in words that say the fix; None if it can."""
+        k = len(closures)
+        if all(c is None for c in closures):
+            if self.closures == 0:
+                return ("no rerun= was passed: pass guard.step(out, rerun=fn) or "
+                        "guard.accumulate(out, rerun=fn), fn re-running the batch's forward "
+                        "and backward (README, 'Use in your loop')")
+            return "this step's batch came without rerun="
+        if any(c is None for c in closures):
+            missing = [i for i, c in enumerate(closures) if c is None]
+            return (f"micro-batch(es) {missing} of {k} came without rerun=: pass one to every "
+                    "guard.accumulate (the last micro-batch's gradient alone is not the step's)")
+        if any(s is None for s in states):
+            where = stochastic(self.model)
+            if where is not None:
+                return (f"the forward is stochastic (dropout in {where}) and did not run "
+                        "through the guard's model, so a re-run would draw other masks: call "
+                        "the model the guard was given, or run the forward under "
+                        "guard.autocast()")
+        return None
+
+    def _replay_of(self, closures: tuple[Callable[..., Any], ...],
                 states: tuple[Any, ...]) -> Callable[..., Any]:
         if len(closures) == 1:
             one, state = closures[0], states[0]
@@ -166,6 +264,7 @@ class MicroBatches:
         self.rerunning = True
         try:
             with _forked(state, self.device):
+                self._replay = state  # set again as the model's forward starts
                 return closure(*args, **kwargs)
         finally:
-            self.rerunning = False
+            self.rerunning, self._replay = False, None

@@ -16,6 +16,15 @@ Each is a ``GuardMisuseWarning`` with the numbers behind it and the fix, issued 
   LR schedule by iteration runs ahead). The guard notes whether ``step_index`` was read between
   the rollback and the next step.
 
+- **a scheduler stepped twice**: ``Guard(scheduler=...)`` steps the LR schedule once per applied
+  update; a loop that keeps its own ``scheduler.step()`` runs the schedule twice as fast. The
+  guard steps it at most once per ``guard.step``, so when ``scheduler.last_epoch`` moved by two
+  or more between two calls, someone else stepped it.
+- **a gradient clipped before the guard**: ``clip_grad_norm_`` (or ``accelerator.clip_grad_norm_``)
+  kept before ``guard.step`` hides every spike: the norm the guard measures is the clip value.
+  Unclipped norms never agree to 1e-4 five steps in a row; clipped ones do, so the guard warns
+  after ``_CLIPPED_RUN`` positive norms in a row within ``_CLIPPED_RTOL`` of each other.
+
 The other two live where the value is read: an LR the guard cannot find (``step.Updater``,
 recorded as None) and a micro-batch loss whose reduction is not the micro-batch's own mean
 (``micro.MicroBatches``).
@@ -58,11 +67,21 @@ def foreign_scaler() -> torch.amp.GradScaler | None:
     return None
 
 
+_CLIPPED_RUN = 5
+"""Steps in a row whose measured norms agree within ``_CLIPPED_RTOL``: the gradient was clipped
+before the guard measured it (natural norms move by far more than 1e-4 from step to step)."""
+_CLIPPED_RTOL = 1e-4
+
+
 class MisuseWatch:
     """The guard's once-only misuse warnings (module docstring), built with the config and the
     data source."""
 
-    def __init__(self, config: Any, data: Any) -> None:
+    def __init__(self, config: Any, data: Any, scheduler: Any = None) -> None:
+        self.scheduler = scheduler
+        self._epoch: int | None = None  # the scheduler's last_epoch as the last step began
+        self._warned_schedule = self._warned_clipped = False
+        self._norms: list[float] = []
         self.index_read = True
         """Whether the loop read ``guard.step_index`` since the last rollback."""
         self._rollback: tuple[int, int] | None = None
@@ -81,7 +100,9 @@ class MisuseWatch:
         self.index_read = False
 
     def before_step(self) -> None:
-        """A new step starts: after a rollback, the loop should have read ``step_index``."""
+        """A new step starts: after a rollback, the loop should have read ``step_index``; the
+        schedule moved by at most the guard's own one step since the last call."""
+        self._check_schedule()
         if self._rollback is None:
             return
         (detected, restored), self._rollback = self._rollback, None
@@ -93,9 +114,44 @@ class MisuseWatch:
                           "loop by the guard (while guard.step_index < max_steps: ...)",
                           GuardMisuseWarning, stacklevel=3)
 
+    def _check_schedule(self) -> None:
+        epoch = getattr(self.scheduler, "last_epoch", None)
+        if not isinstance(epoch, int) or isinstance(epoch, bool):
+            return
+        last, self._epoch = self._epoch, epoch
+        if last is None or self._warned_schedule or epoch - last < 2:
+            return
+        self._warned_schedule = True
+        warnings.warn(f"the LR scheduler moved {epoch - last} steps (last_epoch {last} -> "
+                      f"{epoch}) between two guard.step calls, but the guard steps it at most "
+                      "once: the loop steps it too, so the schedule runs twice as fast (and does "
+                      "not hold on a skip); drop your scheduler.step(), since "
+                      "Guard(scheduler=...) steps it once per applied update",
+                      GuardMisuseWarning, stacklevel=4)
+
+    def _check_clipped(self, grad_norm: float) -> None:
+        if self._warned_clipped:
+            return
+        if not (math.isfinite(grad_norm) and grad_norm > 0):
+            self._norms.clear()
+            return
+        if self._norms and abs(grad_norm - self._norms[0]) > _CLIPPED_RTOL * self._norms[0]:
+            self._norms.clear()
+        self._norms.append(grad_norm)
+        if len(self._norms) < _CLIPPED_RUN:
+            return
+        self._warned_clipped = True
+        warnings.warn(f"the gradient norm the guard measured was {grad_norm:.6g} at "
+                      f"{_CLIPPED_RUN} steps in a row (within {_CLIPPED_RTOL:g}): the gradients "
+                      "were clipped before guard.step, so the guard sees the clip value, never a "
+                      "spike; drop clip_grad_norm_ (or accelerator.clip_grad_norm_) from the "
+                      "loop and clip with GuardConfig(clip=...) (default 1.0), which clips "
+                      "after measuring", GuardMisuseWarning, stacklevel=4)
+
     def judged(self, grad_norm: float) -> None:
-        """A step's norm reached the host: a suspect one makes the guard look, once, for a
-        foreign GradScaler."""
+        """A step's norm reached the host: a run of equal norms means a clip before the guard;
+        a suspect one makes the guard look, once, for a foreign GradScaler."""
+        self._check_clipped(grad_norm)
         if self._scanned or (math.isfinite(grad_norm) and grad_norm <= _SUSPECT_NORM):
             return
         self._scanned = True

@@ -78,10 +78,11 @@ class WeightsCheck:
                 "loss": self.loss, "weights": self.weights, "second": self.second}
 
 
-def weights_reason(check: dict[str, Any]) -> str:
-    """The verdict's reason for a ``WeightsCheck.record()``."""
+def weights_reason(check: dict[str, Any], why: str | None = None) -> str:
+    """The verdict's reason for a ``WeightsCheck.record()``; ``why``: why the step has no
+    faithful re-run (``MicroBatches.why_not``), said when no check could run."""
     if check["weights"] is None:
-        return "weights: not checked (no kept batch to test with)"
+        return f"weights: not checked ({why or 'no kept batch with rerun= to test with yet'})"
     fails, second = check["weights"], check.get("second")
     also = "" if second is None else (
         f"; elevated, so the batch of step {second['reference_step']} was asked too (grad norm "
