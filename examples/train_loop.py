@@ -21,13 +21,13 @@ import spikeguard as sg
 
 
 def main(steps: int = 200, out: str = "runs/example", inject_at: int | None = None,
-         seed: int = 0) -> list:
+         seed: int = 0, lr: float = 3e-3) -> list:
     """Train for ``steps`` updates, resuming from ``out``'s newest checkpoint when it has one;
     returns the guard's verdict at every step run."""
     torch.manual_seed(seed)
     cfg = sg.GPTConfig.tiny(z_loss=1e-4)                                 # sg: z-loss (PaLM)
     model = sg.GPT(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
                                   weight_decay=0.1, fused=True)
     schedule = sg.schedules.warmup_cosine(warmup_steps=20, total_steps=steps, min_ratio=0.1)  # sg
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -69,9 +69,10 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="runs/example")
     ap.add_argument("--inject-at", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=3e-3)
     a = ap.parse_args()
     try:
-        main(a.steps, a.out, a.inject_at, a.seed)
+        main(a.steps, a.out, a.inject_at, a.seed, a.lr)
     except sg.TrainingHalted as halt:                 # sg: Tier 3: the report, exit status 3
         report = Path(a.out) / "report.txt"
         report.write_text(f"{halt.report}\n")

@@ -47,3 +47,23 @@ def test_exit_status_table_in_readme_is_the_commands():
     table = readme[readme.index("| exit status | meaning |"):]
     rows = re.findall(r"^\| (\d+) \|", table.split("\n\n")[0], re.M)
     assert [int(r) for r in rows] == sorted(EXIT_STATUS)
+
+
+def test_a_halt_leaves_the_example_script_with_exit_status_3_and_the_report(tmp_path):
+    """The documented exit pattern: a TrainingHalted in the user's script becomes report.txt and
+    exit status 3 (as ``spikeguard train``), not a traceback and status 1. LR 1e4 makes the
+    weights non-finite after the first update: Tier 3 at step 1."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "examples" / "train_loop.py"), "--steps",
+                           "30", "--lr", "1e4", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("HALT at step 1")
+    assert f"report: {tmp_path / 'report.txt'}" in done.stderr
+    assert (tmp_path / "report.txt").read_text().startswith("HALT at step 1")
+    assert sg.read_metrics(tmp_path / "metrics.jsonl")[-1]["action"] == "halt"
