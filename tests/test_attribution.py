@@ -47,8 +47,9 @@ def test_the_quarantine_names_exactly_the_planted_sequence(dropped):
     q = dropped.quarantine()
     assert [(r["step"], r["stream_index"], r["rank"], r["row"]) for r in q] == \
         [(GARBAGE[0], GARBAGE[0], 0, GARBAGE[1])]
-    assert q[0]["z"] > 5 and set(q[0]) == {"step", "stream_index", "rank", "row", "loss",
-                                            "log_z", "z"}
+    assert q[0]["z"] > 5 and set(q[0]) == {"step", "stream_index", "micro_batch", "micro_row",
+                                            "rank", "row", "loss", "log_z", "z"}
+    assert q[0]["micro_batch"] == 0 and q[0]["micro_row"] == q[0]["row"]  # one micro-batch
     rec = _by_step(dropped)[GARBAGE[0]]
     # what happened: the batch without the planted row was applied (a drop), not a skip
     assert rec["action"] == "drop" and rec["cause"] == "data" and rec["quarantined"] == 1

@@ -235,8 +235,8 @@ class Attribution:
             self._write(p.step, f.quarantined)
             f.extras["quarantined"] = len(f.quarantined)
             f.reasons.append(f"quarantined {len(f.quarantined)} sequence(s): " + ", ".join(
-                f"batch {q['stream_index']} micro-batch {q['micro_batch']} rank {q['rank']} "
-                f"row {q['row']} (z {q['z']:.3g})"
+                f"batch {q['stream_index']} rank {q['rank']} row {q['row']} (micro-batch "
+                f"{q['micro_batch']} row {q['micro_row']}, z {q['z']:.3g})"
                 for q in f.quarantined[:4]))
         # the same re-run step: the budget was charged by the verifying pass
         if (cfg.drop_sequences and f.cause == "data" and f.quarantined and tier == 1
@@ -291,14 +291,18 @@ class Attribution:
                                   for k in ("ce", "log_z", "tokens")]).tolist()
             span = p.batches
             one_each = span is not None and span[1] - span[0] + 1 == len(seqs)
+            # one batch of the stream split into micro-batches: rows count through the batch
+            split = span is not None and span[0] == span[1] and len(seqs) > 1
+            full = (self.ledger.rows_of(span[0], sum(len(s.ce) for s in seqs))
+                    if split and self.ledger is not None else None)
             rank, pos = _dist.rank(), 0
             for i, s in enumerate(seqs):
-                index = span[0] + i if one_each else None
-                ids = (self.ledger.rows_of(index, len(s.ce)) if self.ledger is not None
-                       else list(range(len(s.ce))))
-                for row in ids:
-                    local.append({"stream_index": index, "micro_batch": i, "rank": rank,
-                                  "row": int(row),
+                index = span[0] + i if one_each else span[0] if split else None
+                ids = (self.ledger.rows_of(index, len(s.ce))
+                       if self.ledger is not None and not split else list(range(len(s.ce))))
+                for j, row in enumerate(ids):
+                    local.append({"stream_index": index, "micro_batch": i, "micro_row": j,
+                                  "rank": rank, "row": int(full[pos] if full else row),
                                   "loss": values[0][pos], "log_z": values[1][pos],
                                   "tokens": values[2][pos], "pos": pos})
                     pos += 1
@@ -312,7 +316,7 @@ class Attribution:
         path = self.path if self.path is not None else self._beside_sink()
         if path is None or (self.path is not None and _dist.rank() != 0):
             return
-        keys = ("stream_index", "micro_batch", "rank", "row", "loss", "log_z", "z")
+        keys = ("stream_index", "micro_batch", "micro_row", "rank", "row", "loss", "log_z", "z")
         lines = [encode_record({"step": step, **{k: q[k] for k in keys}}) for q in quarantined]
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:

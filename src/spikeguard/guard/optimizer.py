@@ -39,6 +39,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """Re-runs the step's last forward and backward for the Tier 3 forensics
         (``guard.step(rerun=...)``); an integration that can replay the batch sets it. When
         unset, a ``step(closure)`` re-runs the closure (Lightning's: training_step + backward)."""
+        self.reference = False
+        """True when each micro-batch reached ``guard.accumulate`` with a closure that holds its
+        own batch (HF Trainer's SpikeguardLoss): the step's re-run may then serve a later step's
+        weights check; a closure that re-runs whatever batch is current may not."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -58,7 +62,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         try:
             # the closure re-runs the framework's current batch: no reference for a later step
             self.guard.step(rerun=self.rerun if self.rerun is not None else closure,
-                            reference=False)
+                            reference=self.reference)
         except TrainingHalted as halt:
             if not self.defer_halt:
                 raise

@@ -26,6 +26,7 @@ import logging
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -50,8 +51,10 @@ class SpikeguardLoss:
 
     Returns the sum over counted tokens divided by ``num_items_in_batch`` (the Trainer's count
     over every micro-batch of the step), so gradient accumulation gives the step's true mean.
-    While gradients are on (training, not evaluation) it records the micro-batch's mean
-    cross-entropy and mean log Z with the guard that ``guard_trainer`` connects.
+    While gradients are on (training, not evaluation) it hands the guard that ``guard_trainer``
+    connects the micro-batch's mean cross-entropy and mean log Z, and a closure that re-runs
+    the micro-batch (the model's inputs, kept by a forward pre-hook, and its labels): the
+    weights check, the attribution of a skip and the halt report's module need it.
     """
 
     def __init__(self, *, z_loss: float = 1e-4, shift_labels: bool = True,
@@ -59,16 +62,25 @@ class SpikeguardLoss:
         self.z_loss, self.shift_labels = z_loss, shift_labels
         self.ignore_index, self.softcap = ignore_index, softcap
         self.guard: Any = None
-        self.last: tuple[torch.Tensor, Any] | None = None
-        """The labels and num_items_in_batch of the last training call (for a re-run)."""
+        self.model: torch.nn.Module | None = None
+        """The model whose training forwards ``watch`` keeps the inputs of (for re-runs)."""
+        self._call: tuple[Any, Any] | None = None
         self.recording = True
 
-    def __call__(self, outputs: Any, labels: torch.Tensor | None,
-                 num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-        if labels is None:
-            raise ValueError("SpikeguardLoss needs the batch's 'labels' (the Trainer passes them "
-                             "when the dataset has a 'labels' column)")
-        given = labels
+    def watch(self, model: torch.nn.Module) -> None:
+        """Keep the inputs of ``model``'s training forwards (a forward pre-hook), so that each
+        micro-batch's closure can re-run it."""
+        self.model = model
+
+        def keep(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            if module.training and torch.is_grad_enabled() and self.recording:
+                self._call = (args, kwargs)
+
+        model.register_forward_pre_hook(keep, with_kwargs=True)
+
+    def _loss(self, outputs: Any, labels: torch.Tensor,
+              num_items_in_batch: torch.Tensor | int | None) -> tuple[torch.Tensor, Any]:
+        """(the loss to backpropagate, a record with the micro-batch's mean ``ce`` and ``log_z``)."""
         logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
         if self.shift_labels:
             logits, labels = logits[..., :-1, :], labels[..., 1:]
@@ -82,13 +94,37 @@ class SpikeguardLoss:
             denom = num_items_in_batch.to(out.loss.device).clamp(min=1)
         else:
             denom = max(int(num_items_in_batch), 1)
-        if torch.is_grad_enabled() and out.loss.requires_grad and self.recording:
-            self.last = (given, num_items_in_batch)
+        return out.loss / denom, SimpleNamespace(ce=out.ce / counted, log_z=out.log_z)
+
+    def __call__(self, outputs: Any, labels: torch.Tensor | None,
+                 num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        if labels is None:
+            raise ValueError("SpikeguardLoss needs the batch's 'labels' (the Trainer passes them "
+                             "when the dataset has a 'labels' column)")
+        loss, mean = self._loss(outputs, labels, num_items_in_batch)
+        if torch.is_grad_enabled() and loss.requires_grad and self.recording:
             if self.guard is None:
                 raise ValueError("SpikeguardLoss is not connected to a guard: call "
                                  "guard_trainer(trainer) before trainer.train()")
-            self.guard.accumulate(out.ce / counted, log_z=out.log_z)
-        return out.loss / denom
+            rerun = None
+            if self.model is not None and self._call is not None:
+                rerun = functools.partial(self._rerun, self._call, labels, num_items_in_batch)
+            self._call = None
+            self.guard.accumulate(mean.ce, log_z=mean.log_z, rerun=rerun)
+        return loss
+
+    def _rerun(self, call: tuple[Any, Any], labels: torch.Tensor,
+               num_items_in_batch: torch.Tensor | int | None) -> Any:
+        """The micro-batch's forward and backward as the Trainer ran them (its loss over the
+        step's ``num_items_in_batch``); returns its mean ``ce`` and ``log_z``."""
+        args, kwargs = call
+        self.recording = False
+        try:
+            loss, mean = self._loss(self.model(*args, **kwargs), labels, num_items_in_batch)
+            self.guard.backward(loss)
+        finally:
+            self.recording = True
+        return mean
 
 
 def _check_trainer(trainer: Any, loss: str) -> None:
@@ -148,7 +184,8 @@ def guard_trainer(trainer: Any, *, config: GuardConfig | None = None,
         trainer.lr_scheduler = HeldScheduler(trainer.lr_scheduler, parts.guard, parts.optimizer)
     if isinstance(loss_func, SpikeguardLoss):
         loss_func.guard = parts.guard
-        parts.optimizer.rerun = _replay(trainer.model, loss_func)
+        loss_func.watch(trainer.model)
+        parts.optimizer.reference = True  # each micro-batch's closure holds its own batch
         if loss_func.shift_labels and hasattr(trainer, "_loss_shifts_labels"):
             # the Trainer counts num_items_in_batch over labels[..., 1:] only for models whose
             # loss_type it knows to shift; ours shifts, whatever the model says
@@ -160,33 +197,6 @@ def guard_trainer(trainer: Any, *, config: GuardConfig | None = None,
     # last: the halt is raised once every other callback has seen the end of training
     trainer.add_callback(raiser_cls(parts.optimizer))
     return callback
-
-
-def _replay(model: torch.nn.Module, loss_func: SpikeguardLoss) -> Any:
-    """A re-run of the step's last micro-batch (its forward inputs kept by a forward pre-hook,
-    its labels by the loss) for the Tier 3 forensics, which name the first module that went
-    non-finite. The Trainer's own grad-norm pass multiplies every gradient by NaN on a
-    non-finite step, so the re-run is what locates the fault."""
-    last: dict[str, Any] = {}
-
-    def keep(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if module.training and torch.is_grad_enabled():
-            last["call"] = (args, kwargs)
-
-    model.register_forward_pre_hook(keep, with_kwargs=True)
-
-    def rerun() -> None:
-        if "call" not in last or loss_func.last is None:
-            return
-        args, kwargs = last["call"]
-        labels, num_items = loss_func.last
-        loss_func.recording = False
-        try:
-            loss_func(model(*args, **kwargs), labels, num_items).backward()
-        finally:
-            loss_func.recording = True
-
-    return rerun
 
 
 class _GuardCallbackLogic:
@@ -211,12 +221,33 @@ class _GuardCallbackLogic:
         if sched is not None and not isinstance(sched, HeldScheduler):
             self.trainer.lr_scheduler = HeldScheduler(sched, self.guard, self.optimizer)
             self.trainer.callback_handler.lr_scheduler = self.trainer.lr_scheduler
+        if state.global_step == 0:
+            self._fresh_start()
         if state.global_step > 0:  # resumed: the guard's steps continue the Trainer's
             saved = Path(args.output_dir) / f"checkpoint-{state.global_step}" / GUARD_STATE
             if saved.is_file():  # its state, and the metrics file after its records
                 self.guard.stateful().load_state_dict({"json": saved.read_text()})
             else:
                 self.guard.start_at(state.global_step)
+
+    def _fresh_start(self) -> None:
+        """A run from step 0 into a folder an earlier run wrote: its metrics file starts anew
+        (the Trainer overwrites its own checkpoints too), and the earlier run's report and
+        quarantine go, so nothing in the folder mixes two runs."""
+        old = self.out_dir / "metrics.jsonl"
+        if not old.is_file() or old.stat().st_size == 0:
+            return
+        self.guard.start_at(0)  # drops every record from step 0 on: all of them
+        gone = [n for n in ("report.json", "report.txt", "quarantine.jsonl")
+                if (self.out_dir / n).is_file()]
+        if _dist.rank() == 0:
+            for name in gone:
+                (self.out_dir / name).unlink()
+        log.warning("spikeguard: a fresh run (step 0, no resume_from_checkpoint) into %s, "
+                    "which holds an earlier run's metrics.jsonl%s: they start anew; pass "
+                    "trainer.train(resume_from_checkpoint=...) to continue that run instead, or "
+                    "another output_dir to keep it", self.out_dir,
+                    f" and {', '.join(gone)}" if gone else "")
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if _dist.rank() == 0:  # beside the Trainer's own checkpoint files
