@@ -18,10 +18,12 @@ import spikeguard as sg
 from spikeguard.integrations import hf as sg_hf
 from spikeguard.integrations._common import METRICS, HeldScheduler
 
+from ._hf_llama import llama, poison_mlp, readme_loop
 from .state_compare import same, same_moments
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only contend
 
 SEQ, BATCH, STEPS, OUTLIER = 32, 4, 24, 14
 LR, WARMUP = 3e-3, 4
@@ -29,21 +31,28 @@ LR, WARMUP = 3e-3, 4
 
 class ByteDataset(torch.utils.data.Dataset):
     """Sequences of the corpus' bytes, in order; the batch of ``outlier_step`` is a run of NUL
-    bytes (a corrupt shard: a byte the text never holds)."""
+    bytes (a corrupt shard: a byte the text never holds), or only its ``rows``, as inputs 0xFF
+    with NUL targets."""
 
-    def __init__(self, n: int, outlier_step: int | None = None) -> None:
+    def __init__(self, n: int, outlier_step: int | None = None, rows: range | None = None,
+                 ga: int = 1) -> None:
         tokens = sg.load_corpus("pydoc").train
         self.seqs = [torch.from_numpy(tokens[i * SEQ:(i + 1) * SEQ].astype(np.int64))
                      for i in range(n)]
+        self.labels = {}
         if outlier_step is not None:
-            for i in range(outlier_step * BATCH, (outlier_step + 1) * BATCH):
-                self.seqs[i] = torch.zeros(SEQ, dtype=torch.int64)
+            first = outlier_step * BATCH * ga
+            for i in rows if rows is not None else range(BATCH * ga):
+                self.seqs[first + i] = torch.zeros(SEQ, dtype=torch.int64)
+                if rows is not None:  # a few rows: inputs 0xFF, targets NUL (README loop's)
+                    self.labels[first + i] = self.seqs[first + i]
+                    self.seqs[first + i] = torch.full((SEQ,), 0xFF, dtype=torch.int64)
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.seqs[i], "labels": self.seqs[i].clone()}
+        return {"input_ids": self.seqs[i], "labels": self.labels.get(i, self.seqs[i]).clone()}
 
 
 def lr_lambda(step: int) -> float:
@@ -51,12 +60,13 @@ def lr_lambda(step: int) -> float:
     return (step + 1) / WARMUP if step < WARMUP else max(0.1, 1 - (step - WARMUP) / STEPS)
 
 
-def make_trainer(tmp_path, *, steps=STEPS, outlier=None, callbacks=(), ga=1, **arg_overrides):
+def make_trainer(tmp_path, *, steps=STEPS, outlier=None, callbacks=(), ga=1, model=None,
+                 rows=None, **arg_overrides):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256,
                                   n_positions=SEQ, bos_token_id=0, eos_token_id=0,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg)
+    model = model if model is not None else transformers.GPT2LMHeadModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     kw = dict(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=BATCH,
@@ -67,7 +77,7 @@ def make_trainer(tmp_path, *, steps=STEPS, outlier=None, callbacks=(), ga=1, **a
     kw.update(arg_overrides)
     args = transformers.TrainingArguments(**kw)
     return transformers.Trainer(model=model, args=args,
-                                train_dataset=ByteDataset(steps * BATCH * ga, outlier),
+                                train_dataset=ByteDataset(steps * BATCH * ga, outlier, rows, ga),
                                 optimizers=(opt, sched), compute_loss_func=sg_hf.SpikeguardLoss(),
                                 callbacks=list(callbacks))
 
@@ -258,3 +268,128 @@ def test_metrics_reach_tensorboard(tmp_path):
         assert [s.step for s in scalars] == list(range(1, steps + 1))
         for s, r in zip(scalars, records):  # TensorBoard stores float32
             assert s.value == pytest.approx(r[key], rel=1e-6, nan_ok=True)
+
+
+# -- a Llama from a small config in README's loop ---------------------------------------------
+def _acted(records):
+    return {r["step"]: r for r in records if r["action"] != "continue"}
+
+
+def test_llama_in_the_readme_loop_clean_takes_no_action_and_an_outlier_is_skipped(tmp_path,
+                                                                                 one_thread):
+    clean = readme_loop(tmp_path / "clean")
+    assert _acted(sg.read_metrics(tmp_path / "clean" / "metrics.jsonl")) == {}
+    run = readme_loop(tmp_path / "bad", bad=14)
+    records = sg.read_metrics(tmp_path / "bad" / "metrics.jsonl")
+    (rec,) = _acted(records).values()
+    assert rec["step"] == 14 and rec["action"] == "skip" and rec["cause"] == "data"
+    # the re-run reproduced the step bit for bit, and a kept batch cleared the weights first
+    assert rec["rerun"] == {"loss": rec["loss"], "grad_norm": rec["grad_norm"]}
+    assert rec["weights_check"]["weights"] is False
+    assert same(run["before"][0], run["after"][0])
+    assert same_moments(run["before"][1], run["after"][1])
+    # the steps before it are the clean run's, bit for bit (the guard changed nothing there)
+    clean_records = sg.read_metrics(tmp_path / "clean" / "metrics.jsonl")
+    assert [r["loss"] for r in records[:14]] == [r["loss"] for r in clean_records[:14]]
+    del clean
+
+
+def test_llama_in_the_readme_loop_halts_on_nan_naming_the_module(tmp_path, one_thread):
+    with pytest.raises(sg.TrainingHalted) as exc:
+        readme_loop(tmp_path, nan_at=9)
+    report = exc.value.report
+    assert report.step == 9 and report.traced
+    assert report.first_forward == "model.layers.1.mlp"
+    assert all(n.startswith(("model.layers.", "model.norm", "lm_head", "model.embed"))
+               for n in report.nonfinite_params) and report.nonfinite_params
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_llama_accumulation_with_dropout_names_the_rows_and_never_guesses_transient(
+        tmp_path, one_thread, dropout):
+    """k = 2 micro-batches of 4 rows, HF attention dropout (functional: no nn.Dropout) at 0.1,
+    rows 5-7 of step 14's batch garbage (micro-batch 1, rows 1-3). The guard noted each
+    forward's RNG state itself (no guard.autocast in the loop), so its re-run draws the same
+    masks: the step reproduces and the cause is data; quarantine.jsonl names the stream batch,
+    the rows in it, the micro-batch and the rows within that."""
+    from spikeguard.guard.micro import stochastic
+
+    run = readme_loop(tmp_path, k=2, dropout=dropout, bad=14, bad_rows=slice(5, 8))
+    assert (stochastic(run["model"]) is not None) == (dropout > 0)
+    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    (rec,) = _acted(records).values()
+    assert rec["step"] == 14 and rec["action"] == "skip"
+    assert rec["cause"] in ("data", "unknown") and rec["cause"] != "transient"
+    assert rec["cause"] == "data"  # here the re-run could be faithful, so it is
+    assert same(run["before"][0], run["after"][0])
+    quarantined = [json.loads(line) for line in
+                   (tmp_path / "quarantine.jsonl").read_text().splitlines()]
+    assert [(q["step"], q["stream_index"], q["row"], q["micro_batch"], q["micro_row"])
+            for q in quarantined] == [(14, 14, r, 1, r - 4) for r in (5, 6, 7)]
+
+
+# -- the same Llama in HF Trainer -------------------------------------------------------------
+def test_llama_in_hf_trainer_clean_takes_no_action_and_an_outlier_is_skipped(tmp_path,
+                                                                            one_thread):
+    steps = 18
+    trainer = make_trainer(tmp_path / "clean", steps=steps, model=llama())
+    sg_hf.guard_trainer(trainer, config=guard_config(steps))
+    trainer.train()
+    assert _acted(sg.read_metrics(tmp_path / "clean" / "metrics.jsonl")) == {}
+    snaps = Snapshots()
+    trainer = make_trainer(tmp_path / "bad", steps=steps, model=llama(), outlier=14,
+                           callbacks=[snaps])
+    snaps.trainer = trainer
+    sg_hf.guard_trainer(trainer, config=guard_config(steps))
+    trainer.train()
+    (rec,) = _acted(sg.read_metrics(tmp_path / "bad" / "metrics.jsonl")).values()
+    assert rec["step"] == 14 and rec["action"] == "skip"
+    # each micro-batch's closure holds its batch: the weights check and the re-run both ran
+    assert rec["cause"] == "data" and rec["weights_check"]["weights"] is False
+    p0, m0, pos0, _ = snaps.before[14]
+    p1, m1, pos1, _ = snaps.after[14]
+    assert same(p0, p1) and same_moments(m0, m1) and pos1 == pos0
+
+
+def test_llama_in_hf_trainer_halts_on_nan_naming_the_module(tmp_path, one_thread):
+    trainer = make_trainer(tmp_path, steps=12, model=llama())
+    switch = {"on": False}
+    poison_mlp(trainer.model, switch)
+
+    class At(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            switch["on"] = state.global_step >= 9
+
+    trainer.add_callback(At())
+    sg_hf.guard_trainer(trainer, config=guard_config(12))
+    with pytest.raises(sg.TrainingHalted) as exc:
+        trainer.train()
+    assert exc.value.report.step == 9 and exc.value.report.first_forward == "model.layers.1.mlp"
+    assert json.loads((tmp_path / "report.json").read_text())["step"] == 9
+
+
+def test_llama_in_hf_trainer_accumulation_with_dropout_is_never_transient(tmp_path,
+                                                                         one_thread):
+    """2 micro-batches a step, attention dropout 0.1 (functional, no nn.Dropout), step 14's
+    micro-batches a run of NUL bytes: each micro-batch's closure re-runs under the RNG state its
+    forward started from, so the step reproduces: cause data (before, the re-run drew other
+    masks, and a guess said transient). A few corrupt rows are too few to flag on this model
+    this early in the Trainer's schedule; README's loop test names such rows."""
+    steps = 18
+    trainer = make_trainer(tmp_path, steps=steps, model=llama(dropout=0.1), ga=2, outlier=14)
+    sg_hf.guard_trainer(trainer, config=guard_config(steps))
+    trainer.train()
+    (rec,) = _acted(sg.read_metrics(tmp_path / "metrics.jsonl")).values()
+    assert rec["step"] == 14 and rec["action"] == "skip"
+    assert rec["cause"] in ("data", "unknown") and rec["cause"] == "data"
+
+
+def test_a_fresh_trainer_run_into_the_same_output_dir_starts_its_metrics_anew(tmp_path,
+                                                                             one_thread):
+    (tmp_path / "report.json").write_text("{}")  # an earlier run's halt report
+    for _ in range(2):
+        trainer = make_trainer(tmp_path, steps=4)
+        sg_hf.guard_trainer(trainer, config=guard_config(4))
+        trainer.train()
+    assert [r["step"] for r in sg.read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert not (tmp_path / "report.json").exists()
