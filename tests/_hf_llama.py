@@ -40,9 +40,10 @@ def garbage(x: torch.Tensor, y: torch.Tensor, rows: Any) -> None:
 
 
 def poison_mlp(model: Any, switch: dict[str, bool]) -> None:
-    """The second block's MLP outputs NaN while ``switch["on"]``."""
+    """The second block's MLP outputs NaN while ``switch["on"]`` (times NaN: the graph stays
+    connected, so every parameter still gets a gradient, as DDP needs)."""
     def hook(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return torch.full_like(output, float("nan")) if switch["on"] else output
+        return output * float("nan") if switch["on"] else output
 
     model.model.layers[1].mlp.register_forward_hook(hook)
 
