@@ -24,7 +24,8 @@ def marked_lines(path: Path) -> set[int]:
 def test_the_glue_table_matches_the_marked_lines_of_every_example():
     rows = _ROW.findall((ROOT / "docs" / "adapters.md").read_text())
     stacks = {stack for stack, _, _ in rows}
-    assert {"plain loop", "nanoGPT", "HF Trainer", "Lightning", "OLMo-core"} <= stacks, stacks
+    assert {"plain loop", "nanoGPT", "HF Trainer", "accelerate", "Lightning",
+            "OLMo-core"} <= stacks, stacks
     for stack, file, lines in rows:
         assert len(marked_lines(ROOT / file)) == int(lines), f"{stack}: {file}"
 

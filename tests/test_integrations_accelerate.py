@@ -27,6 +27,16 @@ from spikeguard.integrations.accelerate import guard_accelerator  # noqa: E402
 from ._accelerate_worker import BAD  # noqa: E402
 
 
+@pytest.fixture
+def fresh_state():
+    """accelerate keeps one AcceleratorState per process: start and leave this test without."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,7 +96,7 @@ def test_two_ranks_a_nan_halts_naming_the_module(launched):
     assert math.isnan(records["nan"][-1]["loss"])
 
 
-def test_refuses_an_optimizer_accelerate_did_not_prepare(tmp_path):
+def test_refuses_an_optimizer_accelerate_did_not_prepare(tmp_path, fresh_state):
     from accelerate import Accelerator
 
     from ._hf_llama import llama
@@ -98,18 +108,22 @@ def test_refuses_an_optimizer_accelerate_did_not_prepare(tmp_path):
         guard_accelerator(accelerator, model, opt)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate's GradScaler needs CUDA")
-def test_fp16_adopts_accelerates_grad_scaler(tmp_path):
-    """fp16 on a GPU: accelerator.backward scales with accelerate's GradScaler, which the guard
-    adopts (no foreign-scaler warning: pytest would fail on it); the guard measures unscaled
-    gradients, an overflow is the scaler's own Tier 0 skip (the scale halves), and a data
-    outlier is still skipped with cause data."""
+def test_fp16_adopts_accelerates_grad_scaler(tmp_path, one_thread, fresh_state):
+    """fp16: accelerator.backward scales with accelerate's GradScaler, which the guard adopts (no
+    foreign-scaler warning: pytest would fail on it); the guard measures unscaled gradients, an
+    overflow is the scaler's own Tier 0 skip (the scale halves), and a data outlier is still
+    skipped with cause data. On CUDA accelerate builds the GradScaler itself; on CPU it builds
+    none (no fp16 autocast there), so the test hands it torch's CPU GradScaler: the forward
+    stays fp32, the scaling, unscaling and overflow are the same code."""
     from accelerate import Accelerator
 
     from ._hf_llama import BATCH, SEQ, garbage, llama
 
     os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
-    accelerator = Accelerator(mixed_precision="fp16")
+    cuda = torch.cuda.is_available()
+    accelerator = Accelerator(mixed_precision="fp16", cpu=not cuda)
+    if not cuda:
+        accelerator.scaler = torch.amp.GradScaler("cpu")
     assert accelerator.scaler is not None
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
@@ -144,3 +158,13 @@ def test_fp16_adopts_accelerates_grad_scaler(tmp_path):
     assert acted[14]["action"] == "skip" and acted[14]["cause"] == "data"
     assert set(acted) == {8, 14}
     assert all(r["grad_norm"] < 1e3 for r in records if r["step"] not in (8,))
+
+
+def test_the_example_loop_runs_one_guard_step_per_accumulated_batch(tmp_path, one_thread,
+                                                                     fresh_state):
+    from examples.accelerate_loop import main
+
+    guard = main(steps=6, out=str(tmp_path), accumulate=2)
+    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6)) and guard.step_index == 6
+    assert all(r["action"] == "continue" for r in records)
