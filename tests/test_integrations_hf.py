@@ -393,3 +393,25 @@ def test_a_fresh_trainer_run_into_the_same_output_dir_starts_its_metrics_anew(tm
         trainer.train()
     assert [r["step"] for r in sg.read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
     assert not (tmp_path / "report.json").exists()
+
+
+def test_per_layer_signals_follow_the_blocks_of_hf_models(tmp_path):
+    """The update ratio per layer groups by the model's blocks (model.layers.N in a Llama,
+    transformer.h.N in GPT-2), not by the top-level child (``model`` and ``lm_head``)."""
+    from spikeguard.detect.signals import layer_of
+
+    assert layer_of("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
+    assert layer_of("module.model.layers.0.mlp.experts.7.w1") == "module.model.layers.0"
+    assert layer_of("transformer.h.1.mlp.c_fc.weight") == "transformer.h.1"
+    assert layer_of("model.embed_tokens.weight") == "model.embed_tokens"
+    assert layer_of("blocks.3.attn.qkv.weight") == "blocks.3" and layer_of("wte.weight") == "wte"
+    readme_loop(tmp_path, steps=6)
+    record = sg.read_metrics(tmp_path / "metrics.jsonl")[-1]
+    groups = sorted(k.split("/", 1)[1] for k in record if k.startswith("update_ratio/"))
+    assert groups == ["lm_head", "model.embed_tokens", "model.layers.0", "model.layers.1",
+                      "model.norm"]
+    trainer = make_trainer(tmp_path / "gpt2", steps=4)
+    sg_hf.guard_trainer(trainer, config=guard_config(4))
+    trainer.train()
+    record = sg.read_metrics(tmp_path / "gpt2" / "metrics.jsonl")[-1]
+    assert {"update_ratio/transformer.h.0", "update_ratio/transformer.h.1"} <= set(record)

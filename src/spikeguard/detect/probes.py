@@ -6,8 +6,8 @@ single host read per probe step, after the step's work has been queued. The valu
 step record under their names: ``activation_max``, ``activation_max_module``,
 ``attn_logit_p99`` (the largest over layers and heads) with ``attn_logit_p99_layer`` and the
 full [layer][head] table ``attn_logit_p99_heads``, and
-``layer_grad_norm/<layer>`` for each top-level block (the norm of the unsharded gradient under
-FSDP2, TP or DDP: one all-reduce of a vector at the probe interval, so every rank must collect
+``layer_grad_norm/<layer>`` for each block (``signals.layer_of``; the norm of the unsharded
+gradient under FSDP2, TP or DDP: one all-reduce of a vector at the probe interval, so every rank must collect
 at the same steps). Given the optimizer, the probes also carry the early-warning signals of
 ``detect/signals.py`` (update ratio, spike share, attention-logit bound; ``ProbeConfig.signals``).
 """
@@ -26,7 +26,7 @@ from torch import nn
 
 from .._validate import check_int
 from ._grad_layout import collect
-from .signals import SignalConfig, Signals, SignalValues
+from .signals import SignalConfig, Signals, SignalValues, layer_of
 
 __all__ = ["ProbeConfig", "ProbeValues", "Probes", "guard_probes", "layer_grad_norms"]
 
@@ -58,17 +58,10 @@ class ProbeConfig:
             check_int(getattr(self, name), f"ProbeConfig.{name}", default=getattr(type(self), name))
 
 
-def _layer_of(name: str) -> str:
-    """'blocks.3.attn.qkv.weight' -> 'blocks.3'; 'wte.weight' -> 'wte'."""
-    parts = name.split(".")
-    if len(parts) > 2 and parts[1].isdigit():
-        return ".".join(parts[:2])
-    return parts[0] if len(parts) > 1 else name
-
-
 def layer_grad_norms(model: nn.Module, *, pp_group: dist.ProcessGroup | None = None,
                      tp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """L2 norm of the gradients of each layer (top-level module, or ``blocks.i``), as host floats.
+    """L2 norm of the gradients of each layer (``signals.layer_of``: the model's blocks, such as
+    ``blocks.i`` or an HF causal LM's ``model.layers.i``), as host floats.
 
     Global, like ``grad_stats``: under FSDP2, HSDP, TP or DDP each layer's norm is that of its
     unsharded gradient, computed from the local pieces weighted by their copy counts (DTensor
@@ -80,7 +73,7 @@ def layer_grad_norms(model: nn.Module, *, pp_group: dist.ProcessGroup | None = N
     groups: dict[str, list[torch.Tensor]] = defaultdict(list)
     for name, p in model.named_parameters():
         if p.grad is not None:
-            groups[_layer_of(name)].append(p)
+            groups[layer_of(name)].append(p)
     if not groups:
         return {}
     layouts = [collect(params, pp_group=pp_group, tp_group=tp_group) for params in groups.values()]

@@ -148,11 +148,20 @@ def _take(t: torch.Tensor, how: tuple[int, torch.Tensor | None]) -> torch.Tensor
 
 
 def layer_of(name: str) -> str:
-    """'blocks.3.attn.qkv.weight' -> 'blocks.3'; 'wte.weight' -> 'wte'."""
+    """The block a parameter belongs to: the path up to its first numeric part, so the groups
+    follow the model's stack of blocks whatever it is called (``blocks.3`` here,
+    ``model.layers.3`` in an HF causal LM, ``transformer.h.3`` in GPT-2, behind any wrapper's
+    prefix such as DDP's ``module.``); a parameter outside the blocks groups by its module's
+    first two parts (``wte``, ``model.embed_tokens``, ``lm_head``)::
+
+        'blocks.3.attn.qkv.weight' -> 'blocks.3'; 'wte.weight' -> 'wte'
+        'model.layers.3.mlp.experts.7.w1' -> 'model.layers.3'; 'model.norm.weight' -> 'model.norm'
+    """
     parts = name.split(".")
-    if len(parts) > 2 and parts[1].isdigit():
-        return ".".join(parts[:2])
-    return parts[0] if len(parts) > 1 else name
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1][:2]) if len(parts) > 1 else name
 
 
 @dataclass
