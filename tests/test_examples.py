@@ -67,3 +67,21 @@ def test_a_halt_leaves_the_example_script_with_exit_status_3_and_the_report(tmp_
     assert f"report: {tmp_path / 'report.txt'}" in done.stderr
     assert (tmp_path / "report.txt").read_text().startswith("HALT at step 1")
     assert sg.read_metrics(tmp_path / "metrics.jsonl")[-1]["action"] == "halt"
+
+
+def test_every_field_of_the_configs_a_loop_builds_has_a_docstring():
+    """The configs README's loop and the integrations build: each field documents itself (the
+    CLI's --help reads the same docstrings)."""
+    import dataclasses
+
+    from spikeguard._config_cli import field_docs
+    from spikeguard.detect.precision import PrecisionPolicy
+    from spikeguard.detect.probes import ProbeConfig
+    from spikeguard.guard.attribution import AttributionConfig
+    from spikeguard.prevent.clipping import ClipConfig
+
+    for cls in (sg.GuardConfig, AttributionConfig, ClipConfig, sg.DetectorConfig, ProbeConfig,
+                PrecisionPolicy):
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name, "").strip()]
+        assert not missing, f"{cls.__name__}: {missing}"

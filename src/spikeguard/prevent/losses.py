@@ -230,7 +230,12 @@ def cross_entropy(
 
     logits: [..., V] floating point; target: [...] integer class ids (or ``ignore_index``).
     ``loss = ce + z_loss * mean(logZ^2)`` over counted tokens. Note the default z_loss is 1e-4,
-    not 0: with z_loss=0 and no softcap, ``ce``/``loss`` equal F.cross_entropy. With ``softcap``
+    not 0. With z_loss=0 and no softcap, ``ce``/``loss`` are F.cross_entropy's value up to
+    rounding, not bit for bit (a logsumexp of its own sums in another order): within 2 ulp on
+    float32 logits, 1e-14 on float64 (logits [64-512, 256-50k], scale 1-30, measured); the
+    gradient is the same function, softmax - onehot over N, from its own kernel, equal up to
+    rounding too (max abs difference 6e-10 to 6e-8 on those float32 logits, 1e-16 on float64),
+    so a model trained with it follows F.cross_entropy's run only to rounding. With ``softcap``
     the logits are first mapped to softcap * tanh(logits / softcap), and log Z is the logsumexp of
     the capped logits. Gradient w.r.t. a (capped) logit: (p_j * (1 + 2 z_loss logZ) - y_j) / N,
     N the count of counted tokens (1 with "sum", ``normalizer`` when given). ``reduction`` and
