@@ -181,3 +181,38 @@ def test_a_record_whose_weights_check_could_not_run_says_why(tmp_path):
     (why,) = [r for r in v.reasons if r.startswith("weights")]
     assert why.startswith("weights: not checked (no rerun= was passed: pass guard.step(out, "
                           "rerun=fn)")
+
+
+def test_a_stochastic_forward_the_guard_did_not_see_is_unknown_never_transient():
+    """Dropout on, and the forward called as ``model.forward(x)`` (no module call: no hook, no
+    guard.autocast): the guard cannot set the RNG state again, so a re-run would draw other
+    masks. It does not re-run: the skip's cause is unknown and the reason says why."""
+    import dataclasses
+
+    from spikeguard.guard.micro import stochastic
+
+    torch.manual_seed(0)
+    model = sg.GPT(dataclasses.replace(sg.GPTConfig.tiny(seq_len=16), dropout=0.1))
+    assert stochastic(model) is not None and stochastic(model.eval()) is None
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = sg.TokenStream.from_corpus("pydoc", batch_size=4, seq_len=16, seed=0)
+    det = sg.DetectorConfig.for_run(30, arm_after=5, grad_z=0.01)
+    guard = sg.Guard(model, opt, config=sg.GuardConfig(detector=det, read_lag=0), data=data)
+
+    def forward_backward(x, y):
+        out = model.loss(model.forward(x), y)
+        guard.backward(out)
+        return out
+
+    for i in range(12):
+        x, y = next(data)
+        if i == 11:
+            x, y = torch.zeros_like(x), torch.zeros_like(y)
+        out = forward_backward(x, y)
+        (v,) = guard.step(out, rerun=lambda x=x, y=y: forward_backward(x, y))
+    assert v.action is sg.Action.SKIP
+    assert not any(r.startswith("rerun:") for r in v.reasons)  # no re-run, so no guess
+    (why,) = [r for r in v.reasons if r.startswith("weights")]
+    assert why.startswith("weights: not checked (the forward is stochastic (dropout in drop) "
+                          "and did not run through the guard's model")

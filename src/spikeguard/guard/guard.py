@@ -200,9 +200,10 @@ class Guard:
 
     def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None,
                    rerun: Callable[..., Any] | None = None) -> torch.Tensor:
-        """One micro-batch: ``out`` a LossOutput or a 0-d loss (``step()`` takes their mean);
-        ``rerun()`` re-runs its forward and backward (guard/micro.py). Returns the loss to
-        backpropagate (``out.loss``, or ``out``): ``(guard.accumulate(out) / k).backward()``."""
+        """One micro-batch, after its backward: ``out`` its LossOutput or 0-d loss, the
+        micro-batch's own mean, undivided (``step()`` takes the mean of the k); ``rerun()`` re-runs
+        its forward and backward as the loop did, division by k included, and returns ``out``
+        again (the recipe and the contract: guard/micro.py). Returns ``out.loss`` (or ``out``)."""
         return self.micro.add(out, log_z=log_z, rerun=rerun)
 
     def step(self, out: Any = None, *, log_z: torch.Tensor | None = None,
