@@ -1,6 +1,9 @@
+import pytest
 from examples.train_loop import main
 
 import spikeguard as sg
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny model: threads only contend
 
 
 def test_train_loop_example_skips_the_injected_outlier_and_nothing_else(tmp_path):

@@ -13,6 +13,8 @@ import torch
 
 import spikeguard as sg
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only contend
+
 
 def _parts(steps=30, **guard_kw):
     torch.manual_seed(0)
