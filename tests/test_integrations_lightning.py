@@ -129,6 +129,9 @@ def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
     assert [r["step"] for r in records] == list(range(STEPS))
     assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
     assert records[OUTLIER]["rerun"] is not None  # the skip was re-run (attribution)
+    # each micro-batch's closure holds its batch: a kept one cleared the weights, so "data"
+    assert records[OUTLIER]["weights_check"]["weights"] is False
+    assert records[OUTLIER]["cause"] == "data"
     window = guard_config().detector.median_window
     prior = sorted(r["grad_norm"] for r in records[OUTLIER - window:OUTLIER])
     assert records[OUTLIER]["grad_norm"] > 3 * (prior[(window - 1) // 2] + prior[window // 2]) / 2

@@ -36,6 +36,7 @@ import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -66,6 +67,7 @@ class _LightningGuardLogic:
         self._logged = 0
         self._restored: dict[str, Any] | None = None
         self._rerunning = False
+        self._rerun_out: tuple[Any, Any] | None = None
         self._trainer_ref: Any = None
         self._batch: tuple[Any, int] | None = None
         self._state_loaded = False
@@ -86,26 +88,34 @@ class _LightningGuardLogic:
 
     def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None) -> None:
         """Record a micro-batch's loss and log Z with the guard (``guard.accumulate``): call it
-        in ``training_step`` with a LossOutput, or a 0-d mean loss and ``log_z``."""
-        if not self._rerunning:  # a re-run's training_step is not a new micro-batch
-            self.guard.accumulate(out, log_z=log_z)
-
-    def _rerun(self) -> None:
-        """Re-run the step's batch: ``training_step`` through the strategy (its precision
-        context) and a plain backward, without Lightning's closure, so no callback hook runs
-        twice on a skip (the closure would run on_before_backward, on_after_backward and
-        on_before_optimizer_step again)."""
-        trainer, batch = self._trainer_ref, self._batch
-        if trainer is None or batch is None:
+        in ``training_step`` with a LossOutput, or a 0-d mean loss and ``log_z``. The guard gets
+        a closure that re-runs this micro-batch (``_rerun``)."""
+        if self._rerunning:  # a re-run's training_step is not a new micro-batch
+            self._rerun_out = (out, log_z)
             return
-        self._rerunning = True
+        rerun = None
+        if self._trainer_ref is not None and self._batch is not None:
+            rerun = functools.partial(self._rerun, self._trainer_ref, self._batch)
+        self.guard.accumulate(out, log_z=log_z, rerun=rerun)
+
+    def _rerun(self, trainer: Any, batch: tuple[Any, int]) -> Any:
+        """Re-run one micro-batch: ``training_step`` through the strategy (its precision
+        context) and a backward of its loss over ``accumulate_grad_batches``, as Lightning's
+        own, without Lightning's closure, so no callback hook runs twice on a skip (the closure
+        would run on_before_backward, on_after_backward and on_before_optimizer_step again).
+        Returns what ``training_step`` handed to ``accumulate``."""
+        self._rerunning, self._rerun_out = True, None
         try:
             out = trainer.strategy.training_step(*batch)
             loss = out["loss"] if isinstance(out, dict) else out
             if loss is not None:
-                loss.backward()
+                self.guard.backward(loss / trainer.accumulate_grad_batches)
         finally:
             self._rerunning = False
+        if self._rerun_out is None:
+            return loss
+        given, log_z = self._rerun_out
+        return given if log_z is None else SimpleNamespace(ce=given, log_z=log_z)
 
     def configure_optimizers(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                              scheduler: Any = None, *,
@@ -126,7 +136,7 @@ class _LightningGuardLogic:
         if self._restored is not None:
             self.parts.guard.stateful().load_state_dict(self._restored)
             self._restored = None
-        self.parts.optimizer.rerun = self._rerun
+        self.parts.optimizer.reference = True  # each micro-batch's closure holds its batch
         conf: dict[str, Any] = {"optimizer": self.parts.optimizer}
         if scheduler is not None:
             held = HeldScheduler(scheduler, self.parts.guard, self.parts.optimizer,
@@ -161,6 +171,11 @@ class _LightningGuardLogic:
         if self.halted is not None:  # min_steps or min_epochs kept the loop going
             raise self.halted
         self._trainer_ref, self._batch = trainer, (batch, batch_idx)
+        if self.parts is not None:
+            # training_step calls the model's submodules, never the LightningModule itself, so
+            # the guard's forward pre-hook does not fire: note the RNG state the step starts
+            # from here (what guard.autocast() does), so a re-run draws the same dropout masks
+            self.parts.guard.autocast()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if trainer.global_step > 0 and not self._state_loaded and self.parts is not None:
