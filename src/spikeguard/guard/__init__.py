@@ -6,7 +6,7 @@ from .attribution import AttributionConfig
 from .forensics import HaltReport, TrainingHalted
 from .guard import Guard, GuardConfig
 from .optimizer import GuardedOptimizer
-from .state import GuardState
+from .stateful import GuardState
 
 __all__ = ["AttributionConfig", "DataSource", "Decision", "Guard", "GuardConfig", "GuardMisuseWarning",
            "GuardState", "GuardedOptimizer", "HaltReport", "RowDropSource", "TrainingHalted"]
