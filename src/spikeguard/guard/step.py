@@ -1,4 +1,5 @@
-"""The step part: measure, gate, clip, apply. The one place an update is applied or withheld.
+"""The step part: measure, gate, clip, apply. The one owner of the update: the one place an
+update is applied, withheld, released, re-applied, counted, and its LR scaled.
 
 ``Updater.device_step`` takes the step's mean loss and log Z (device tensors) after backward:
 
@@ -12,11 +13,16 @@
    With ``ClipConfig.update_bound`` the applied update is then bounded against its own EMA
    (``guard/update_bound.py``), in this step, a release and a re-run's update alike.
 
-No host read on a healthy or skipped step. ``commit(skipped)`` is the host side, once the step's
-numbers are read: it counts an applied update and steps the LR schedule for it (and for a
-loss-scaler overflow, which the guard does not withhold: the scaler does). A re-run without
-some rows (attribution's drop) goes through ``apply_rerun``: the same measure, the same gate test
-(against the histories as they are), the same clip and ``apply_update``.
+No host read on a healthy or skipped step. The other stages never touch the update: they
+return requests, and the guard hands them here. ``weights_at_fault`` (the weights check's
+answer: release the withheld update now at read_lag 0, or the following steps at read_lag 1),
+``release`` (attribution's: a skip with no evidence against its batch), ``apply_without``
+(attribution's drop: the re-run without some rows, through the same measure, the same gate test
+against the histories as they are, the same clip and ``apply_update``), ``lr`` (a response's
+LR multiplier over a range of steps: ``lr_scale.py``). ``settle(update)`` is the host side, once
+the step's numbers are read: it counts what happened to the update and steps the LR schedule
+for an applied one (and for a loss-scaler overflow, which the guard does not withhold: the
+scaler does). ``read_lag``, decided once when the guard is built, lives here.
 """
 
 from __future__ import annotations
@@ -129,7 +135,7 @@ def loss_of(out: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
 
 @dataclass
 class RerunUpdate:
-    """What ``apply_rerun`` did: the re-run's numbers and whether its update was applied."""
+    """What ``apply_without`` did: the re-run's numbers and whether its update was applied."""
 
     loss: float
     grad_norm: float
