@@ -51,7 +51,7 @@ def test_lower_lr_lowers_the_lr_by_its_scale_for_exactly_n_steps_then_returns(tm
     (tmp_path / "off").mkdir()
     (tmp_path / "on").mkdir()
     off, off_lrs = _storm_run(tmp_path / "off", LowerLrConfig())
-    on, on_lrs = _storm_run(tmp_path / "on", LowerLrConfig(steps=N, scale=SCALE))
+    on, on_lrs = _storm_run(tmp_path / "on", LowerLrConfig(steps=N, lr_multiple=SCALE))
     tier2 = [r["step"] for r in on if r["tier"] == 2]
     assert tier2 == [r["step"] for r in off if r["tier"] == 2] == [OUTLIER], tier2
     # off by default: no key, and every update at the scheduled LR
@@ -59,7 +59,7 @@ def test_lower_lr_lowers_the_lr_by_its_scale_for_exactly_n_steps_then_returns(tm
     assert all(used == scheduled for used, scheduled in off_lrs.values())
     # on: the page's record says what was lowered, and the N steps after it ran at SCALE x
     assert on[OUTLIER]["action"] == off[OUTLIER]["action"] == "alert"
-    assert on[OUTLIER]["lr_lowered"] == {"scale": SCALE, "first": OUTLIER + 1,
+    assert on[OUTLIER]["lr_lowered"] == {"lr_multiple": SCALE, "first": OUTLIER + 1,
                                          "last": OUTLIER + N}
     ratio = {s: used / scheduled for s, (used, scheduled) in on_lrs.items()}
     assert sorted(s for s, r in ratio.items() if r != 1.0) == list(range(OUTLIER + 1,
@@ -99,8 +99,9 @@ def test_the_tier_2_response_is_the_policy_s_not_the_detector_s():
     assert [type(r) for r in both.tiers[2]] == [Rollback, LowerLr]
 
 
-@pytest.mark.parametrize("kwargs,match", [({"steps": -1}, "steps"), ({"scale": 2.0}, "<= 1"),
-                                          ({"scale": 0.0}, "scale")])
+@pytest.mark.parametrize("kwargs,match", [({"steps": -1}, "steps"),
+                                          ({"lr_multiple": 2.0}, "<= 1"),
+                                          ({"lr_multiple": 0.0}, "lr_multiple")])
 def test_a_bad_lower_lr_config_is_refused_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LowerLrConfig(**kwargs)

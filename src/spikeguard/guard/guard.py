@@ -338,7 +338,6 @@ class Guard:
         if out.weights_check is not None:
             out.verdict = verdict._replace(
                 reasons=(*verdict.reasons, weights_reason(out.weights_check.record())))
-        self.last_skipped = out.skipped
         # a loss-scaler overflow is the scaler's own skip: nothing to attribute; a step whose
         # weights were at fault has its cause
         if (out.update is Update.WITHHELD and self.config.respond
