@@ -48,6 +48,20 @@ def poison_mlp(model: Any, switch: dict[str, bool]) -> None:
     model.model.layers[1].mlp.register_forward_hook(hook)
 
 
+CORRUPT = 0xFE
+"""A sequence of this byte alone is the corrupt sample: ``corrupt_embeddings`` makes its
+embeddings inf, whatever row it sits in (a re-run without it poisons nothing else)."""
+
+
+def corrupt_embeddings(model: Any) -> None:
+    """The token embeddings of every sequence made of ``CORRUPT`` bytes alone become inf."""
+    def hook(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        bad = (args[0] == CORRUPT).all(-1)
+        return torch.where(bad[:, None, None], float("inf"), output) if bad.any() else output
+
+    model.model.embed_tokens.register_forward_hook(hook)
+
+
 def snapshot(model: Any, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     moments = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
@@ -57,19 +71,24 @@ def snapshot(model: Any, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
 
 def readme_loop(out: Path, *, steps: int = 20, k: int = 1, dropout: float = 0.0,
                 bad: int | None = None, bad_rows: Any = slice(None),
-                nan_at: int | None = None) -> dict[str, Any]:
+                nan_at: int | None = None, corrupt: tuple[int, int] | None = None,
+                drop_sequences: bool = False) -> dict[str, Any]:
     """README's loop on the Llama; returns the verdicts, the guard, and the snapshots of the
-    weights and moments around step ``bad``."""
+    weights and moments around step ``bad`` (or the step of ``corrupt``: (step, row), whose
+    sequence is made of ``CORRUPT`` bytes, so its embeddings go inf)."""
     model = llama(dropout=dropout)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95),
                                   weight_decay=0.1)
     data = sg.TokenStream.from_corpus("pydoc", batch_size=BATCH, seq_len=SEQ, seed=0)
     det = sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01)
-    guard = sg.Guard(model, optimizer, data=data, config=sg.GuardConfig(detector=det),
+    attribution = sg.AttributionConfig(drop_sequences=drop_sequences)
+    guard = sg.Guard(model, optimizer, data=data,
+                     config=sg.GuardConfig(detector=det, attribution=attribution),
                      sinks=[sg.JsonlSink(out / "metrics.jsonl")])
     switch = {"on": False}
     poison_mlp(model, switch)
+    corrupt_embeddings(model)
 
     def forward_backward(x, y, keep=None):
         if keep is not None:
@@ -85,13 +104,16 @@ def readme_loop(out: Path, *, steps: int = 20, k: int = 1, dropout: float = 0.0,
         t = guard.step_index
         if t == bad:
             garbage(x, y, bad_rows)
+        if corrupt is not None and t == corrupt[0]:
+            x[corrupt[1]] = CORRUPT
+        if t == bad or (corrupt is not None and t == corrupt[0]):
             result["before"] = snapshot(model, optimizer)
         switch["on"] = nan_at is not None and t >= nan_at
         for xs, ys in zip(x.chunk(k), y.chunk(k)):
             o = forward_backward(xs, ys)
             guard.accumulate(o, rerun=functools.partial(forward_backward, xs, ys))
         result["verdicts"] += guard.step()
-        if t == bad:
+        if t == bad or (corrupt is not None and t == corrupt[0]):
             result["after"] = snapshot(model, optimizer)
     guard.close()
     return result

@@ -304,6 +304,33 @@ def test_llama_in_the_readme_loop_halts_on_nan_naming_the_module(tmp_path, one_t
                for n in report.nonfinite_params) and report.nonfinite_params
 
 
+def test_llama_a_corrupt_sample_is_quarantined_not_a_halt_under_drop_sequences(tmp_path):
+    """One sequence of step 12 (row 3) has inf embeddings: the loss and every gradient are
+    non-finite, but only that row's loss is. With drop_sequences the guard quarantines it,
+    re-runs the step without it and applies that update (no halt); the record and
+    quarantine.jsonl name the batch and the row. Without drop_sequences it halts, and a NaN no
+    row explains (every row's MLP output) halts under drop_sequences too."""
+    run = readme_loop(tmp_path / "drop", corrupt=(12, 3), drop_sequences=True)
+    records = sg.read_metrics(tmp_path / "drop" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(20))
+    (rec,) = _acted(records).values()
+    assert rec["step"] == 12 and rec["action"] == "drop" and rec["skipped"] is False
+    assert rec["kept_rows"] == [7, 8] and math.isfinite(rec["kept_grad_norm"])
+    assert any("applied without them instead of a halt" in r for r in rec["reasons"])
+    assert any("batch 12 rank 0 row 3" in r for r in rec["reasons"])
+    (q,) = [json.loads(line) for line in
+            (tmp_path / "drop" / "quarantine.jsonl").read_text().splitlines()]
+    assert (q["step"], q["stream_index"], q["row"], q["z"]) == (12, 12, 3, "Infinity")
+    assert not same(run["before"][0], run["after"][0])  # the other 7 rows' update applied
+    assert all(torch.isfinite(p).all() for p in run["model"].parameters())
+    with pytest.raises(sg.TrainingHalted) as exc:
+        readme_loop(tmp_path / "halt", corrupt=(12, 3))
+    assert exc.value.report.step == 12
+    with pytest.raises(sg.TrainingHalted) as exc:
+        readme_loop(tmp_path / "nan", nan_at=9, drop_sequences=True)
+    assert exc.value.report.step == 9
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_llama_accumulation_with_dropout_names_the_rows_and_never_guesses_transient(
         tmp_path, one_thread, dropout):

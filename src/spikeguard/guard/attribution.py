@@ -76,7 +76,9 @@ class AttributionConfig:
     quarantine_z: float = 5.0
     """Quarantine a sequence whose loss or log Z has a robust z-score (median, MAD) above this."""
     drop_sequences: bool = False
-    """Re-run a data-caused skip without its quarantined sequences and apply that update."""
+    """Re-run a data-caused skip without its quarantined sequences and apply that update; a
+    non-finite step whose non-finite values all come from some sequences (a corrupt sample)
+    is re-run without them instead of halting (a non-finite value no sequence explains halts)."""
 
     def __post_init__(self) -> None:
         check_positive(self.rerun_budget, "AttributionConfig.rerun_budget", default=0.01,
@@ -91,6 +93,8 @@ class AttributionConfig:
 
 
 def _close(a: float, b: float, rtol: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):  # a non-finite value reproduced is the same
+        return (math.isnan(a) and math.isnan(b)) or a == b
     return a == b or abs(a - b) <= rtol * max(abs(a), abs(b))
 
 
@@ -181,15 +185,20 @@ class Attribution:
                              f"{norm:.4g} -> {norm1:.4g})")
         f.rows = self._rows(p) if f.cause != "transient" else []
         f.quarantined = outliers(f.rows, cfg.quarantine_z)
+        if tier == 3:  # a non-finite step: only the rows with non-finite values explain it
+            f.quarantined = [q for q in f.quarantined if q["z"] == math.inf]
         if f.quarantined:
             self._write(p.step, f.quarantined)
             f.reasons.append(f"quarantined {len(f.quarantined)} sequence(s): " + ", ".join(
                 f"batch {q['stream_index']} rank {q['rank']} row {q['row']} (micro-batch "
                 f"{q['micro_batch']} row {q['micro_row']}, z {q['z']:.3g})"
                 for q in f.quarantined[:4]))
-        # the same re-run step: the budget was charged by the verifying pass
-        if (cfg.drop_sequences and f.cause == "data" and f.quarantined and tier == 1
-                and len(f.quarantined) < len(f.rows)):
+        # the same re-run step: the budget was charged by the verifying pass. A non-finite
+        # step (Tier 3) whose non-finite values all sit in some rows is re-run without them
+        # whatever the verifying pass said: the re-run without them is the test (it must be
+        # finite and pass the gate to be applied); a non-finite step no row explains halts
+        if (cfg.drop_sequences and f.quarantined and len(f.quarantined) < len(f.rows)
+                and ((tier == 1 and f.cause == "data") or tier == 3)):
             self._plan_drop(p, f)
         self.skips.append((p.step, f.cause, [(q["stream_index"], q["rank"], q["row"])
                                              for q in f.quarantined]))

@@ -342,8 +342,10 @@ class Guard:
                                                         self.micro.why_not)))
         # a loss-scaler overflow is the scaler's own skip: nothing to attribute; a step whose
         # weights were at fault has its cause
-        if (out.update is Update.WITHHELD and self.config.respond
-                and 1 <= out.verdict.tier < 3 and out.cause is None):
+        # Tier 3 too under drop_sequences: a non-finite value from some rows' forward drops them
+        tier, drop = out.verdict.tier, self.attribution.config.drop_sequences
+        if (out.update is Update.WITHHELD and self.config.respond and out.cause is None
+                and (1 <= tier < 3 or (tier == 3 and drop))):
             out = self._attribute(p, out)
         self.updater.settle(out.update)
         self.last_skipped = out.skipped
@@ -405,6 +407,12 @@ class Guard:
         if released:
             out.update = Update.APPLIED
             out.verdict = verdict._replace(reasons=reasons, skip=False, action=Action.ALERT)
+        elif applied and verdict.tier == 3:  # the non-finite rows are out: no halt
+            out.update = Update.DROPPED
+            out.verdict = verdict._replace(
+                tier=1, action=Action.SKIP, skip=False, reasons=(
+                    *reasons, "non-finite only in the quarantined sequence(s): applied without "
+                    "them instead of a halt"))
         elif applied:
             out.update = Update.DROPPED
             out.verdict = verdict._replace(reasons=reasons, skip=False)
