@@ -96,6 +96,19 @@ def test_two_ranks_a_nan_halts_naming_the_module(launched):
     assert math.isnan(records["nan"][-1]["loss"])
 
 
+def test_two_ranks_a_corrupt_sample_is_dropped_not_a_halt(launched):
+    """drop_sequences: rank 1's row 1 of step 10 has inf embeddings; every rank re-runs the step
+    without it (the row quarantined on rank 1, all rows kept on rank 0) and applies that
+    update: no halt, finite weights, the update applied on both ranks."""
+    ranks, records = launched
+    (rec,) = _acted(records["corrupt"]).values()
+    assert rec["step"] == BAD and rec["action"] == "drop" and rec["kept_rows"] == [7, 8]
+    assert any("rank 1 row 1 (micro-batch 0 row 1, z inf)" in r for r in rec["reasons"])
+    for r in ranks:
+        assert "halt" not in r["corrupt"] and r["corrupt"]["finite"]
+        assert not r["corrupt"]["untouched"] and r["corrupt"]["applied"] == 14
+
+
 def test_refuses_an_optimizer_accelerate_did_not_prepare(tmp_path, fresh_state):
     from accelerate import Accelerator
 

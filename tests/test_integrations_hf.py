@@ -18,7 +18,7 @@ import spikeguard as sg
 from spikeguard.integrations import hf as sg_hf
 from spikeguard.integrations._common import METRICS, HeldScheduler
 
-from ._hf_llama import llama, poison_mlp, readme_loop
+from ._hf_llama import CORRUPT, corrupt_embeddings, llama, poison_mlp, readme_loop
 from .state_compare import same, same_moments
 
 transformers = pytest.importorskip("transformers")
@@ -409,6 +409,26 @@ def test_llama_in_hf_trainer_accumulation_with_dropout_is_never_transient(tmp_pa
     (rec,) = _acted(sg.read_metrics(tmp_path / "metrics.jsonl")).values()
     assert rec["step"] == 14 and rec["action"] == "skip"
     assert rec["cause"] in ("data", "unknown") and rec["cause"] == "data"
+
+
+def test_llama_in_hf_trainer_a_corrupt_sample_is_dropped_not_a_halt(tmp_path):
+    """drop_sequences: row 2 of step 12 is a sequence whose embeddings go inf; the guard
+    quarantines it, re-runs the step without it (the Trainer's inputs and labels, sliced by the
+    closure) and applies that update: the Trainer trains on, no halt."""
+    steps = 16
+    trainer = make_trainer(tmp_path, steps=steps, model=llama())
+    trainer.train_dataset.seqs[12 * BATCH + 2] = torch.full((SEQ,), CORRUPT, dtype=torch.int64)
+    corrupt_embeddings(trainer.model)
+    det = guard_config(steps).detector
+    sg_hf.guard_trainer(trainer, config=sg.GuardConfig(
+        detector=det, attribution=sg.AttributionConfig(drop_sequences=True)))
+    trainer.train()
+    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(steps))
+    (rec,) = _acted(records).values()
+    assert rec["step"] == 12 and rec["action"] == "drop" and rec["kept_rows"] == [3, 4]
+    assert any("row 2 (micro-batch 0 row 2, z inf)" in r for r in rec["reasons"])
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
 def test_a_fresh_trainer_run_into_the_same_output_dir_starts_its_metrics_anew(tmp_path,

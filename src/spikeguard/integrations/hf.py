@@ -86,7 +86,7 @@ class SpikeguardLoss:
             logits, labels = logits[..., :-1, :], labels[..., 1:]
         out = cross_entropy(logits, labels.to(logits.device), z_loss=self.z_loss,
                             ignore_index=self.ignore_index, softcap=self.softcap,
-                            reduction="sum")
+                            reduction="sum", per_sequence=True)
         counted = (labels != self.ignore_index).sum().clamp(min=1).to(out.loss.device)
         if num_items_in_batch is None:
             denom: torch.Tensor | int = counted
@@ -94,7 +94,10 @@ class SpikeguardLoss:
             denom = num_items_in_batch.to(out.loss.device).clamp(min=1)
         else:
             denom = max(int(num_items_in_batch), 1)
-        return out.loss / denom, SimpleNamespace(ce=out.ce / counted, log_z=out.log_z)
+        loss = out.loss / denom
+        # the micro-batch's own means, and each sequence's (attribution quarantines rows by them)
+        return loss, SimpleNamespace(loss=loss, ce=out.ce / counted, log_z=out.log_z,
+                                     sequences=out.sequences)
 
     def __call__(self, outputs: Any, labels: torch.Tensor | None,
                  num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -110,14 +113,25 @@ class SpikeguardLoss:
             if self.model is not None and self._call is not None:
                 rerun = functools.partial(self._rerun, self._call, labels, num_items_in_batch)
             self._call = None
-            self.guard.accumulate(mean.ce, log_z=mean.log_z, rerun=rerun)
+            self.guard.accumulate(mean, rerun=rerun)
         return loss
 
     def _rerun(self, call: tuple[Any, Any], labels: torch.Tensor,
-               num_items_in_batch: torch.Tensor | int | None) -> Any:
+               num_items_in_batch: torch.Tensor | int | None, keep: torch.Tensor | None = None
+               ) -> Any:
         """The micro-batch's forward and backward as the Trainer ran them (its loss over the
-        step's ``num_items_in_batch``); returns its mean ``ce`` and ``log_z``."""
+        step's ``num_items_in_batch``); returns its mean ``ce`` and ``log_z``. ``keep`` (a bool
+        mask of rows): only those rows, their loss over their own tokens (the guard's backward
+        weighs it across ranks)."""
         args, kwargs = call
+        if keep is not None:
+            n = labels.shape[0]
+
+            def rows(v: Any) -> Any:
+                return v[keep.to(v.device)] if torch.is_tensor(v) and v.dim() and len(v) == n else v
+
+            args, kwargs = tuple(rows(a) for a in args), {k: rows(v) for k, v in kwargs.items()}
+            labels, num_items_in_batch = rows(labels), None
         self.recording = False
         try:
             loss, mean = self._loss(self.model(*args, **kwargs), labels, num_items_in_batch)
