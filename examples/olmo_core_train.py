@@ -18,6 +18,7 @@ from olmo_core.train.callbacks import CheckpointerCallback
 from olmo_core.train.train_module import TransformerTrainModuleConfig
 
 import spikeguard as sg
+from spikeguard.data import load_corpus
 from spikeguard.integrations.olmo_core import SpikeguardCallback  # sg
 
 SEQ, ROWS, STEPS = 64, 8, 100
@@ -28,7 +29,7 @@ class Bytes(DataLoaderBase):
 
     def __init__(self, work_dir: str) -> None:
         super().__init__(work_dir=work_dir, global_batch_size=ROWS * SEQ)
-        self.tokens = sg.load_corpus("pydoc").train
+        self.tokens = load_corpus("pydoc").train
 
     @property
     def total_batches(self) -> int:

@@ -209,9 +209,9 @@ class _CorpusDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, seq_len: int, batch: int, rank: int, world: int,
                  poison: tuple[int, ...]) -> None:
-        import spikeguard as sg
+        from spikeguard.data import load_corpus
 
-        self.tokens = sg.load_corpus("pydoc").train
+        self.tokens = load_corpus("pydoc").train
         self.seq_len, self.batch, self.rank, self.world = seq_len, batch, rank, world
         self.poison = set(poison)
         self.i = 0

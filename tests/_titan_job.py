@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 import spikeguard as sg
 import tests._titan_cpu as titan_cpu  # the CPU patches, before torchtitan is imported
+from spikeguard.data import load_corpus
 from spikeguard.integrations.torchtitan import GuardedTrainer
 
 NAN_PARAM = "layers.1.feed_forward.w2.weight"
@@ -137,7 +138,7 @@ def build(out: Path, steps: int, guard: sg.GuardConfig, **kw: Any) -> Probe:
 
 def held_out_loss(trainer: GuardedTrainer, n: int = 16) -> float:
     """Mean cross-entropy of the trained model on ``n`` fixed held-out sequences per rank."""
-    val = sg.load_corpus("pydoc").val
+    val = load_corpus("pydoc").val
     seq = trainer.config.training.seq_len
     rank = dist.get_rank()
     rows = [torch.from_numpy(val[(rank * n + i) * (seq + 1):(rank * n + i + 1) * (seq + 1)]

@@ -16,7 +16,8 @@ import pytest
 import torch
 import xxhash
 
-from spikeguard import CheckpointError, CheckpointManager, CheckpointWarning, TokenStream
+from spikeguard import CheckpointManager, TokenStream
+from spikeguard.checkpoint import CheckpointError, CheckpointWarning
 from spikeguard.checkpoint.manager import rollback_target
 from tests._ckpt_common import (
     build,

@@ -17,13 +17,14 @@ from spikeguard.detector.detector import DetectorConfig
 from spikeguard.diagnose import FindConfig, MetricsLog, find_spikes, rollback_step
 from spikeguard.diagnose.evidence import first_move
 from spikeguard.diagnose.spikes import block_median, prior_min, trailing_mean
+from spikeguard.record import metrics_record
 from spikeguard.testing import scenarios as sc
 
 
 def write_log(path, metrics):
     sink = sg.JsonlSink(path, mode="w", defer=False)
     for m in metrics:
-        sink.log(sg.metrics_record(m), m.step)
+        sink.log(metrics_record(m), m.step)
     sink.close()
     return path
 

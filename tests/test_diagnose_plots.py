@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import spikeguard as sg
+from spikeguard.record import metrics_record
 from spikeguard.testing import scenarios as sc
 from tests import plot_check as pc
 
@@ -18,7 +19,7 @@ def _diagnose(tmp_path, scenario):
     path = tmp_path / "metrics.jsonl"
     sink = sg.JsonlSink(path, mode="w", defer=False)
     for m in scenario.metrics:
-        sink.log(sg.metrics_record(m), m.step)
+        sink.log(metrics_record(m), m.step)
     sink.close()
     return diagnose(path)
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import spikeguard as sg
+from spikeguard.data import load_corpus
+from spikeguard.sinks import read_metrics
 
 olmo_core = pytest.importorskip(
     "olmo_core", reason="OLMo-core is not installed: scripts/install.sh installs it "
@@ -36,7 +38,7 @@ class ByteLoader(DataLoaderBase):
 
     def __init__(self, work_dir, outlier=None):
         super().__init__(work_dir=work_dir, global_batch_size=ROWS * SEQ)
-        self.tokens = sg.load_corpus("pydoc").train
+        self.tokens = load_corpus("pydoc").train
         self.outliers = set(outlier) if isinstance(outlier, range) else {outlier}
 
     @property
@@ -132,7 +134,7 @@ def test_an_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
     probe = Probe()
     trainer, cb = make_trainer(tmp_path, outlier=OUTLIER, probe=probe)
     trainer.fit()
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # the Trainer's numbers
     assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
     assert _same(probe.before[OUTLIER], probe.after[OUTLIER])
@@ -156,20 +158,20 @@ def test_a_nan_gradient_halts_naming_the_tensor_and_raises_out_of_fit(tmp_path):
     assert "blocks.0.feed_forward.w1.weight" in str(halt.value)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["step"] == 4 and cb.report_path == tmp_path / "report.json"
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert records[-1]["step"] == 4 and records[-1]["action"] == "halt"
 
 
 def test_a_resume_continues_the_steps_and_the_lr(tmp_path):
     clean, _ = make_trainer(tmp_path / "clean", steps=6)
     clean.fit()
-    want = sg.read_metrics(tmp_path / "clean" / "metrics.jsonl")
+    want = read_metrics(tmp_path / "clean" / "metrics.jsonl")
     crashed, _ = make_trainer(tmp_path, steps=6, save=3, probe=Probe(crash_at=5))
     with pytest.raises(RuntimeError, match="went away"):
         crashed.fit()
     resumed, cb = make_trainer(tmp_path, steps=6, save=3)
     resumed.fit()  # loads the checkpoint of step 3 from the save folder
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 7))
     assert [r["lr"] for r in records] == [r["lr"] for r in want]
     assert [r["loss"] for r in records] == [r["loss"] for r in want]  # bit-identical run
@@ -191,10 +193,10 @@ def test_a_tier2_cancel_and_relaunch_leaves_the_anomaly_out(tmp_path):
     relaunched, cb2 = make_trainer(tmp_path / "again", steps=steps, outlier=bad, config=again,
                                    storm=1)
     relaunched.fit()
-    records = sg.read_metrics(tmp_path / "again" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "again" / "metrics.jsonl")
     skipped = set(range(summary["onset_step"], summary["step"] + 1))
     assert [r["step"] for r in records] == [t for t in range(target + 1, steps + 1)
                                             if t not in skipped]  # the Trainer left them out
     assert not any(r["skipped"] for r in records) and cb2.tier2_summary is None
-    first = sg.read_metrics(tmp_path / "run" / "metrics.jsonl")
+    first = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["loss"] for r in records[:2]] == [r["loss"] for r in first[target:target + 2]]

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-import spikeguard as sg
+from spikeguard.sinks import read_metrics
 from tests.conftest import ROOT, checkout_env
 
 TESTED = "0.3.0"
@@ -79,7 +79,7 @@ trainer steps), and one step late (a GPU's default: step(), the skip is AdamW's 
 @pytest.mark.parametrize(("name", "lag"), RUNS)
 def test_outlier_batch_is_skipped_on_both_ranks_and_nothing_moves(job, name, lag):
     _, out, _ = job
-    records = sg.read_metrics(out / name / "metrics-first.jsonl")
+    records = read_metrics(out / name / "metrics-first.jsonl")
     assert [r["step"] for r in records if r["skipped"]] == [10]
     bad = records[10]
     assert bad["action"] == "skip" and bad["reasons"][0].startswith("grad_norm")
@@ -123,7 +123,7 @@ def test_outlier_batch_is_skipped_on_both_ranks_and_nothing_moves(job, name, lag
 
 def test_the_records_loss_and_log_z_are_the_steps_token_means(job):
     _, out, _ = job
-    records = sg.read_metrics(out / "nan" / "metrics.jsonl")
+    records = read_metrics(out / "nan" / "metrics.jsonl")
     # torchtitan's loss is each rank's sum over the global token count of the step (two
     # micro-batches per rank here); the guard's is the mean over every token of the step, as
     # float64 torch computes it apart from the trainer
@@ -140,8 +140,8 @@ def test_the_records_loss_and_log_z_are_the_steps_token_means(job):
 @pytest.mark.parametrize(("name", "lag"), RUNS)
 def test_resume_continues_the_steps_without_duplicate_records(job, name, lag):
     _, out, _ = job
-    first = sg.read_metrics(out / name / "metrics-first.jsonl")
-    records = sg.read_metrics(out / name / "metrics.jsonl")
+    first = read_metrics(out / name / "metrics-first.jsonl")
+    records = read_metrics(out / name / "metrics.jsonl")
     # the first run stopped before torchtitan's step 15 (guard step 14), its newest checkpoint
     # at torchtitan's step 12: the resumed run replays guard steps 12-13 and goes on to the end
     assert [r["step"] for r in first] == list(range(14))
@@ -163,7 +163,7 @@ def test_resume_continues_the_steps_without_duplicate_records(job, name, lag):
 def test_rollback_leaves_the_poisoned_batches_out_and_ends_near_clean(job):
     _, out, _ = job
     result = json.loads((out / "rollback" / "rollback.json").read_text())
-    records = sg.read_metrics(out / "rollback" / "rollback" / "metrics.jsonl")
+    records = read_metrics(out / "rollback" / "rollback" / "metrics.jsonl")
     rolled = [r for r in records if r["action"] == "rollback"]
     assert len(rolled) == 1 and result["rollbacks"] == 1
     back = rolled[0]
@@ -185,7 +185,7 @@ def test_nan_gradient_halts_naming_the_tensor_with_a_non_zero_exit(job):
     assert not (out / "nan" / "done").exists()
     report = json.loads((out / "nan" / "report.json").read_text())
     assert report["step"] == 6 and report["nonfinite_params"] == [NAN_PARAM]
-    records = sg.read_metrics(out / "nan" / "metrics.jsonl")
+    records = read_metrics(out / "nan" / "metrics.jsonl")
     assert records[-1]["step"] == 6 and records[-1]["action"] == "halt"
     assert records[-1]["tier"] == 3
     assert log.count("TrainingHalted") >= WORLD, log[-3000:]  # on every rank
