@@ -16,7 +16,7 @@ from spikeguard.cli import main
 from spikeguard.detector.detector import DetectorConfig
 from spikeguard.diagnose import FindConfig, MetricsLog, find_spikes, rollback_step
 from spikeguard.diagnose.evidence import first_move
-from spikeguard.diagnose.spikes import block_median, prior_min, trailing_mean
+from spikeguard.diagnose.spikes import block_median, prior_min
 from spikeguard.record import metrics_record
 from spikeguard.testing import scenarios as sc
 
@@ -131,9 +131,6 @@ def test_window_helpers_match_brute_force():
         got = prior_min(x, w)
         want = [math.inf] + [min(x[max(0, t - w):t]) for t in range(1, len(x))]
         assert got.tolist() == want, w
-    got = trailing_mean(x, 50)
-    want = [float(np.mean(x[max(0, t - 49): t + 1])) for t in range(len(x))]
-    assert np.allclose(got, want, rtol=0, atol=1e-12)
     med = block_median(np.abs(x), 1000)  # median of 10 block medians of 100 before each block
     for t in (150, 999, 1500, 2344):
         k = t // 100

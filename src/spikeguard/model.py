@@ -336,12 +336,6 @@ class GPT(nn.Module):
                                     z_loss=self.cfg.z_loss, softcap=self.cfg.final_logit_softcap,
                                     per_sequence=per_sequence)
 
-    @torch.no_grad()
-    def estimate_flops_per_token(self) -> float:
-        """Training FLOPs per token (6N plus attention), for throughput reports."""
-        cfg = self.cfg
-        return 6.0 * self.num_params() + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
-
 
 def _check_token_ids(idx: torch.Tensor, vocab_size: int) -> None:
     """Every id in [0, vocab_size): a ValueError naming the first bad one on the CPU; on an

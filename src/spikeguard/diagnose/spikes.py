@@ -109,14 +109,6 @@ def smooth(x: np.ndarray, k: int = 2) -> np.ndarray:
     return np.median(sliding_window_view(np.pad(x, k, mode="edge"), 2 * k + 1), axis=1)
 
 
-def trailing_mean(x: np.ndarray, w: int) -> np.ndarray:
-    """Mean of x[max(0, t-w+1) .. t] for every t."""
-    c = np.cumsum(np.r_[0.0, x])
-    t = np.arange(1, len(x) + 1)
-    lo = np.maximum(0, t - w)
-    return (c[t] - c[lo]) / (t - lo)
-
-
 def prior_min(x: np.ndarray, w: int) -> np.ndarray:
     """min(x[max(0, t-w) .. t-1]) for every t (+inf at t = 0): O(n), van Herk / Gil-Werman."""
     n = len(x)
