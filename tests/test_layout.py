@@ -123,3 +123,28 @@ def test_qk_clip_on_a_model_it_cannot_read_warns_once_naming_its_class():
         warnings.simplefilter("error")
         Signals(MysteryModel(), opt, sg.SignalConfig(qk_clip=100.0)).remove()  # once per class
         Signals(MysteryModel(), opt, sg.SignalConfig()).remove()  # the bound alone: no warning
+
+
+def test_mup_reads_a_llamas_width_from_its_attention_and_groups_its_parameters():
+    from spikeguard.prevent.mup import mup_param_groups
+
+    model = _llama()
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untied
+    groups = {g["name"]: g for g in mup_param_groups(model, lr=1e-2, weight_decay=0.1,
+                                                     base_width=8)}
+    assert groups["hidden"]["lr"] == pytest.approx(1e-2 * 8 / D)
+    hidden = {id(p) for p in groups["hidden"]["params"]}
+    layer = model.model.layers[0]
+    for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                layer.mlp.down_proj):
+        assert id(lin.weight) in hidden
+    assert [id(p) for p in groups["input"]["params"]] == [id(model.model.embed_tokens.weight)]
+    assert [id(p) for p in groups["output"]["params"]] == [id(model.lm_head.weight)]
+    assert all(p.dim() == 1 for p in groups["vector"]["params"])
+    assert sum(len(g["params"]) for g in groups.values()) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="needs base_width="):
+        mup_param_groups(model, lr=1e-2, weight_decay=0.1)
+    with pytest.raises(ValueError, match="no attention in MysteryModel"):
+        mup_param_groups(MysteryModel(), lr=1e-2, weight_decay=0.1, base_width=8)
