@@ -23,7 +23,8 @@ PKG = ROOT / "src" / "spikeguard"
 def _listed() -> dict[str, str]:
     """Name -> module, read from the TYPE_CHECKING block with ast (independently of __init__)."""
     tree = ast.parse((PKG / "__init__.py").read_text())
-    blocks = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    blocks = [n for n in tree.body
+              if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
     assert len(blocks) == 1, "one TYPE_CHECKING block holds the public names"
     out = {}
     for node in blocks[0].body:

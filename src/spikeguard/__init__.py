@@ -3,7 +3,8 @@
 ``import spikeguard as sg`` gives what a training loop calls: the names imported under
 ``TYPE_CHECKING`` below, the one list of the public API (docs/design.md says why each is there).
 Every other building block stays importable from its module, e.g.
-``from spikeguard.prevent.attention import QKNorm`` or ``from spikeguard.sinks import read_metrics``.
+``from spikeguard.prevent.attention import QKNorm`` or
+``from spikeguard.sinks import read_metrics``.
 
 Type checkers and IDEs read those imports as they stand. At run time each name is imported from
 the module named there on first use (PEP 562), so that ``import spikeguard`` stays light: a
@@ -47,11 +48,12 @@ if TYPE_CHECKING:  # grouped by role, in the order a loop meets them
     from .sinks import JsonlSink as JsonlSink
     # isort: on
 
-_exports: dict[str, str] | None = None
+_exports: dict[str, tuple[str, str | None]] | None = None
 
 
-def _table() -> dict[str, str]:
-    """Public name -> the module that defines it, read once from the imports above."""
+def _table() -> dict[str, tuple[str, str | None]]:
+    """Public name -> (the module that defines it, the attribute there; None: the module itself),
+    read once from the imports above."""
     global _exports
     if _exports is None:
         import ast
@@ -60,7 +62,8 @@ def _table() -> dict[str, str]:
         tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
         block = next(n for n in tree.body if isinstance(n, ast.If)
                      and getattr(n.test, "id", None) == "TYPE_CHECKING")
-        _exports = {a.asname or a.name: "." + (n.module or a.name)
+        _exports = {a.asname or a.name: (f".{n.module}", a.name) if n.module
+                    else (f".{a.name}", None)  # from . import schedules: the module
                     for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
     return _exports
 
@@ -69,11 +72,12 @@ def __getattr__(name: str) -> Any:
     if name == "__all__":
         value: Any = sorted(_table())
     elif name in _table():
-        module = _table()[name]
         import importlib
 
-        mod = importlib.import_module(module, __name__)
-        value = mod if module == "." + name else getattr(mod, name)
+        module, attribute = _table()[name]
+        value = importlib.import_module(module, __name__)
+        if attribute is not None:
+            value = getattr(value, attribute)
     else:
         raise AttributeError(f"module 'spikeguard' has no attribute {name!r}; building blocks "
                              "are importable from their modules (docs/design.md maps them)")

@@ -1,15 +1,17 @@
 """An upper bound on every attention logit from the weights alone, and QK-Clip on top of it.
 
-For every attention layer ``x -> norm -> q, k`` that :func:`spikeguard.prevent.layout.find_attention`
-finds (the reference GPT's blocks, a Hugging Face Llama's layers, any module with an
-``attention_layout()``; the AttentionLayout says where each head's rows are): with QK-norm, ``scale * hd * max|g_q| * max|g_k|`` (a normalised vector of hd channels
-has norm at most ``sqrt(hd) * max gain``); without it, ``scale * ||W_q^h||_F * ||W_k^h||_F * X^2``
-with ``X = max|g| sqrt(d) + ||b||`` for ln1's gain g and bias b (the norm of a LayerNorm's
-output) and the Frobenius norm bounding the spectral one. RoPE rotates and keeps norms; a cap
-only lowers logits. Each max is a 32-norm (``max|g| <= ||g||_32``, at most ``n^(1/32)`` above
-it): a sum, so it reduces over shards like the rest, and the bound stays an upper bound under
-any sharding. The Frobenius step makes it loose without QK-norm (several times the largest
-logit a random input reaches); with QK-norm it is the logit of two aligned, saturated vectors.
+For every attention layer ``x -> norm -> q, k`` that
+:func:`spikeguard.prevent.layout.find_attention` finds (the reference GPT's blocks, a Hugging
+Face Llama's layers, any module with an ``attention_layout()``; its AttentionLayout says where
+each head's rows are): with QK-norm, ``scale * hd * max|g_q| * max|g_k|`` (a normalised vector
+of hd channels has norm at most ``sqrt(hd) * max gain``); without it,
+``scale * ||W_q^h||_F * ||W_k^h||_F * X^2`` with ``X = max|g| sqrt(d) + ||b||`` for the norm's
+gain g and bias b (the norm of a LayerNorm's or RMSNorm's output) and the Frobenius norm
+bounding the spectral one. RoPE rotates and keeps norms; a cap only lowers logits. Each max
+is a 32-norm (``max|g| <= ||g||_32``, at most ``n^(1/32)`` above it): a sum, so it reduces
+over shards like the rest, and the bound stays an upper bound under any sharding. The
+Frobenius step makes it loose without QK-norm (several times the largest logit a random input
+reaches); with QK-norm it is the logit of two aligned, saturated vectors.
 
 :func:`qk_clip_` (QK-Clip, Kimi K2) rescales a head's query and key weights by
 ``sqrt(tau / bound)`` each when its bound passes ``tau``, so the bound of every head is at most

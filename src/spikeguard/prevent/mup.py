@@ -137,8 +137,9 @@ def mup_param_groups(model: nn.Module, *, lr: float, weight_decay: float,
     ``params``, ``lr``, ``weight_decay`` and ``name`` (the role): hidden matrices get
     ``lr * base_width / d_model``, every other parameter ``lr``. ``base_width`` defaults to the
     GPT's ``cfg.mup_base_width``, which also set its init and output multiplier (passing a
-    different one is an error); any other model must pass it. Use as ``torch.optim.AdamW(mup_param_groups(model, lr=3e-3,
-    weight_decay=0.1))``; a LambdaLR schedule scales every group by the same factor."""
+    different one is an error); any other model must pass it. Use as
+    ``torch.optim.AdamW(mup_param_groups(model, lr=3e-3, weight_decay=0.1))``; a LambdaLR
+    schedule scales every group by the same factor."""
     model = getattr(model, "_orig_mod", model)
     width, base = _width_and_base(model, base_width)
     check_positive(lr, "mup_param_groups lr", hint="the learning rate tuned at the base width")
