@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # grouped by role, in the order a loop meets them
     from .guard import Guard as Guard
     from .guard import GuardConfig as GuardConfig
     from .guard import AttributionConfig as AttributionConfig
+    from .guard import LowerLrConfig as LowerLrConfig
     from .guard import GuardedOptimizer as GuardedOptimizer
     from .guard import TrainingHalted as TrainingHalted
     from .detector.config import DetectorConfig as DetectorConfig
