@@ -111,8 +111,8 @@ def trainer_config(tmp_path, *, probe=None, steps=STEPS, save=None):
 
 
 def make_trainer(tmp_path, *, outlier=None, probe=None, steps=STEPS, save=None, config=None,
-                 storm=2, lr_scale=0.5, **guard_kw):
-    torch.manual_seed(0)
+                 storm=2, lr_scale=0.5, seed=0, detector=None, respond=True, **guard_kw):
+    torch.manual_seed(seed)
     model = TransformerConfig.llama_like(vocab_size=256, d_model=32, n_layers=1,
                                          n_heads=2).build(init_device="cpu")
     tm = TransformerTrainModuleConfig(
@@ -124,8 +124,10 @@ def make_trainer(tmp_path, *, outlier=None, probe=None, steps=STEPS, save=None, 
     trainer = config.build(tm, ByteLoader(tmp_path / "work", outlier))
     if given and probe is not None:
         trainer.add_callback("probe", probe)
-    det = sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01, max_consecutive_skips=storm)
-    cb = SpikeguardCallback(config=sg.GuardConfig(detector=det, rollback_lr_scale=lr_scale),
+    det = detector or sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01,
+                                                max_consecutive_skips=storm)
+    cb = SpikeguardCallback(config=sg.GuardConfig(detector=det, rollback_lr_scale=lr_scale,
+                                                  respond=respond),
                             out_dir=guard_kw.pop(
         "out_dir", tmp_path), **guard_kw)
     trainer.add_callback("spikeguard", cb)
@@ -138,7 +140,7 @@ def _same(a, b):
         torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
 
 
-def test_an_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
+def test_an_outlier_batch_is_skipped_and_nothing_moves(tmp_path, caplog):
     probe = Probe()
     trainer, cb = make_trainer(tmp_path, outlier=OUTLIER, probe=probe)
     trainer.fit()
@@ -150,6 +152,9 @@ def test_an_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
     # the re-run closure from the train module: the skip is attributed, the weights checked
     bad = records[OUTLIER - 1]
     assert bad["cause"] == "data" and "weights check" in "; ".join(bad["reasons"])
+    # the skip in OLMo-core's console, a warning of one of its own loggers
+    assert [r.getMessage()[:25] for r in caplog.records
+            if r.name == "olmo_core.train.spikeguard"] == [f"spikeguard: step {OUTLIER}: skip"]
     assert _same(probe.before[OUTLIER], probe.after[OUTLIER])
     assert not _same(probe.before[OUTLIER - 1], probe.after[OUTLIER - 1])
     lrs = [r["lr"] for r in records]
@@ -171,6 +176,9 @@ def test_a_nan_gradient_halts_naming_the_tensor_and_raises_out_of_fit(tmp_path):
     assert "blocks.0.feed_forward.w1.weight" in str(halt.value)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["step"] == 4 and cb.report_path == tmp_path / "report.json"
+    # the step re-run through the train module with hooks (a NaN planted in a gradient: the
+    # forward and backward of the re-run stay finite, so no module is named)
+    assert report["traced"] is True and report["first_forward"] is None
     records = sg.read_metrics(tmp_path / "metrics.jsonl")
     assert records[-1]["step"] == 4 and records[-1]["action"] == "halt"
 

@@ -206,6 +206,13 @@ class _OlmoGuardLogic:
         self._halt: TrainingHalted | None = None
         self._rerunning = False
 
+    @property
+    def relaunch(self) -> bool:
+        """Whether this launch stopped at a Tier 2 for a relaunch (exit status 75:
+        ``exits.exit_status(relaunch=callback.relaunch)``; ``next_config`` makes it)."""
+        return self.record is not None and self.record.tier2 is not None and \
+            self.record.relaunched_to is None
+
     def fresh(self) -> Any:
         """A new callback with the same settings (a relaunch builds its own: relaunch_config)."""
         return type(self)(**self._args)
@@ -460,8 +467,9 @@ def _save_interval(trainer: Any) -> int | None:
 
 
 def _console(record: dict[str, Any]) -> None:
-    """A skip, alert, rollback or halt as a line in OLMo-core's console (its logger shows only
-    the ``olmo_core`` loggers' records; the guard's ``spikeguard`` logger is not among them)."""
+    """A skip, alert or halt as a warning line in OLMo-core's console: its console logger
+    prints only the metric names it is told to (``spikeguard/skipped`` is not among them), and a
+    warning passes OLMo-core's rank filter on every rank's handler."""
     action = record.get("action")
     if action in (None, "continue"):
         return
