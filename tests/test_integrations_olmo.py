@@ -167,6 +167,12 @@ def test_an_outlier_batch_is_skipped_and_nothing_moves(tmp_path, caplog):
     assert ratios[OUTLIER - 1] == 0
     assert all(v > 0 for i, v in enumerate(ratios) if i != OUTLIER - 1), ratios
     assert trainer.train_module.optim is cb.parts.optimizer.optimizer  # the plain one is back
+    # diagnose replays the run with its own thresholds and checkpoint interval (config.json)
+    from spikeguard.diagnose import diagnose
+
+    d = diagnose(tmp_path / "metrics.jsonl")
+    assert d.replay.config == cb.guard.config.detector and d.ckpt_every == 1000
+    assert OUTLIER in [v.step for v in d.replay.flagged if v.action is sg.Action.SKIP]
 
 
 def test_a_nan_gradient_halts_naming_the_tensor_and_raises_out_of_fit(tmp_path):
