@@ -156,11 +156,14 @@ def write_run_config(folder: str | Path, guard: GuardConfig, *, framework: str,
     """``config.json`` in ``folder`` (rank 0), in the shape ``spikeguard train`` writes, so that
     ``spikeguard diagnose`` replays the thresholds the run used: ``config.guard`` (the whole
     GuardConfig), ``config.framework``, the run's settings in ``extra`` (``precision``,
-    ``z_loss``, ``ckpt_every``, ``steps``...) under ``config`` and ``precision`` at the top."""
+    ``z_loss``, ``vocab_size``, ``ckpt_every``, ``steps``...) under ``config`` (z-loss and
+    vocabulary also where ``spikeguard train`` puts them, ``config.gpt``) and ``precision`` at
+    the top."""
     if _dist.rank() != 0:
         return
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = {**extra, "guard": dataclasses.asdict(guard), "framework": framework}
+    cfg = {**extra, "guard": dataclasses.asdict(guard), "framework": framework,
+           "gpt": {"z_loss": extra.get("z_loss"), "vocab_size": extra.get("vocab_size")}}
     doc = {"config": cfg, "precision": extra.get("precision"), "framework": framework}
     (folder / "config.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")

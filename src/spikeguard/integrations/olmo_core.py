@@ -261,6 +261,7 @@ class _OlmoGuardLogic:
         write_run_config(self.out_dir, guard.config, framework="OLMo-core", extra={
             "precision": str(getattr(tm, "autocast_precision", None) or "fp32"),
             "z_loss": getattr(tm, "z_loss_multiplier", None),
+            "vocab_size": getattr(tm.model, "vocab_size", None),
             "ckpt_every": _save_interval(self.trainer), "steps": self.trainer.max_steps})
 
     def _alert(self, summary: dict[str, Any]) -> None:

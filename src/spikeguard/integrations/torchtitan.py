@@ -319,6 +319,9 @@ class GuardedTrainer(Trainer):
                             parallel_dims=self.parallel_dims)
             except TrainingHalted as halt:
                 write_report(halt, config.dump_folder)
+                log.error("spikeguard: halted at torchtitan's step %d (the guard's step %d); "
+                          "report.txt in %s", halt.report.step + 1, halt.report.step,
+                          config.dump_folder)
                 raise
             finally:
                 self.guard.close()
