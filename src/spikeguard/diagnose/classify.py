@@ -15,7 +15,6 @@ import math
 import time
 from array import array
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -138,7 +137,9 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
     A missing loss or grad norm column is fed as a constant 1.0 (its rules stay silent), a
     missing log Z as NaN and a missing nan_frac as 0; a missing cell of the loss or grad norm
     as the last finite value before it (never a logged NaN or inf: a blank is not a fault). An
-    ``update_ratio`` column (the signals' reading) goes to the update-ratio rule.
+    ``update_ratio`` column (the signals' reading) goes to the update-ratio rule. The loss scale
+    is not fed: the records whose update the scaler skipped are left out before the replay
+    (``precision.analyse``), so a non-finite value here is never a scaler's overflow.
     """
     n = len(log)
     cols = log.columns
@@ -147,14 +148,12 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
     grad = _fed(log, "grad_norm").tolist() if "grad_norm" in cols else ones
     log_z = cols["log_z"].tolist() if "log_z" in cols else [math.nan] * n
     nf = np.nan_to_num(cols["nan_frac"], nan=0.0).tolist() if "nan_frac" in cols else [0.0] * n
-    scale = ([None if math.isnan(v) else v for v in cols["grad_scale"].tolist()]
-             if "grad_scale" in cols else None)
     update = SpikeDetector(config).update
     make = _step_metrics()
     cont = Action.CONTINUE
+    # no grad_scale: the scaler's skips are judged by ``precision`` and left out of the log
+    # replayed, so every non-finite value the detector sees is a failure (a NaN loss above all)
     columns: list[Any] = [log.steps.tolist(), loss, grad, log_z, nf]
-    if "grad_scale" in cols:
-        columns += [repeat(None), repeat(None), scale]
     metrics = map(make, *columns)  # C-level loops: no per-step unpacking
     if "update_ratio" in cols:  # the signals' reading (spikeguard's own logs): UpdateJump
         ratios = cols["update_ratio"].tolist()

@@ -29,11 +29,14 @@ import numpy as np
 from ._columns import METRICS, Column, assemble, choose, column_len, read_column
 from ._jsonl import read_jsonl as _read_jsonl
 from ._runlog import read_run_config, run_order
+from ._textlogs import TEXT_FORMATS, accepted_formats, read_text, sniff
 
-__all__ = ["FORMATS", "MetricsLog", "read_log", "read_quarantine"]
+__all__ = ["FORMATS", "MetricsLog", "read_log", "read_quarantine", "subset"]
 
-FORMATS = ("auto", "jsonl", "hf", "lightning", "csv", "wandb", "tensorboard")
-"""Values of ``--format``."""
+FORMATS = ("auto", "jsonl", "hf", "lightning", "csv", "wandb", "tensorboard", *TEXT_FORMATS)
+"""Values of ``--format`` (the console formats of ``_textlogs`` are told by content)."""
+
+_SNIFF_LINES = 400  # a console log's format is told from this many leading lines
 
 
 
@@ -78,6 +81,15 @@ class MetricsLog:
         if len(self.steps) < 2:
             return 1
         return max(1, int(np.median(np.diff(self.steps))))
+
+
+def subset(log: MetricsLog, keep: np.ndarray) -> MetricsLog:
+    """The records of ``log`` where ``keep`` is True (the warnings list is shared)."""
+    return MetricsLog(log.path, log.format, log.steps[keep],
+                      {k: v[keep] for k, v in log.columns.items()}, log.warnings,
+                      {k: v[keep] for k, v in log.recorded.items()},
+                      {k: v[keep] for k, v in log.missing.items()}, log.events, log.replays,
+                      log.run_config)
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
@@ -176,8 +188,13 @@ def _find(path: Path) -> tuple[Path, str]:
         if "epoch" in head and "step" in head:
             return path, "lightning"
         return path, "csv"
-    raise ValueError(f"{path}: cannot tell the format from the name; pass --format one of "
-                     f"{', '.join(FORMATS[1:])}")
+    with open(path, errors="replace") as f:
+        lines = [line for _, line in zip(range(_SNIFF_LINES), f)]
+    fmt = sniff(lines)
+    if fmt is None:
+        raise ValueError(f"{path}: not a format diagnose reads (it reads {accepted_formats()}); "
+                         "pass --format, or export the metrics as a CSV")
+    return path, fmt
 
 
 def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
@@ -213,6 +230,8 @@ def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
         raw = _read_hf(found)
     elif fmt == "tensorboard":
         raw = _read_tensorboard(found)
+    elif fmt in TEXT_FORMATS:
+        raw = read_text(found, fmt, warnings)
     else:
         raw = _read_csv(found, warnings)
     if not raw or not column_len(next(iter(raw.values()))):

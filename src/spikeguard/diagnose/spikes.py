@@ -191,20 +191,23 @@ def _series(log: MetricsLog) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None
 def levels(lf: np.ndarray, sm: np.ndarray, n: int, sigma: float, ok: np.ndarray
            ) -> tuple[np.ndarray, np.ndarray]:
     """(level before t, level from t on): means over the logged finite values among the ``n``
-    records before t and from t (NaN where fewer than half of them are), of the loss with
+    records before t and from t (NaN where fewer than half of them are; before t, an eighth of
+    the log's records suffice on a short log), of the loss with
     single-record highs capped at its 5-record median + 3 sigma (so one bad batch moves
     neither; a real rise moves the median, and so the cap, with it)."""
     xw = np.where(ok, np.minimum(lf, sm + 3.0 * sigma), 0.0)
     c = np.r_[0.0, np.cumsum(xw)]
     k = np.r_[0, np.cumsum(ok)]
     idx = np.arange(len(xw))
-    need = max(1, n // 2)
+    # a log shorter than two levels (a handful of pasted rows) takes what it has: the shift
+    # must then be confirmed by the records after it (``_jumps``: the median of those ahead)
+    need = max(1, min(n // 2, int(k[-1]) // 8))
     lo = np.maximum(0, idx - n)
     cnt = k[idx] - k[lo]
     before = np.where(cnt >= need, (c[idx] - c[lo]) / np.maximum(1, cnt), np.nan)
     hi = np.minimum(len(xw), idx + n)
     cnt = k[hi] - k[idx]
-    after = np.where(cnt >= need, (c[hi] - c[idx]) / np.maximum(1, cnt), np.nan)
+    after = np.where(cnt >= max(1, n // 2), (c[hi] - c[idx]) / np.maximum(1, cnt), np.nan)
     return before, after
 
 
