@@ -192,6 +192,8 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, det: DetectorConfig,
             bad |= ~np.isfinite(log.columns[m][i0: i1 + 1]) & logged
     if "nan_frac" in log.columns:
         bad |= log.columns["nan_frac"][i0: i1 + 1] > 0
+    if "nan_iters" in log.columns:
+        bad |= log.columns["nan_iters"][i0: i1 + 1] > 0
     ev["nan"] = bool(bad.any())
     ev["first_nonfinite_step"] = int(steps[i0 + int(np.argmax(bad))]) if bad.any() else None
     return ev

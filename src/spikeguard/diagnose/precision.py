@@ -19,10 +19,12 @@ stands at exactly 0): the scaler skipped ``optimizer.step()`` and with it the sc
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from ._detector import DetectorConfig
 from .readers import MetricsLog
@@ -41,6 +43,8 @@ scaler halves its scale once per overflow and doubles it back after 1,000-2,000 
 outside start-up a healthy fp16 run overflows once and goes on at half the scale (twice with
 Megatron's hysteresis of 2). Four halvings more than that in one run mean the gradients grew
 16x past what fp16 held a moment before: the overflow is in the model, not in the scale."""
+
+_AROUND = 3  # records each side that show whether the LR schedule is moving
 
 _BF16_ADVICE = ("switch to bf16 (same exponent range as fp32, no loss scale), or keep the layer "
                 "that overflows in fp32")
@@ -108,11 +112,13 @@ def _hf_skips(log: MetricsLog) -> np.ndarray:
     finite_loss = ~_bad(log, "loss")
     bad_g = _bad(log, "grad_norm")
     prev = np.r_[np.nan, lr[:-1]]
-    prev2 = np.r_[np.nan, np.nan, lr[:-2]]
-    nxt = np.r_[lr[1:], np.nan]
-    with np.errstate(invalid="ignore"):
+    # the schedule is moving where the LR is not one value over the records around
+    win = sliding_window_view(np.r_[np.full(_AROUND, np.nan), lr, np.full(_AROUND, np.nan)],
+                              2 * _AROUND + 1)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN windows
+        moving = np.nanmax(win, axis=1) > np.nanmin(win, axis=1)
         stalled = lr == prev
-        moving = (prev != prev2) & np.isfinite(prev2) | (nxt != lr) & np.isfinite(nxt)
         zero = lr == 0.0
     return bad_g & finite_loss & ((stalled & moving) | zero)
 
@@ -236,5 +242,5 @@ def analyse(log: MetricsLog, config: DetectorConfig | None = None) -> PrecisionR
         findings.append(_judge_run(c, span, k, b - a + 1, before, low, stuck, calib, learning, ev))
     g = log.columns.get("grad_norm")
     no_grad = ~np.isfinite(g) if g is not None else log.missing.get("loss", np.ones(n, bool))
-    whole = inferred | (skip_cnt & no_grad)
+    whole = (inferred | (skip_cnt & no_grad)) & ~_bad(log, "loss")  # a NaN loss stays: Tier 3
     return PrecisionReport(precision, source, total if has_counter else None, whole, findings)

@@ -238,6 +238,8 @@ def write_report(diag: Diagnosis, path: str | os.PathLike[str]) -> Path:
     if suffix not in (".html", ".htm", ".md"):
         raise ValueError(f"--report {p}: the name must end in .html or .md")
     try:
+        import matplotlib  # noqa: F401  (the plot extra; _plots imports it only when drawing)
+
         from ._plots import figures
     except ImportError as exc:
         raise ImportError("the report's plots need matplotlib: pip install "

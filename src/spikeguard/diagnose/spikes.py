@@ -34,7 +34,7 @@ from ._detector import DetectorConfig
 from .readers import MetricsLog
 
 __all__ = ["FindConfig", "Found", "find_spikes", "level_records", "levels", "noise", "prior_median",
-           "prior_min", "records_for", "smooth", "spike_threshold"]
+           "prior_min", "quiet_noise", "records_for", "smooth", "spike_threshold"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -168,6 +168,23 @@ def noise(x: np.ndarray, ok: np.ndarray | None = None) -> float:
     if len(d) < 4:
         return 0.0
     return 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+
+
+def quiet_noise(log: MetricsLog, cfg: FindConfig | None = None) -> float:
+    """``noise`` of the loss measured outside the events: over the records before the first
+    jump, blow-up or non-finite value (a first pass of ``_jumps`` with the default detector),
+    when at least 6 records precede it; else over the whole log."""
+    s = _series(log)
+    if s is None:
+        return noise(log.columns["loss"]) if "loss" in log.columns else 0.0
+    lf, sm, ok = s
+    sigma = noise(lf, ok)
+    found = _jumps(log, DetectorConfig(), cfg or FindConfig(), (lf, sm, ok, sigma))
+    logged_bad = ~np.isfinite(log.columns["loss"]) & ~log.missing.get(
+        "loss", np.zeros(len(lf), dtype=bool))
+    first = min([f.i0 for f in found] + [int(np.argmax(logged_bad)) if logged_bad.any()
+                                         else len(lf)])
+    return noise(lf[:first], ok[:first]) if first >= 6 and first < len(lf) else sigma
 
 
 def level_records(cfg: FindConfig, stride: int) -> int:
@@ -309,6 +326,8 @@ def _outliers(log: MetricsLog, det: DetectorConfig, cfg: FindConfig,
             bad |= ~np.isfinite(log.columns[m]) & logged
     if "nan_frac" in log.columns:
         bad |= log.columns["nan_frac"] > 0  # NaN (a missing cell) compares False
+    if "nan_iters" in log.columns:  # the trainer's own count of NaN iterations (Megatron)
+        bad |= log.columns["nan_iters"] > 0
     flags["nonfinite"] = bad
     g = log.columns.get("grad_norm")
     if g is not None:
@@ -336,7 +355,7 @@ def find_spikes(log: MetricsLog, detector: DetectorConfig | None = None,
     det = detector or DetectorConfig()
     cfg = config or FindConfig()
     s = _series(log)
-    series = None if s is None else (*s, noise(s[0], s[2]))
+    series = None if s is None else (*s, quiet_noise(log, cfg))
     found = sorted(_persistent(log, det, cfg, series) + _jumps(log, det, cfg, series)
                    + _outliers(log, det, cfg, series), key=lambda f: f.i0)
     merged: list[Found] = []

@@ -33,7 +33,7 @@ from .classify import (
 from .evidence import evidence
 from .precision import Finding, PrecisionReport, analyse
 from .readers import MetricsLog, read_log, read_quarantine, subset
-from .spikes import FindConfig, find_spikes, level_records, noise
+from .spikes import FindConfig, find_spikes, level_records, quiet_noise
 
 __all__ = ["Diagnosis", "Spike", "diagnose", "spike_from_event"]
 
@@ -144,6 +144,11 @@ def _cause(tier: int, reasons: list[str], ev: dict[str, Any], z_led: bool, kinds
         if grad_txt:
             return f"a grad-norm outlier with an ordinary loss: {grad_txt}"
         return "the detector's Tier 1 rule: " + ", ".join(reasons[:2])
+    if "small" in kinds and loss_txt:
+        return f"a rise too small to matter: {loss_txt}, under spike_nats in absolute terms"
+    if "recovered" in kinds and loss_txt:
+        return (f"a one-step loss outlier, {loss_txt}, back at the next record (the update was "
+                "applied and the loss shows no lasting harm)")
     if "scaler" in reasons:
         return "fp16 loss-scale overflow: GradScaler skipped the step"
     what = "; ".join(x for x in (f"{loss_txt}{back}" if rose and loss_txt else None, grad_txt)
@@ -185,6 +190,28 @@ def _rollback(onset: int, ckpts: int | list[int] | None) -> int | None:
     if isinstance(ckpts, list):
         return rollback_target(onset, ckpts)
     return rollback_step(onset, ckpts)
+
+
+def _applied_and_harmless(log: MetricsLog, evd: dict[str, Any], reasons: list[str],
+                          det: DetectorConfig, i0: int, i1: int) -> bool:
+    """A one-record loss outlier in a log whose trainer applied every update (no guard
+    recorded its actions), below the detector's skip ratio, with the loss back within the noise
+    margin at the next logged record: the logged values show the batch did no lasting harm, so
+    there is nothing left to do (Tier 0, listed with its size)."""
+    if log.recorded or i1 != i0 or not reasons or any(not r.startswith("loss") for r in reasons):
+        return False
+    rec, peak = evd.get("recovery_steps"), evd.get("loss_ema_ratio_peak")
+    nxt = int(log.steps[i1 + 1] - log.steps[i0]) if i1 + 1 < len(log) else None
+    return (rec is not None and nxt is not None and rec <= nxt
+            and (peak is None or peak < det.skip_ratio))
+
+
+def _too_small(evd: dict[str, Any], reasons: list[str], det: DetectorConfig) -> bool:
+    """A loss-only Tier 1 whose rise is under ``spike_nats`` in absolute terms: a relative
+    jump on a loss near zero (0.001 -> 0.004) moves nothing that matters."""
+    pre, peak = evd.get("pre_spike_loss"), evd.get("loss_peak")
+    return bool(reasons and all(r.startswith("loss") for r in reasons) and pre is not None
+                and peak is not None and peak - pre < det.spike_nats)
 
 
 def _event_advice(log: MetricsLog, tier: int, skipped: list[int], rb: int | None,
@@ -248,6 +275,12 @@ def spike_from_event(log: MetricsLog, ev: Event, rep: Replay, *,
     else:
         detected = top.step if top is not None else None
         action = top.action.value if top is not None else Action.CONTINUE.value
+    if tier == 1 and _applied_and_harmless(log, evd, reasons, det, i0, i1):
+        tier, action, detected = 0, Action.CONTINUE.value, None
+        kinds = kinds | {"recovered"}
+    elif tier == 1 and _too_small(evd, reasons, det):
+        tier, action, detected = 0, Action.CONTINUE.value, None
+        kinds = kinds | {"small"}
     # on a log written every N steps the first bad update lies after the record before start
     first_bad = _span(log.steps, start)
     rb = _rollback(first_bad, ckpt_every) if tier >= 2 else None
@@ -347,8 +380,9 @@ def _notes(log: MetricsLog, config: DetectorConfig, find: FindConfig,
                    "bad step between two records cannot be seen, so the steps in the advice "
                    "start after the record before each event (what the interval can tell)")
     if config.spike_nats > DetectorConfig().spike_nats and not run:
-        sigma = noise(log.columns["loss"]) if "loss" in log.columns else math.nan
-        out.append(f"the loss moves {sigma:.3g} nats from record to record: rises under "
+        sigma = quiet_noise(log, find) if "loss" in log.columns else math.nan
+        out.append(f"the loss moves {sigma:.3g} nats from record to record (measured before the "
+                   f"first jump or non-finite value): rises under "
                    f"{config.spike_nats:g} nats (6 standard errors of the "
                    f"{config.recovery_ema_steps}-record loss EMA, instead of 0.1) cannot be told "
                    "from noise here")
