@@ -9,7 +9,8 @@ command itself: ``spikeguard diagnose FILE --json`` on a 10,000-row CSV and trai
 a fresh process (< 1 s, without importing torch), beside ``python -c pass`` in the same run.
 
 The log is a healthy run with both worked scenarios spliced in, cycled to the length, steps
-renumbered 0..N-1, written by the JSONL sink's encoder.
+renumbered 0..N-1, written by the JSONL sink's encoder; the same stream is also written as the
+console lines of nanoGPT, llm.c and Megatron-LM, each read and searched in a fresh process.
 
     PYTHONPATH=src:. python benchmarks/bench_diagnose.py [--steps N] [--smoke]
 """
@@ -108,6 +109,29 @@ def _cli(files: dict[str, Path], reps: int) -> None:
           f"{base:.2f} s (target < 1 s, best of {reps})")
 
 
+_MEGATRON_LINES = 200_000  # Megatron's 330-byte lines: 1M of them are 330 MB on disk
+
+
+def _console_logs(folder: Path, stream: list) -> dict[str, Path]:
+    """The stream as the console lines nanoGPT, llm.c and Megatron-LM print (the formats
+    ``spikeguard diagnose`` tells by content); Megatron's first ``_MEGATRON_LINES`` only."""
+    nano, llmc, meg = folder / "nanogpt.log", folder / "llmc.log", folder / "megatron.log"
+    with open(nano, "w") as f:
+        f.writelines(f"iter {m.step}: loss {m.loss:.4f}, time 561.94ms, mfu 16.60%\n"
+                     for m in stream)
+    with open(llmc, "w") as f:
+        f.writelines(f"step {m.step:>7}/{len(stream)} | train loss {m.loss:.6f} | norm "
+                     f"{m.grad_norm:.4f} | lr 6.00e-04 | 98.51 ms | 5323 tok/s\n" for m in stream)
+    with open(meg, "w") as f:
+        f.writelines(f" iteration {m.step + 1:>8}/{len(stream)} | consumed samples: "
+                     f"{(m.step + 1) * 16:>10} | elapsed time per iteration (ms): 820.7 | "
+                     "learning rate: 1.000000E-04 | global batch size:    16 | lm loss: "
+                     f"{m.loss:.6E} | loss scale: 4096.0 | grad norm: {m.grad_norm:.3f} | "
+                     "number of skipped iterations:   0 | number of nan iterations:   0 |\n"
+                     for m in stream[:_MEGATRON_LINES])
+    return {"nanoGPT": nano, "llm.c": llmc, "Megatron-LM": meg}
+
+
 def _search(path: str) -> int:
     """Child process: read + search only; prints seconds, records, RSS before and after."""
     import spikeguard.diagnose  # noqa: F401  (the imports count in the baseline, not the search)
@@ -156,6 +180,16 @@ def main(argv: list[str] | None = None) -> int:
                                  capture_output=True, text=True, check=True).stdout
         _, n, t_read, t_find, cpu, rss0, rss1, n_found = next(
             line for line in out.splitlines() if line.startswith("SEARCH")).split()
+        for name, path in _console_logs(Path(tmp), stream).items():
+            mib = path.stat().st_size / 2**20
+            text = subprocess.run([sys.executable, __file__, "--search-only", str(path)],
+                                  capture_output=True, text=True, check=True).stdout
+            _, tn, tr, tf, *_ = next(line for line in text.splitlines()
+                                     if line.startswith("SEARCH")).split()
+            print(f"parse+search, {name} console log: {int(tn):,} lines ({mib:.0f} MiB) in "
+                  f"{float(tr) + float(tf):.2f} s (read {float(tr):.2f} s, search "
+                  f"{float(tf):.2f} s; target <= 10 s for 1M steps)")
+            path.unlink()
         total = float(t_read) + float(t_find)
         print(f"parse+search: {int(n):,} records ({size:.0f} MiB) in {total:.2f} s (read "
               f"{float(t_read):.2f} s, search {float(t_find):.2f} s; CPU {float(cpu):.2f} s; "

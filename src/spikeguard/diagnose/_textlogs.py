@@ -55,21 +55,24 @@ def _num(text: str | None) -> float | None:
 # ---- Megatron-LM / Megatron-DeepSpeed / NeMo 1 -------------------------------------------------
 
 _MEG_HEAD = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|")
-_MEG_KV = re.compile(r"([A-Za-z][\w .()/-]*?)\s*:\s*([^|]*?)\s*\|")
 _MEG_MAP = {"lm loss": "loss", "loss": "loss", "grad norm": "grad_norm", "learning rate": "lr",
             "loss scale": "grad_scale", "number of skipped iterations": "skipped_iters",
             "number of nan iterations": "nan_iters"}
 
 
 def _megatron(line: str) -> Row | None:
+    """One iteration line: ``| name: value |`` fields split on the pipes (a value cut off at
+    the end of the line, without its closing pipe, is no value)."""
     head = _MEG_HEAD.search(line)
     if head is None or "validation loss" in line or "Training epoch" in line:
         return None
     row: Row = {"step": int(head.group(1))}
-    for key, value in _MEG_KV.findall(line, head.end()):
+    parts = line[head.end():].split("|")
+    for part in parts[:-1]:  # the text after the last pipe has no closing pipe
+        key, _, value = part.partition(":")
         metric = _MEG_MAP.get(key.strip().lower())
         if metric is not None and (metric != "loss" or "loss" not in row):
-            row[metric] = _num(value)
+            row[metric] = _num(value.strip())
     return row
 
 
@@ -201,6 +204,36 @@ _SIMPLE: dict[str, tuple[re.Pattern[str], tuple[str, ...]]] = {
 }
 
 
+# the same patterns over a whole file at once (one findall: a million lines in about a second);
+# no part may cross a line, so the blanks are [ \t], never \s
+_SIMPLE_ML = {name: re.compile(p.pattern.replace(r"\s", r"[ \t]"), re.I | re.M)
+              for name, (p, _) in _SIMPLE.items()}
+
+
+def _simple_columns(name: str, text: str) -> dict[str, Any]:
+    """Raw columns of a one-pattern format: (values, missing) per key, '' captures missing."""
+    import numpy as np
+
+    keys = _SIMPLE[name][1]
+    found = _SIMPLE_ML[name].findall(text)
+    if not found:
+        return {}
+    cols = list(zip(*found)) if len(keys) > 1 else [found]
+    out: dict[str, Any] = {}
+    for key, cells in zip(keys, cols):
+        arr = np.array(cells, dtype=object)
+        missing = arr == ""
+        if missing.all():
+            continue
+        arr[missing] = "nan"
+        try:
+            vals = arr.astype(np.float64)
+        except ValueError:  # a capture that is no number: the line parser decides
+            return {}
+        out[key] = (vals, missing)
+    return out
+
+
 def _simple(name: str) -> Callable[[str], Row | None]:
     pattern, keys = _SIMPLE[name]
 
@@ -266,10 +299,15 @@ def sniff(head: list[str]) -> str | None:
     return best if scores[best] > 0 else None
 
 
-def read_text(path: Path, fmt: str, warnings: list[str]) -> dict[str, list[Any]]:
+def read_text(path: Path, fmt: str, warnings: list[str]) -> dict[str, Any]:
     """Raw columns (``_KEYS``) of a console log in format ``fmt``; lines of no format are passed over."""
     text = path.read_text(errors="replace")
     lines = text.splitlines()
+    if fmt in _SIMPLE:
+        for name in (fmt, "llmc_main") if fmt == "llmc" else (fmt,):
+            cols = _simple_columns(name, text)
+            if cols:
+                return cols
     if fmt in _WHOLE_PARSERS:
         rows = _WHOLE_PARSERS[fmt](lines)
     else:
