@@ -18,6 +18,7 @@ import csv
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -31,7 +32,7 @@ from ._jsonl import read_jsonl as _read_jsonl
 from ._runlog import read_run_config, run_order
 from ._textlogs import TEXT_FORMATS, accepted_formats, read_text, sniff
 
-__all__ = ["FORMATS", "MetricsLog", "read_log", "read_quarantine", "subset"]
+__all__ = ["FORMATS", "MetricsLog", "read_log", "read_quarantine", "relaunch_chain", "subset"]
 
 FORMATS = ("auto", "jsonl", "hf", "lightning", "csv", "wandb", "tensorboard", *TEXT_FORMATS)
 """Values of ``--format`` (the console formats of ``_textlogs`` are told by content)."""
@@ -81,6 +82,45 @@ class MetricsLog:
         if len(self.steps) < 2:
             return 1
         return max(1, int(np.median(np.diff(self.steps))))
+
+
+_RELAUNCH = re.compile(r"^relaunch[-_]?(\d+)$")
+
+
+def relaunch_chain(path: Path) -> list[Path]:
+    """The metrics files of a run and its relaunches, oldest first: a rollback by relaunch
+    (OLMo-core's ``relaunch_config``) saves to ``relaunch1``, ``relaunch2``, ... beside or
+    inside the first run's folder, each with its own ``metrics.jsonl``. Given any one of them,
+    the whole chain up to the newest; ``[path]`` when there is none."""
+    folder = path.parent
+    base = folder.parent if _RELAUNCH.match(folder.name) else folder
+    first = base / path.name
+    if not first.is_file():
+        return [path]
+    found = []
+    for where in (base, base.parent):
+        for d in where.iterdir() if where.is_dir() else []:
+            m = _RELAUNCH.match(d.name)
+            if m and (d / path.name).is_file() and d != base:
+                found.append((int(m.group(1)), d / path.name))
+    if not found:
+        return [path]
+    return [first, *(p for _, p in sorted(set(found)))]
+
+
+def _joined(chain: list[Path], warnings: list[str]) -> Path:
+    """One temporary file holding the records of ``chain`` in order (the caller removes it; a
+    relaunch's records of the steps it replays win, as a resumed run's do)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=".joined-", suffix=".jsonl")
+    with os.fdopen(fd, "wb") as out:
+        for p in chain:
+            data = p.read_bytes()
+            out.write(data if data.endswith(b"\n") or not data else data + b"\n")
+    warnings.append("joined a run and its relaunches into one history: " + ", ".join(
+        str(p.parent.name or p) for p in chain))
+    return Path(tmp)
 
 
 def subset(log: MetricsLog, keep: np.ndarray) -> MetricsLog:
@@ -217,7 +257,16 @@ def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
     events: list[tuple[int, dict[str, Any]]] = []
     replays: list[dict[str, Any]] = []
     if fmt == "jsonl":
-        raw = _read_jsonl(found, mapping, warnings, loads=json_loads, events=events)
+        chain = relaunch_chain(found)
+        if len(chain) > 1:  # the run and its relaunches: one history, in run order
+            joined = _joined(chain, warnings)
+            try:
+                raw = _read_jsonl(joined, mapping, warnings, loads=json_loads, events=events)
+            finally:
+                joined.unlink()
+            found = chain[0]
+        else:
+            raw = _read_jsonl(found, mapping, warnings, loads=json_loads, events=events)
         for k in ("tier", "action"):
             col = raw.pop(k)
             if not col[1].all():
