@@ -108,6 +108,20 @@ def relaunch_chain(path: Path) -> list[Path]:
     return [first, *(p for _, p in sorted(set(found)))]
 
 
+def _read_history(found: Path, mapping: dict[str, str], warnings: list[str], json_loads: Any,
+                  events: list[tuple[int, dict[str, Any]]]) -> tuple[dict[str, Column], Path]:
+    """A spikeguard log's raw columns, its relaunches joined (``relaunch_chain``), and the
+    path of the first run's file."""
+    chain = relaunch_chain(found)
+    if len(chain) == 1:
+        return _read_jsonl(found, mapping, warnings, loads=json_loads, events=events), found
+    joined = _joined(chain, warnings)
+    try:
+        return _read_jsonl(joined, mapping, warnings, loads=json_loads, events=events), chain[0]
+    finally:
+        joined.unlink()
+
+
 def _joined(chain: list[Path], warnings: list[str]) -> Path:
     """One temporary file holding the records of ``chain`` in order (the caller removes it; a
     relaunch's records of the steps it replays win, as a resumed run's do)."""
@@ -257,16 +271,7 @@ def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
     events: list[tuple[int, dict[str, Any]]] = []
     replays: list[dict[str, Any]] = []
     if fmt == "jsonl":
-        chain = relaunch_chain(found)
-        if len(chain) > 1:  # the run and its relaunches: one history, in run order
-            joined = _joined(chain, warnings)
-            try:
-                raw = _read_jsonl(joined, mapping, warnings, loads=json_loads, events=events)
-            finally:
-                joined.unlink()
-            found = chain[0]
-        else:
-            raw = _read_jsonl(found, mapping, warnings, loads=json_loads, events=events)
+        raw, found = _read_history(found, mapping, warnings, json_loads, events)
         for k in ("tier", "action"):
             col = raw.pop(k)
             if not col[1].all():

@@ -173,7 +173,17 @@ def noise(x: np.ndarray, ok: np.ndarray | None = None) -> float:
 def quiet_noise(log: MetricsLog, cfg: FindConfig | None = None) -> float:
     """``noise`` of the loss measured outside the events: over the records before the first
     jump, blow-up or non-finite value (a first pass of ``_jumps`` with the default detector),
-    when at least 6 records precede it; else over the whole log."""
+    when at least 6 records precede it; else over the whole log. Kept on the log: the replay's
+    configuration and the search both ask."""
+    cached = log.__dict__.get("_quiet_noise")
+    if cached is not None:
+        return cached
+    value = _quiet_noise(log, cfg)
+    log.__dict__["_quiet_noise"] = value
+    return value
+
+
+def _quiet_noise(log: MetricsLog, cfg: FindConfig | None) -> float:
     s = _series(log)
     if s is None:
         return noise(log.columns["loss"]) if "loss" in log.columns else 0.0
@@ -194,7 +204,14 @@ def level_records(cfg: FindConfig, stride: int) -> int:
 
 
 def _series(log: MetricsLog) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(finite-filled loss, its 5-record median, the present-and-finite mask), or None."""
+    """(finite-filled loss, its 5-record median, the present-and-finite mask), or None; kept on
+    the log after the first call."""
+    if "_series" not in log.__dict__:
+        log.__dict__["_series"] = _make_series(log)
+    return log.__dict__["_series"]
+
+
+def _make_series(log: MetricsLog) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     loss = log.columns.get("loss")
     if loss is None or len(loss) < 4:
         return None
