@@ -83,7 +83,10 @@ def test_grad_only_outlier_is_not_called_a_bad_batch_of_the_loss(diagnosed):
     assert s.tier == 1 and s.end == 9 and s.evidence["loss_rose"] is False
     assert s.cause.startswith("a grad-norm outlier with an ordinary loss")
     assert s.evidence["grad_ratio"] > 1000  # from 3+ logged values before it, not empty
+    # the ratio is the one the rule compared: against the detector's own running median
+    assert s.evidence["grad_median_from"].startswith("the detector's running median at step 9")
     assert [(b.start, b.tier) for b in d.below] == [(4, 0)]
+    assert d.below[0].cause.startswith("before the detector was armed")
 
 
 # ---- spikeguard's own runs -------------------------------------------------------------------

@@ -129,11 +129,13 @@ def _loss_evidence(log: MetricsLog, loss: np.ndarray, i0: int, i1: int, det: Det
 
 
 def evidence(log: MetricsLog, i0: int, i1: int, *, det: DetectorConfig,
-             cfg: FindConfig, ratio: np.ndarray | None = None) -> dict[str, Any]:
+             cfg: FindConfig, ratio: np.ndarray | None = None,
+             grad_median: np.ndarray | None = None) -> dict[str, Any]:
     """The evidence dict for the spike spanning records ``i0..i1`` (inclusive).
 
     ``ratio`` is the detector's own loss / EMA per record (from the replay), when known: its
-    peak in the spike is reported. Every number is a logged value or names how it was derived
+    peak in the spike is reported; ``grad_median`` the detector's running grad-norm median per
+    record: the grad ratio is taken against it, so it agrees with the rule that fired. Every number is a logged value or names how it was derived
     (``pre_spike_loss_from``, ``loss_noise_from``).
     """
     w = max(10, records_for(cfg.band_steps, log.stride))  # a band of 10 records at least
@@ -169,10 +171,20 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, det: DetectorConfig,
     g = log.columns.get("grad_norm")
     if g is not None:
         med = bands["grad_norm"][0]
-        peak = float(np.nanmax(np.where(np.isfinite(g[i0: i1 + 1]), g[i0: i1 + 1], np.nan))) \
-            if np.isfinite(g[i0: i1 + 1]).any() else math.nan
+        gw = np.where(np.isfinite(g[i0: i1 + 1]), g[i0: i1 + 1], np.nan)
+        at = i0 + int(np.nanargmax(gw)) if np.isfinite(gw).any() else None
+        peak = float(g[at]) if at is not None else math.nan
         ev["grad_norm_peak"] = _num(peak)
         ev["grad_median"] = med
+        ev["grad_median_from"] = "median of the band before the event"
+        # the detector's own running median at the peak, when the replay kept it: the ratio a
+        # "grad_norm > 3x median" reason was judged on
+        dmed = float(grad_median[at]) if grad_median is not None and at is not None else math.nan
+        if math.isfinite(dmed) and dmed > 0:
+            med = dmed
+            ev["grad_median"] = dmed
+            ev["grad_median_from"] = (f"the detector's running median at step "
+                                      f"{int(steps[at]):,} (the one its rule compared)")
         ev["grad_ratio"] = _num(peak / med) if med else None
     z = log.columns.get("log_z")
     if z is not None:

@@ -153,6 +153,9 @@ def _cause(tier: int, reasons: list[str], ev: dict[str, Any], z_led: bool, kinds
         return "fp16 loss-scale overflow: GradScaler skipped the step"
     what = "; ".join(x for x in (f"{loss_txt}{back}" if rose and loss_txt else None, grad_txt)
                      if x)
+    if "unarmed" in kinds:
+        return ("before the detector was armed (too few updates of history to judge)"
+                + (f": {what}" if what else ""))
     return "below the detector's thresholds" + (f": {what}" if what else "")
 
 
@@ -261,7 +264,8 @@ def spike_from_event(log: MetricsLog, ev: Event, rep: Replay, *,
     i0 = int(np.searchsorted(log.steps, start))
     i1 = int(np.searchsorted(log.steps, ev.end, side="right")) - 1
     ratio = rep.trace.get("loss_ema_ratio")
-    evd = evidence(log, i0, max(i0, i1), det=det, cfg=cfg, ratio=ratio)
+    evd = evidence(log, i0, max(i0, i1), det=det, cfg=cfg, ratio=ratio,
+                   grad_median=rep.trace.get("grad_median"))
     reasons = list(dict.fromkeys(r for v in [*vs, *ev.advice] for r in v.reasons))
     skipped = sorted(v.step for v in vs if v.skip and v.action is Action.SKIP)
     z_led = (top is not None and bool(top.reasons) and _metric(top.reasons[0]) == "log_z") or \
@@ -287,6 +291,8 @@ def spike_from_event(log: MetricsLog, ev: Event, rep: Replay, *,
     advice = _event_advice(log, tier, skipped, rb, ckpt_every, first_bad,
                            detected if detected is not None else ev.end, z_led, reasons,
                            precision)
+    if tier == 0 and i0 < det.arm_after:
+        kinds = kinds | {"unarmed"}
     kinds_out = sorted(kinds | ({"detector"} if vs else set()))
     return Spike(start=start, end=ev.end, tier=tier, action=action, rollback_step=rb,
                  detected=detected, cause=_cause(tier, reasons, evd, z_led, kinds, det.grad_k),
