@@ -36,7 +36,8 @@ from typing import Any
 
 __all__ = ["TEXT_FORMATS", "accepted_formats", "read_text", "sniff"]
 
-_NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf|infinity)"
+_NUM = (r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|[nN]a[nN]|[iI]nf(?:inity)?"
+        r"|INF(?:INITY)?)")
 _KEYS = ("step", "loss", "grad_norm", "lr", "grad_scale", "scale_tried", "skipped_iters",
          "nan_iters")
 
@@ -205,8 +206,9 @@ _SIMPLE: dict[str, tuple[re.Pattern[str], tuple[str, ...]]] = {
 
 
 # the same patterns over a whole file at once (one findall: a million lines in about a second);
-# no part may cross a line, so the blanks are [ \t], never \s
-_SIMPLE_ML = {name: re.compile(p.pattern.replace(r"\s", r"[ \t]"), re.I | re.M)
+# no part may cross a line, so the blanks are [ \t], never \s; no leading \b, so that a pattern
+# opening with a literal ("iter ") is searched for by its prefix
+_SIMPLE_ML = {name: re.compile(p.pattern.replace(r"\s", r"[ \t]").removeprefix(r"\b"), re.M)
               for name, (p, _) in _SIMPLE.items()}
 
 
@@ -218,16 +220,15 @@ def _simple_columns(name: str, text: str) -> dict[str, Any]:
     found = _SIMPLE_ML[name].findall(text)
     if not found:
         return {}
-    cols = list(zip(*found)) if len(keys) > 1 else [found]
+    table = np.array(found, dtype=str).reshape(len(found), -1)  # one C pass over the captures
     out: dict[str, Any] = {}
-    for key, cells in zip(keys, cols):
-        arr = np.array(cells, dtype=object)
-        missing = arr == ""
+    for j, key in enumerate(keys):
+        cells = table[:, j]
+        missing = cells == ""
         if missing.all():
             continue
-        arr[missing] = "nan"
         try:
-            vals = arr.astype(np.float64)
+            vals = np.where(missing, "nan", cells).astype(np.float64)
         except ValueError:  # a capture that is no number: the line parser decides
             return {}
         out[key] = (vals, missing)
@@ -302,12 +303,12 @@ def sniff(head: list[str]) -> str | None:
 def read_text(path: Path, fmt: str, warnings: list[str]) -> dict[str, Any]:
     """Raw columns (``_KEYS``) of a console log in format ``fmt``; lines of no format are passed over."""
     text = path.read_text(errors="replace")
-    lines = text.splitlines()
     if fmt in _SIMPLE:
         for name in (fmt, "llmc_main") if fmt == "llmc" else (fmt,):
             cols = _simple_columns(name, text)
             if cols:
                 return cols
+    lines = text.splitlines()
     if fmt in _WHOLE_PARSERS:
         rows = _WHOLE_PARSERS[fmt](lines)
     else:
