@@ -437,6 +437,8 @@ def diagnose(path: str | os.PathLike[str], *, fmt: str = "auto",
     classified = [spike_from_event(work, e, rep, ckpt_every=targets, cfg=find,
                                    precision=prec.precision) for e in evs]
     classified += [spike_from_finding(log, f, ckpt_every=targets) for f in prec.findings]
+    if work is not log:  # the plots draw the whole log: NaN at the records left out
+        _widen(rep, ~prec.skip_mask)
     classified.sort(key=lambda sp: (sp.start, -sp.tier))
     t["whatif"] = time.perf_counter()
     other = None
@@ -459,6 +461,16 @@ def diagnose(path: str | os.PathLike[str], *, fmt: str = "auto",
     return Diagnosis(log, spikes, rep, what, other, recorded_whatif(log), ckpt_every, find,
                      unmatched, timings, below, _notes(log, config, find, prec, ckpts), prec,
                      ckpts or None)
+
+
+def _widen(rep: Replay, kept: np.ndarray) -> None:
+    """The replay's per-record traces spread back over the whole log (NaN where ``kept`` is
+    False: the records the scaler skipped, left out of the replay)."""
+    at = np.flatnonzero(kept)
+    for k, v in rep.trace.items():
+        full = np.full(len(kept), np.nan)
+        full[at] = v
+        rep.trace[k] = full
 
 
 def _attach(spikes: list[Spike], quarantined: list[dict[str, Any]]) -> list[dict[str, Any]]:
