@@ -454,13 +454,19 @@ def diagnose(path: str | os.PathLike[str], *, fmt: str = "auto",
     spikes = [s for s in classified if s.tier >= 1]
     below = [s for s in classified if s.tier == 0]
     unmatched = _attach(spikes + below, read_quarantine(qpath, log.warnings))
-    what = whatif(rep, targets)
-    what["scaler_skips"] = prec.scaler_skips if prec.scaler_skips is not None else \
-        what["scaler_skips"]
-    what["halt"] = sorted({*what["halt"], *(f.start for f in prec.findings if f.tier == 3)})
-    return Diagnosis(log, spikes, rep, what, other, recorded_whatif(log), ckpt_every, find,
+    return Diagnosis(log, spikes, rep, _whatif(rep, targets, prec), other, recorded_whatif(log), ckpt_every, find,
                      unmatched, timings, below, _notes(log, config, find, prec, ckpts), prec,
                      ckpts or None)
+
+
+def _whatif(rep: Replay, targets: int | list[int] | None,
+            prec: PrecisionReport) -> dict[str, Any]:
+    """``classify.whatif`` with the precision report's count of scaler skips and halts."""
+    what = whatif(rep, targets)
+    if prec.scaler_skips is not None:
+        what["scaler_skips"] = prec.scaler_skips
+    what["halt"] = sorted({*what["halt"], *(f.start for f in prec.findings if f.tier == 3)})
+    return what
 
 
 def _widen(rep: Replay, kept: np.ndarray) -> None:
