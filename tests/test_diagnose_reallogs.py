@@ -208,3 +208,18 @@ def test_evaluation_rows_of_a_trainer_state_are_left_out(diagnosed):
     train = [e for e in state["log_history"] if "loss" in e]
     assert len(d.log) == len(train)
     assert d.log.columns["loss"].tolist() == [e["loss"] for e in train]
+
+
+def test_an_alert_only_run_is_told_apart_from_the_replay(tmp_path):
+    recs = _records(DATA / "sgruns" / "rollback" / "metrics.jsonl")
+    for r in recs:  # the same run with the guard set to alert: nothing skipped, nothing rolled back
+        if r.get("action") not in (None, "continue"):
+            r.update(action="alert", skipped=False, rollback_to=None, skip_range=None)
+    first = {}
+    for r in recs:  # the alert-only run never rolled back: one record per step
+        first.setdefault(r["step"], r)
+    _write(tmp_path / "metrics.jsonl", list(first.values()))
+    d = diagnose(tmp_path / "metrics.jsonl")
+    assert d.recorded["skip"] == [] and d.recorded["rollback"] == [] and d.recorded["alerts"] > 0
+    (note,) = [n for n in d.notes if "differs from the run's own record" in n]
+    assert "where the run skipped nothing" in note and "alert(s) recorded" in note

@@ -454,9 +454,40 @@ def diagnose(path: str | os.PathLike[str], *, fmt: str = "auto",
     spikes = [s for s in classified if s.tier >= 1]
     below = [s for s in classified if s.tier == 0]
     unmatched = _attach(spikes + below, read_quarantine(qpath, log.warnings))
-    return Diagnosis(log, spikes, rep, _whatif(rep, targets, prec), other, recorded_whatif(log), ckpt_every, find,
-                     unmatched, timings, below, _notes(log, config, find, prec, ckpts), prec,
-                     ckpts or None)
+    what = _whatif(rep, targets, prec)
+    return Diagnosis(log, spikes, rep, what, other, recorded_whatif(log), ckpt_every, find,
+                     unmatched, timings, below,
+                     _notes(log, config, find, prec, ckpts) + _differs(what, recorded_whatif(log)),
+                     prec, ckpts or None)
+
+
+def _differs(what: dict[str, Any], recorded: dict[str, Any] | None) -> list[str]:
+    """A note where the replay would have acted otherwise than the run recorded, and why the
+    two can differ: the run's record is what happened."""
+    if recorded is None:
+        return []
+    diffs = []
+    for key, name in (("skip", "skipped"), ("halt", "halted")):
+        a, b = sorted(what[key]), sorted(recorded[key])
+        if a != b:
+            diffs.append(f"{name} {_few(a)} where the run {name} {_few(b)}")
+    a = sorted(r["step"] for r in what["rollback"])
+    b = sorted(r["step"] for r in recorded["rollback"])
+    if a != b:
+        diffs.append(f"rolled back at {_few(a)} where the run rolled back at {_few(b)}")
+    if not diffs:
+        return []
+    return ["the replay differs from the run's own record: it " + "; ".join(diffs) + ". The "
+            "run's guard also had what a log does not hold (re-runs of the batch, the weights "
+            "check, its state across a resume, alerts it was set to give instead of acting), "
+            f"so the record is what happened ({recorded['alerts']} alert(s) recorded)"]
+
+
+def _few(steps: list[int], n: int = 5) -> str:
+    if not steps:
+        return "nothing"
+    return ", ".join(f"{s:,}" for s in steps[:n]) + (f" (+{len(steps) - n})" if len(steps) > n
+                                                     else "")
 
 
 def _whatif(rep: Replay, targets: int | list[int] | None,
