@@ -29,6 +29,7 @@ Every format yields the same raw columns (``step``, ``loss``, ``grad_norm``, ``l
 
 from __future__ import annotations
 
+import gc
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -206,9 +207,13 @@ _SIMPLE: dict[str, tuple[re.Pattern[str], tuple[str, ...]]] = {
 
 
 # the same patterns over a whole file at once (one findall: a million lines in about a second);
-# no part may cross a line, so the blanks are [ \t], never \s; no leading \b, so that a pattern
-# opening with a literal ("iter ") is searched for by its prefix
-_SIMPLE_ML = {name: re.compile(p.pattern.replace(r"\s", r"[ \t]").removeprefix(r"\b"), re.M)
+# no part may cross a line, so the blanks are [ \t], never \s; no leading \b, ^ or blanks, so
+# that each pattern opens with a literal ("iter ", "step") the regex engine searches for; a
+# number is any run of characters up to a blank, pipe or comma (numpy converts them, and a
+# capture that is no number sends the file to the line parser)
+_SIMPLE_ML = {name: re.compile(p.pattern.replace(_NUM, r"[^ \t|,\n]+").replace(r"\s", r"[ \t]")
+                               .removeprefix(r"\b").removeprefix("^").removeprefix(r"[ \t]*"),
+                               re.M)
               for name, (p, _) in _SIMPLE.items()}
 
 
@@ -217,18 +222,30 @@ def _simple_columns(name: str, text: str) -> dict[str, Any]:
     import numpy as np
 
     keys = _SIMPLE[name][1]
-    found = _SIMPLE_ML[name].findall(text)
+    gc_was_on = gc.isenabled()
+    gc.disable()  # a million fresh tuples: a collection would only walk them
+    try:
+        found = _SIMPLE_ML[name].findall(text)
+        cols = list(zip(*found)) if found and isinstance(found[0], tuple) else [found]
+    finally:
+        if gc_was_on:
+            gc.enable()
     if not found:
         return {}
-    table = np.array(found, dtype=str).reshape(len(found), -1)  # one C pass over the captures
     out: dict[str, Any] = {}
-    for j, key in enumerate(keys):
-        cells = table[:, j]
-        missing = cells == ""
+    for key, cells in zip(keys, cols):
+        if "" not in cells:  # every line has it: one conversion of the strings
+            try:
+                out[key] = (np.array(cells, dtype=np.float64), np.zeros(len(cells), dtype=bool))
+                continue
+            except ValueError:
+                return {}
+        arr = np.array(cells, dtype=str)
+        missing = arr == ""
         if missing.all():
             continue
         try:
-            vals = np.where(missing, "nan", cells).astype(np.float64)
+            vals = np.where(missing, "nan", arr).astype(np.float64)
         except ValueError:  # a capture that is no number: the line parser decides
             return {}
         out[key] = (vals, missing)
