@@ -73,7 +73,10 @@ def whatif_rows(diag: Diagnosis) -> tuple[list[str], list[list[str]]]:
                                                for _, w in cols]],
             ["rolled back (step -> checkpoint)", *[_rollbacks(w["rollback"]) for _, w in cols]],
             ["halted", *[_steps(w["halt"]) for _, w in cols]],
-            ["alerts", *[str(w["alerts"]) for _, w in cols]]]
+            ["alerts", *[str(w["alerts"]) for _, w in cols]],
+            ["updates the fp16 loss scaler skipped",
+             *["-" if w.get("scaler_skips") is None else f"{w['scaler_skips']:,}"
+               for _, w in cols]]]
     return header, rows
 
 
