@@ -215,3 +215,26 @@ def test_real_evidence_holds_against_the_log():
     assert s.evidence["pre_spike_loss"] == pytest.approx(float(np.median([1.593, 1.406])))
     assert "skip the data of steps 51-" in " ".join(s.advice)  # after the record at 50
     assert math.isfinite(s.evidence["loss_peak"]) and s.evidence["loss_peak"] == 6.437
+
+
+@pytest.mark.parametrize("z", [1e-4, 0.0])
+def test_z_loss_advice_only_when_z_loss_is_off(tmp_path, z):
+    import json
+
+    import spikeguard as sg
+    from spikeguard.testing import scenarios as sc
+
+    sink = sg.JsonlSink(tmp_path / "metrics.jsonl", mode="w", defer=False)
+    for m in sc.logit_drift(0).metrics:
+        sink.log(sg.metrics_record(m), m.step)
+    sink.close()
+    doc = json.loads((REAL.parent / "sgruns" / "rollback" / "config.json").read_text())
+    doc["config"]["gpt"]["z_loss"], doc["config"]["ckpt_every"] = z, 1000
+    doc["config"]["guard"]["detector"] = {}  # the defaults, sized to the log
+    (tmp_path / "config.json").write_text(json.dumps(doc))
+    (s,) = [s for s in diagnose(tmp_path).spikes if s.tier >= 2]
+    text = " ".join(s.advice)
+    if z:
+        assert "add z-loss" not in text and "z-loss is already on (0.0001)" in text
+    else:
+        assert "add z-loss 0.0001" in text
