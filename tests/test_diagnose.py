@@ -91,7 +91,10 @@ def test_nan_step_is_tier3_halt(scenario_logs, capsys):
     s = tiers[40_000]
     assert (s["tier"], s["action"], s["rollback_step"]) == (3, "halt", 39_000)
     assert s["evidence"]["nan"] and s["evidence"]["first_nonfinite_step"] == 40_000
-    assert any("change precision" in a for a in s["advice"])
+    # a log without a config.json does not say its precision: no fp16 advice on a guess
+    assert not any("bf16" in a or "fp16" in a for a in s["advice"])
+    assert any("does not say the precision" in a for a in s["advice"])
+    assert out["precision"]["precision"] is None
     assert tiers[42_100]["tier"] == 1
     assert out["whatif"]["halt"] == [40_000]
     assert any("NaN or inf at 1 step(s) (first: step 40000)" in w for w in out["warnings"])

@@ -256,3 +256,22 @@ def test_quarantine_file_reader(tmp_path):
                       "log_z": 8.0, "z": 12.5}
     assert warnings == ["quarantine.jsonl: 1 line(s) without a readable step: skipped"]
     assert read_quarantine(tmp_path / "missing.jsonl") == []
+
+
+def test_a_run_and_its_relaunches_are_one_history(tmp_path):
+    first, again, third = records(160), records(129, start=101, seed=1), records(99, start=201,
+                                                                                seed=2)
+    write_jsonl(tmp_path / "metrics.jsonl", first)  # cancelled at 159 for a rollback
+    write_jsonl(tmp_path / "relaunch1" / "metrics.jsonl", again)  # from the checkpoint at 100
+    write_jsonl(tmp_path / "relaunch2" / "metrics.jsonl", third)  # from the checkpoint at 200
+    for given in (tmp_path / "metrics.jsonl", tmp_path / "relaunch1" / "metrics.jsonl",
+                  tmp_path / "relaunch2"):
+        log = read_log(given)
+        assert log.steps.tolist() == list(range(300)), given
+        assert log.path == str(tmp_path / "metrics.jsonl")
+        assert any("joined a run and its relaunches" in w for w in log.warnings)
+        # the relaunch's records of the steps it replays win
+        ref = [m.loss for m in first[:101]] + [m.loss for m in again[:100]] + \
+            [m.loss for m in third]
+        assert np.allclose(log.columns["loss"], ref)
+    assert not list(tmp_path.glob(".joined-*"))
