@@ -222,11 +222,12 @@ def test_z_loss_advice_only_when_z_loss_is_off(tmp_path, z):
     import json
 
     import spikeguard as sg
+    from spikeguard.record import metrics_record
     from spikeguard.testing import scenarios as sc
 
     sink = sg.JsonlSink(tmp_path / "metrics.jsonl", mode="w", defer=False)
     for m in sc.logit_drift(0).metrics:
-        sink.log(sg.metrics_record(m), m.step)
+        sink.log(metrics_record(m), m.step)
     sink.close()
     doc = json.loads((REAL.parent / "sgruns" / "rollback" / "config.json").read_text())
     doc["config"]["gpt"]["z_loss"], doc["config"]["ckpt_every"] = z, 1000
