@@ -56,7 +56,7 @@ import spikeguard as sg
 from benchmarks.detection import load_results, run_jobs
 from spikeguard.testing.detection import format_table
 
-__all__ = ["CLEAN", "SEEDS", "cells", "main"]
+__all__ = ["CLEAN", "SEEDS", "cells", "main", "smoke", "table"]
 
 BASE: dict[str, Any] = {
     "model": "tiny", "optimizer": "adamw-fused", "lr": 3e-3, "precision": "fp32",
@@ -159,6 +159,31 @@ def cells(seeds: list[int] | None = None) -> list[dict[str, Any]]:
                 jobs.append(((rank, False, 2), _job("natural", f"natural/{name}", name, seed, arm,
                                                     fault_step=0)))
     return [j for _, j in sorted(jobs, key=lambda kj: kj[0])]
+
+
+SMOKE = {"steps": 40, "warmup": 5}
+"""The CI smoke cells' changes: 40 steps, a 5-step warmup."""
+
+
+def smoke() -> list[dict[str, Any]]:
+    """A few tiny cells for CI (seed 0): the base clean and with an outlier at step 30 (with its
+    gap run), Muon and Llama clean; 40 steps each."""
+    jobs = []
+    for name, arms in (("base", ("alert", "unguarded")), ("muon", ("alert", "unguarded")),
+                       ("llama", ("alert",))):
+        for arm in arms:
+            jobs.append(_job("clean", f"clean/{name}", name, 0, arm))
+    common = {"fault": "outlier", "timing": "smoke", "fault_step": 30, "fault_len": 1}
+    jobs.append(_job("fault", "fault/base@smoke/outlier", "base", 0, "alert",
+                     fault_spec="outlier@30", **common))
+    jobs.append(_job("gap", "gap/base@smoke/outlier", "base", 0, "unguarded",
+                     fault_spec="gap@30:1", **common))
+    for j in jobs:
+        j["setting"].update(SMOKE)
+        j["steps"] = SMOKE["steps"]
+        j["cell"] = j["cell"].replace("clean/", "clean/smoke-", 1)
+        j["clean_ref"] = j["clean_ref"].replace("clean/", "clean/smoke-", 1)
+    return jobs
 
 
 def _safe_run(job: dict[str, Any]) -> dict[str, Any]:
