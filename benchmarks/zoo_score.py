@@ -7,6 +7,10 @@ Added on top of the shared targets:
   shared rules count halts and rollbacks only, and a clean run's rollback arm would take
   exactly the alert arm's decisions up to its first Tier 2 event, so a page on the alert arm
   is the rollback the other arm would make;
+- the LR transient (and the sticky one) on the default policy: **paged within ALERT_WITHIN (10)
+  steps of the fault's onset**; the shared target counts from the first anomaly the guard
+  flagged, which is the onset on the matrix's runs but can be far later (a fault in the
+  warmup, before the rules arm, is first flagged when they do);
 - the LR transient under rollback is held to "within 2% of clean" only where a checkpoint
   precedes the fault (the first is saved at step ``CKPT_EVERY``); before it the target is the
   shared "not worse than unguarded";
@@ -23,7 +27,7 @@ from collections import defaultdict
 from typing import Any
 
 from benchmarks.zoo_run import CKPT_EVERY
-from spikeguard.testing.detection import LR_ROLLBACK_FINAL, CellScore, score
+from spikeguard.testing.detection import ALERT_WITHIN, LR_ROLLBACK_FINAL, CellScore, score
 
 __all__ = ["zoo_score"]
 
@@ -43,6 +47,10 @@ def zoo_score(lines: list[dict[str, Any]]) -> list[CellScore]:
             continue
         if c.kind == "clean":
             c.targets["no tier 2 page"] = all(not s["alerts"] for s in group)
+        elif c.cell.endswith(("/lr", "/lr-sticky")) and c.arm == "alert":
+            c.targets[f"paged within {ALERT_WITHIN} steps of the onset"] = all(
+                s["first_tier2"] is not None and s["first_tier2_action"] == "alert"
+                and s["first_tier2"] - s["fault_step"] <= ALERT_WITHIN for s in group)
         elif c.cell.endswith("/lr") and c.arm == "rollback":
             if group and group[0]["fault_step"] <= CKPT_EVERY:
                 c.targets.pop(f"final <= {LR_ROLLBACK_FINAL:g}x clean", None)

@@ -147,6 +147,11 @@ def _line(cell, kind, arm, seed=0, **kw):
 def test_the_zoo_targets_a_page_on_a_clean_run_and_the_natural_instabilities():
     lines = [_line("clean/sgd", "clean", "unguarded"),
              _line("clean/sgd", "clean", "alert", alerts=[32]),
+             _line("fault/base@warmup/lr", "fault", "unguarded", fault="lr", fault_step=10,
+                   fault_len=20, first_anomaly=32),
+             _line("fault/base@warmup/lr", "fault", "alert", fault="lr", fault_step=10,
+                   fault_len=20, first_anomaly=32, first_tier2=32, first_tier2_action="alert",
+                   alerts=[32]),
              _line("natural/x", "natural", "unguarded", departure=70, val_loss=3.3),
              _line("natural/x", "natural", "alert", first_tier2=65, first_tier2_action="alert",
                    val_loss=3.3),
@@ -155,6 +160,9 @@ def test_the_zoo_targets_a_page_on_a_clean_run_and_the_natural_instabilities():
     cells = {(c.cell, c.arm): c for c in zoo_score(lines)}
     sgd = cells[("clean/sgd", "alert")]
     assert sgd.targets["no tier 2 page"] is False and sgd.met is False
+    late_page = cells[("fault/base@warmup/lr", "alert")]  # 22 steps after the onset
+    assert late_page.targets["tier 2 alert within 10 steps"] is True  # (of the first anomaly)
+    assert late_page.targets["paged within 10 steps of the onset"] is False
     assert cells[("natural/x", "alert")].met is True
     late = cells[("natural/x", "rollback")]  # rolled back 2 steps after the loss departed
     assert late.targets["rolls back before the unguarded loss departs"] is False
