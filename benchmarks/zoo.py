@@ -34,9 +34,10 @@ Halves: seeds 0 and 1 are the tuning half, 2 and 3 the held-out half (each resul
 ``half``); jobs run seed by seed in the order 0, 2, 1, 3, so a partial run covers every cell on
 one seed of each half first. ``--table --half holdout`` scores the held-out half alone.
 
-Sizing (a quiet 2-core machine, one torch thread per run; see BENCHMARKS.md for measured wall
-times): a tiny fp32 run of 300 steps ~4-6 s (Llama ~7 s, fp16-mixed ~5x, batch 64 ~6x); one
-seed of the whole set is 226 runs, about 35-45 minutes on one worker; the four seeds ~2.5-3 h.
+Sizing: one seed of the whole set is 219 runs, 65,700 steps. A tiny fp32 run of 300 steps takes
+~4-6 s on a quiet core (Llama and Muon ~1.5x, bf16 ~2x, fp16-mixed ~3x, batch 64 ~7x); on this
+2-core machine shared with other jobs (load ~10) seed 0 took 68 min on one worker (a run 1-105 s,
+median 16 s), so the four seeds are ~4.5 h there, ~1.5-2 h on a quiet machine with two workers.
 
     PYTHONPATH=src:. nice -n 10 python benchmarks/zoo.py --workers 1 \\
         --results benchmarks/results/zoo.jsonl
