@@ -46,6 +46,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
 
     import spikeguard as sg
     from benchmarks.zoo_models import build, evaluate, schedule
+    from spikeguard.sinks import read_metrics
     from spikeguard.testing.detection import summarize_run
     from spikeguard.train.data import load_train_data
     from spikeguard.train.faults import Injector
@@ -85,7 +86,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
                              extra_state={"faults": injector}, keep_on_rollback=("faults",))
             losses, halted = _loop(guard, model, optimizer, stream, injector, steps)
             val = None if halted else evaluate(model, data.val)
-        records = sg.read_metrics(out / "metrics.jsonl")
+        records = read_metrics(out / "metrics.jsonl")
     finally:
         shutil.rmtree(out, ignore_errors=True)
         torch.set_num_threads(threads)
