@@ -18,12 +18,14 @@ import transformers
 from accelerate import Accelerator
 
 import spikeguard as sg  # sg
+from spikeguard.data import load_corpus
 from spikeguard.integrations.accelerate import guard_accelerator  # sg
+from spikeguard.integrations.exits import exit_status  # sg
 
 
 class Bytes(torch.utils.data.Dataset):
     def __init__(self, n: int, seq: int = 64) -> None:
-        tokens = sg.load_corpus("pydoc").train
+        tokens = load_corpus("pydoc").train
         self.rows = [torch.from_numpy(tokens[i * seq:(i + 1) * seq].astype(np.int64))
                      for i in range(n)]
 
@@ -72,4 +74,4 @@ if __name__ == "__main__":
         main()
     except sg.TrainingHalted as halt:  # sg: Tier 3: the report, exit status 3
         print(halt.report, file=sys.stderr)
-        raise SystemExit(3) from None
+        raise SystemExit(exit_status(halt)) from None  # 3, as spikeguard train

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import spikeguard as sg
+from spikeguard.integrations.exits import exit_status  # sg
 
 
 def main(steps: int = 200, out: str = "runs/example", inject_at: int | None = None,
@@ -77,4 +78,4 @@ if __name__ == "__main__":
         report = Path(a.out) / "report.txt"
         report.write_text(f"{halt.report}\n")
         print(f"{halt.report}\nreport: {report}", file=sys.stderr)
-        raise SystemExit(3) from None
+        raise SystemExit(exit_status(halt)) from None  # 3, as spikeguard train

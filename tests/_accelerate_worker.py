@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import spikeguard as sg
+from spikeguard.data import load_corpus
 from spikeguard.integrations.accelerate import guard_accelerator
 from tests._hf_llama import CORRUPT, SEQ, corrupt_embeddings, llama, poison_mlp, snapshot
 
@@ -35,7 +36,7 @@ class Windows(torch.utils.data.Dataset):
     """Consecutive windows of the corpus' bytes; the samples in ``bad`` are NUL bytes."""
 
     def __init__(self, n: int, bad: range = range(0), corrupt: int | None = None) -> None:
-        tokens = sg.load_corpus("pydoc").train
+        tokens = load_corpus("pydoc").train
         self.seqs = [torch.from_numpy(tokens[i * SEQ:(i + 1) * SEQ].astype(np.int64))
                      for i in range(n)]
         for i in bad:

@@ -2,6 +2,7 @@ import pytest
 from examples.train_loop import main
 
 import spikeguard as sg
+from spikeguard.sinks import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny model: threads only contend
 
@@ -11,7 +12,7 @@ def test_train_loop_example_skips_the_injected_outlier_and_nothing_else(tmp_path
     flagged = {i: v for i, v in enumerate(verdicts) if v.action is not sg.Action.CONTINUE}
     assert list(flagged) == [120]
     assert flagged[120].action is sg.Action.SKIP and flagged[120].tier == 1
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(130))
     assert records[120]["action"] == "skip" and records[119]["action"] == "continue"
     assert records[-1]["loss"] < records[0]["loss"] - 1.0  # it learned
@@ -31,11 +32,11 @@ def test_readme_shows_the_example_loop_verbatim():
 
 def test_readme_loop_run_twice_keeps_one_record_per_step(tmp_path):
     first = main(steps=53, out=str(tmp_path), inject_at=None)
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert len(first) == 53 and [r["step"] for r in records] == list(range(53))
     again = main(steps=53, out=str(tmp_path), inject_at=None)  # resumes from the checkpoint at 50
     assert [v.step for v in again] == [51, 52]
-    rerun = sg.read_metrics(tmp_path / "metrics.jsonl")
+    rerun = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rerun] == list(range(53))  # not 55 records: 51 and 52 once
     assert rerun == records  # and the steps run again computed the same numbers
 
@@ -69,7 +70,7 @@ def test_a_halt_leaves_the_example_script_with_exit_status_3_and_the_report(tmp_
     assert done.stderr.startswith("HALT at step 1")
     assert f"report: {tmp_path / 'report.txt'}" in done.stderr
     assert (tmp_path / "report.txt").read_text().startswith("HALT at step 1")
-    assert sg.read_metrics(tmp_path / "metrics.jsonl")[-1]["action"] == "halt"
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1]["action"] == "halt"
 
 
 def test_every_field_of_the_configs_a_loop_builds_has_a_docstring():

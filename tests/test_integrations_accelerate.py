@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import spikeguard as sg
+from spikeguard.sinks import read_metrics
 from tests.conftest import ROOT, checkout_env
 
 pytest.importorskip("transformers")
@@ -57,7 +58,7 @@ def launched(tmp_path_factory):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = [{p["name"]: p for p in json.loads((out / f"rank{r}.json").read_text())}
              for r in (0, 1)]
-    records = {name: sg.read_metrics(out / name / "metrics.jsonl") for name in ranks[0]}
+    records = {name: read_metrics(out / name / "metrics.jsonl") for name in ranks[0]}
     return ranks, records
 
 
@@ -164,7 +165,7 @@ def test_fp16_adopts_accelerates_grad_scaler(tmp_path, one_thread, fresh_state):
         guard.step(o, rerun=functools.partial(forward_backward, x, y))
         scales.append(accelerator.scaler.get_scale())
     guard.close()
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     acted = _acted(records)
     assert acted[8]["tier"] == 0 and acted[8]["action"] == "skip"
     assert scales[8] == scales[7] / 2
@@ -178,6 +179,6 @@ def test_the_example_loop_runs_one_guard_step_per_accumulated_batch(tmp_path, on
     from examples.accelerate_loop import main
 
     guard = main(steps=6, out=str(tmp_path), accumulate=2)
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(6)) and guard.step_index == 6
     assert all(r["action"] == "continue" for r in records)

@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import spikeguard as sg
+from spikeguard.data import load_corpus
 from spikeguard.integrations import hf as sg_hf
 from spikeguard.integrations._common import METRICS, HeldScheduler
+from spikeguard.sinks import read_metrics
 
 from ._hf_llama import CORRUPT, corrupt_embeddings, llama, poison_mlp, readme_loop
 from .state_compare import same, same_moments
@@ -36,7 +38,7 @@ class ByteDataset(torch.utils.data.Dataset):
 
     def __init__(self, n: int, outlier_step: int | None = None, rows: range | None = None,
                  ga: int = 1) -> None:
-        tokens = sg.load_corpus("pydoc").train
+        tokens = load_corpus("pydoc").train
         self.seqs = [torch.from_numpy(tokens[i * SEQ:(i + 1) * SEQ].astype(np.int64))
                      for i in range(n)]
         self.labels = {}
@@ -116,7 +118,7 @@ def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
     callback = sg_hf.guard_trainer(trainer, config=guard_config())
     assert isinstance(trainer.lr_scheduler, HeldScheduler)
     trainer.train()
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
     assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
     assert records[OUTLIER]["action"] == "skip"
@@ -192,7 +194,7 @@ def test_nan_stops_the_trainer_with_a_report_then_raises(tmp_path):
     p1, m1, pos1, _ = snaps.after[nan_step]
     assert same(p0, p1) and same_moments(m0, m1) and pos1 == pos0
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert records[-1]["step"] == nan_step and records[-1]["action"] == "halt"
     assert math.isnan(records[-1]["loss"])
     last = [h for h in trainer.state.log_history if "spikeguard/loss" in h][-1]
@@ -212,7 +214,7 @@ def test_gradient_accumulation_is_one_guard_step_of_the_whole_batch(tmp_path):
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
     (ce + 1e-4 * (lse ** 2).mean()).backward()
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in reference.parameters()))
-    first = sg.read_metrics(tmp_path / "metrics.jsonl")[0]
+    first = read_metrics(tmp_path / "metrics.jsonl")[0]
     assert first["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
     assert first["loss"] == pytest.approx(ce.item(), rel=1e-5)
     assert first["log_z"] == pytest.approx(lse.mean().item(), rel=1e-5)
@@ -229,7 +231,7 @@ def test_a_resume_continues_the_guard_steps_with_one_record_each(tmp_path):
     again = make_trainer(tmp_path, steps=6, save_strategy="steps", save_steps=4)
     resumed = sg_hf.guard_trainer(again, config=guard_config(6))
     again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
-    steps = [r["step"] for r in sg.read_metrics(tmp_path / "metrics.jsonl")]
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert steps == list(range(6))  # steps 4 and 5 ran again, once each; none restarted at 0
     assert resumed.guard.step_index == again.state.global_step == 6
 
@@ -260,7 +262,7 @@ def test_metrics_reach_tensorboard(tmp_path):
     trainer = make_trainer(tmp_path, steps=steps, report_to="tensorboard")
     sg_hf.guard_trainer(trainer, config=guard_config(steps))
     trainer.train()
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     (found,) = tmp_path.rglob("events.out.tfevents*")  # under output_dir/runs/<date>
     events = EventAccumulator(str(found.parent)).Reload()
     for key in METRICS:
@@ -278,9 +280,9 @@ def _acted(records):
 def test_llama_in_the_readme_loop_clean_takes_no_action_and_an_outlier_is_skipped(tmp_path,
                                                                                  one_thread):
     clean = readme_loop(tmp_path / "clean")
-    assert _acted(sg.read_metrics(tmp_path / "clean" / "metrics.jsonl")) == {}
+    assert _acted(read_metrics(tmp_path / "clean" / "metrics.jsonl")) == {}
     run = readme_loop(tmp_path / "bad", bad=14)
-    records = sg.read_metrics(tmp_path / "bad" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "bad" / "metrics.jsonl")
     (rec,) = _acted(records).values()
     assert rec["step"] == 14 and rec["action"] == "skip" and rec["cause"] == "data"
     # the re-run reproduced the step bit for bit, and a kept batch cleared the weights first
@@ -289,7 +291,7 @@ def test_llama_in_the_readme_loop_clean_takes_no_action_and_an_outlier_is_skippe
     assert same(run["before"][0], run["after"][0])
     assert same_moments(run["before"][1], run["after"][1])
     # the steps before it are the clean run's, bit for bit (the guard changed nothing there)
-    clean_records = sg.read_metrics(tmp_path / "clean" / "metrics.jsonl")
+    clean_records = read_metrics(tmp_path / "clean" / "metrics.jsonl")
     assert [r["loss"] for r in records[:14]] == [r["loss"] for r in clean_records[:14]]
     del clean
 
@@ -311,7 +313,7 @@ def test_llama_a_corrupt_sample_is_quarantined_not_a_halt_under_drop_sequences(t
     quarantine.jsonl name the batch and the row. Without drop_sequences it halts, and a NaN no
     row explains (every row's MLP output) halts under drop_sequences too."""
     run = readme_loop(tmp_path / "drop", corrupt=(12, 3), drop_sequences=True)
-    records = sg.read_metrics(tmp_path / "drop" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "drop" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(20))
     (rec,) = _acted(records).values()
     assert rec["step"] == 12 and rec["action"] == "drop" and rec["skipped"] is False
@@ -343,7 +345,7 @@ def test_llama_accumulation_with_dropout_names_the_rows_and_never_guesses_transi
 
     run = readme_loop(tmp_path, k=2, dropout=dropout, bad=14, bad_rows=slice(5, 8))
     assert (stochastic(run["model"]) is not None) == (dropout > 0)
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     (rec,) = _acted(records).values()
     assert rec["step"] == 14 and rec["action"] == "skip"
     assert rec["cause"] in ("data", "unknown") and rec["cause"] != "transient"
@@ -362,14 +364,14 @@ def test_llama_in_hf_trainer_clean_takes_no_action_and_an_outlier_is_skipped(tmp
     trainer = make_trainer(tmp_path / "clean", steps=steps, model=llama())
     sg_hf.guard_trainer(trainer, config=guard_config(steps))
     trainer.train()
-    assert _acted(sg.read_metrics(tmp_path / "clean" / "metrics.jsonl")) == {}
+    assert _acted(read_metrics(tmp_path / "clean" / "metrics.jsonl")) == {}
     snaps = Snapshots()
     trainer = make_trainer(tmp_path / "bad", steps=steps, model=llama(), outlier=14,
                            callbacks=[snaps])
     snaps.trainer = trainer
     sg_hf.guard_trainer(trainer, config=guard_config(steps))
     trainer.train()
-    (rec,) = _acted(sg.read_metrics(tmp_path / "bad" / "metrics.jsonl")).values()
+    (rec,) = _acted(read_metrics(tmp_path / "bad" / "metrics.jsonl")).values()
     assert rec["step"] == 14 and rec["action"] == "skip"
     # each micro-batch's closure holds its batch: the weights check and the re-run both ran
     assert rec["cause"] == "data" and rec["weights_check"]["weights"] is False
@@ -406,7 +408,7 @@ def test_llama_in_hf_trainer_accumulation_with_dropout_is_never_transient(tmp_pa
     trainer = make_trainer(tmp_path, steps=steps, model=llama(dropout=0.1), ga=2, outlier=14)
     sg_hf.guard_trainer(trainer, config=guard_config(steps))
     trainer.train()
-    (rec,) = _acted(sg.read_metrics(tmp_path / "metrics.jsonl")).values()
+    (rec,) = _acted(read_metrics(tmp_path / "metrics.jsonl")).values()
     assert rec["step"] == 14 and rec["action"] == "skip"
     assert rec["cause"] in ("data", "unknown") and rec["cause"] == "data"
 
@@ -423,7 +425,7 @@ def test_llama_in_hf_trainer_a_corrupt_sample_is_dropped_not_a_halt(tmp_path):
     sg_hf.guard_trainer(trainer, config=sg.GuardConfig(
         detector=det, attribution=sg.AttributionConfig(drop_sequences=True)))
     trainer.train()
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(steps))
     (rec,) = _acted(records).values()
     assert rec["step"] == 12 and rec["action"] == "drop" and rec["kept_rows"] == [3, 4]
@@ -438,7 +440,7 @@ def test_a_fresh_trainer_run_into_the_same_output_dir_starts_its_metrics_anew(tm
         trainer = make_trainer(tmp_path, steps=4)
         sg_hf.guard_trainer(trainer, config=guard_config(4))
         trainer.train()
-    assert [r["step"] for r in sg.read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
     assert not (tmp_path / "report.json").exists()
 
 
@@ -453,12 +455,12 @@ def test_per_layer_signals_follow_the_blocks_of_hf_models(tmp_path):
     assert layer_of("model.embed_tokens.weight") == "model.embed_tokens"
     assert layer_of("blocks.3.attn.qkv.weight") == "blocks.3" and layer_of("wte.weight") == "wte"
     readme_loop(tmp_path, steps=6)
-    record = sg.read_metrics(tmp_path / "metrics.jsonl")[-1]
+    record = read_metrics(tmp_path / "metrics.jsonl")[-1]
     groups = sorted(k.split("/", 1)[1] for k in record if k.startswith("update_ratio/"))
     assert groups == ["lm_head", "model.embed_tokens", "model.layers.0", "model.layers.1",
                       "model.norm"]
     trainer = make_trainer(tmp_path / "gpt2", steps=4)
     sg_hf.guard_trainer(trainer, config=guard_config(4))
     trainer.train()
-    record = sg.read_metrics(tmp_path / "gpt2" / "metrics.jsonl")[-1]
+    record = read_metrics(tmp_path / "gpt2" / "metrics.jsonl")[-1]
     assert {"update_ratio/transformer.h.0", "update_ratio/transformer.h.1"} <= set(record)
