@@ -22,12 +22,13 @@ import torch
 from tests.test_integrations_olmo import SEQ, make_trainer
 
 import spikeguard as sg
+from spikeguard.data import load_corpus
 from spikeguard.sinks import read_metrics
 
 
 def held_out_loss(trainer, windows: int = 256) -> float:
     """Cross-entropy of the trained model on ``windows`` fixed validation windows (float64)."""
-    val = sg.load_corpus("pydoc").val
+    val = load_corpus("pydoc").val
     x = torch.from_numpy(val[:windows * (SEQ + 1)].astype(np.int64)).view(windows, SEQ + 1)
     with torch.no_grad():
         logits = trainer.train_module.model(x[:, :-1]).double()
