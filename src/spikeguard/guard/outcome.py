@@ -81,10 +81,11 @@ class StepOutcome:
             rec["update_coef"] = r.update_coef
         if self.weights_check is not None:
             rec["weights_check"] = self.weights_check.record()
-        rec.update(self.signals)
-        if self.cause is not None:
+        if self.cause is not None and self.finding is None:  # the weights check's cause
             rec["cause"] = self.cause
-        if self.finding is not None:
+        rec.update(self.signals)
+        if self.finding is not None:  # attribution's cause, then its keys
+            rec["cause"] = self.cause
             rec.update(self.finding.record())
         if self.would_do is not None:
             rec["verdict"] = self.would_do.value
