@@ -35,6 +35,8 @@ from ..detect.precision import PrecisionPolicy
 from ..guard import Guard
 from ..guard.forensics import HaltReport, TrainingHalted
 from ..model import GPT
+from ..oncall import NotedSink, OnCall
+from ..oncall.apply import apply_decision, reapply
 from ..prevent.mup import mup_param_groups
 from ..prevent.schedules import warmup_cosine, wsd
 from ..sinks import JsonlSink, read_metrics
@@ -160,6 +162,36 @@ def _wrap(model: GPT, parallel: str, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def _answered(out: Path) -> dict[str, Any] | None:
+    """config.json's on-call section (answers, their settings and skip ranges), if any."""
+    try:
+        return json.loads((out / "config.json").read_text()).get("oncall")
+    except (OSError, ValueError):
+        return None
+
+
+def _oncall(cfg: TrainConfig, out: Path, run_hash: str, model: GPT, *, resume: bool,
+            checkpoints: Any) -> OnCall | None:
+    """The run's on-call loop (pages, and answers under --ask), or None when not configured."""
+    oc = cfg.oncall
+    if not (oc.pages or oc.ask):
+        return None
+    if oc.ask and (cfg.guard.tier2 != "alert" or not cfg.guard.respond):
+        raise ValueError(f"--ask answers a Tier 2 alert; it needs --tier2 alert (not "
+                         f"{cfg.guard.tier2}) and the guard's responses on")
+    if _dist.rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        OnCall.start(out, resume=resume)
+    title = f"spikeguard train: {cfg.model}, seed {cfg.seed} (last window)"
+
+    def plot(path: Path) -> Any:
+        records = read_metrics(out / "metrics.jsonl")[-500:]
+        return plot_run(records, path, title=title, skip_ratio=cfg.guard.detector.skip_ratio)
+
+    return OnCall(oc, out, run_id=run_hash, layers=[n for n, _ in model.named_modules() if n],
+                  plot=plot if cfg.plot else None, checkpoints=checkpoints)
+
+
 def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
     """Run ``cfg``: returns what it measured; a halt is reported in ``result.halted`` (the CLI
     turns it into exit status 3); Ctrl-C raises :class:`TrainInterrupted`. torch's CPU thread
@@ -184,6 +216,7 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
     gcfg = cfg.gpt_config(data.vocab_size)
     run_hash = cfg.run_hash(data.sha256)
     resume = prepare_out(cfg, out, run_hash, console)
+    answered = _answered(out) if resume else None  # on-call answers a resume keeps
     resumed_at: int | None = None
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg).to(device)
@@ -204,11 +237,16 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
         (out / "config.json").write_text(json.dumps(
             {"config": cfg.to_dict(), "model": gcfg.__dict__, "data": data.describe,
              "data_sha256": data.sha256, "run_hash": run_hash, "world_size": world,
-             "precision": policy.kind, "params": model.num_params()}, indent=2, default=str))
+             "precision": policy.kind, "params": model.num_params(),
+             **({"oncall": answered} if answered else {})}, indent=2, default=str))
     progress = ProgressSink(console, total=cfg.steps, start=0,
                             tokens_per_step=cfg.batch_size * gcfg.seq_len * world,
                             bar=cfg.progress, print_every=cfg.print_every)
     sinks = [JsonlSink(out / "metrics.jsonl"), progress] if rank == 0 else []
+    oncall = _oncall(cfg, out, run_hash, model, resume=resume,
+                     checkpoints=lambda: [c.step for c in guard.checkpoints.list() if c.healthy])
+    if oncall is not None and sinks:
+        sinks[0] = NotedSink(sinks[0], oncall)  # a decision goes into the next record
     def target() -> int:  # steps to run: --steps plus the withheld updates made up
         return cfg.steps + min(guard.withheld, cfg.make_up_skips)
 
@@ -216,7 +254,7 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
                   checkpoints=RunCheckpoints(out / "checkpoints", every=cfg.ckpt_every,
                                              keep=cfg.keep, last_step=lambda: target() - 1),
                   data=stream, sinks=sinks, probes=True, extra_state={"faults": injector},
-                  keep_on_rollback=("faults",))
+                  keep_on_rollback=("faults",), on_alert=oncall.page if oncall else None)
     threads = (f"--threads {cfg.threads}; torch's default here: {torch_threads}" if cfg.threads
                else "torch's default, --threads 0")
     console.print(f"{data.describe}; model {cfg.model}: {model.num_params():,} params on "
@@ -244,6 +282,9 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
                               f"--out runs beside it)")
                 return result
             console.print(f"resumed from the checkpoint at step {info.step}")
+            kept = reapply(answered, guard, model, stream)
+            if kept:
+                console.print(f"kept the on-call answers' settings: {kept}")
     start = time.perf_counter()
     skipped: list[int] = []
     try:
@@ -279,6 +320,17 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
             injector.after_step(optimizer)
             result.losses.append(float(loss.ce))
             skipped += [v.step for v in verdicts if v.skip]
+            # the on-call answer, at the step boundary, the same on every rank (oncall/ask.py)
+            if oncall is not None and (decision := oncall.poll(guard.step_index)) is not None:
+                done = apply_decision(guard, model, decision)
+                oncall.applied(decision, guard.step_index, done)
+                console.print(f"on-call: incident {decision.incident} answered "
+                              f"{decision.action} (by {decision.by}): {done or 'no change'}")
+                if decision.action == "halt":
+                    raise TrainingHalted(HaltReport(
+                        step=guard.step_index - 1, reasons=(f"on-call answer: halt (incident "
+                                                            f"{decision.incident}, by "
+                                                            f"{decision.by})",)))
     except TrainingHalted as halt:
         result.halted = halt.report
     except KeyboardInterrupt:
@@ -286,6 +338,11 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
     finally:
         guard.close()
         progress.close()
+        if oncall is not None:
+            sent, unsent = oncall.close(halted=result.halted is not None)
+            if unsent:
+                console.print(f"on-call: {unsent} page(s) could not be sent ({sent} sent); "
+                              f"they are kept in {out / 'pages.jsonl'}")
     result.seconds = time.perf_counter() - start
     result.applied, result.rollbacks = guard.applied, guard.rollbacks
     result.made_up = target() - cfg.steps
