@@ -12,7 +12,6 @@ nothing from another origin, and refuses a POST whose Origin or Sec-Fetch-Site s
 sent it, or whose body is not JSON (a cross-site form cannot send one without a preflight).
 """
 
-from __future__ import annotations
 
 import argparse
 import json
@@ -155,6 +154,10 @@ def create_app(run_dir: str | Path) -> Any:
     async def index() -> Response:
         return Response((STATIC / "watch.html").read_bytes(),
                         media_type="text/html; charset=utf-8")
+
+    @app.get("/favicon.ico")
+    async def favicon() -> Response:
+        return Response(status_code=204)
 
     @app.get("/static/{name}")
     async def static(name: str) -> Response:
