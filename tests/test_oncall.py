@@ -12,9 +12,10 @@ import os
 import re
 import subprocess
 import sys
-import time
 
+import numpy as np
 import pytest
+import torch
 
 import spikeguard as sg
 from spikeguard import cli
@@ -164,6 +165,15 @@ def test_the_drift_scenario_paged_refused_answered_rolled_back_with_z_loss(tmp_p
         if path.is_file() and path.suffix in (".json", ".jsonl", ".txt"):
             assert SECRET not in path.read_text(errors="replace"), path
     assert SECRET not in stdout + stderr
+    # the same command again: the run is complete, and config.json keeps the answer's change
+    again = _train(["--steps", "140", *DRIFT, "--ask", "--answer-within-s", "600",
+                    "--resolve-after", "20", "--page-format", "pagerduty",
+                    "--page-to", "http://127.0.0.1:9/unused", "--page-secret-env",
+                    "SG_TEST_PD_KEY", "--out", str(out)], env)
+    so, se = again.communicate(timeout=600)
+    assert again.returncode == 0 and "is complete" in so, so + se
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["config"]["gpt"]["z_loss"] == 1e-4 and meta["oncall"]["overrides"] == {"z_loss": 1e-4}
 
 
 @pytest.mark.slow
@@ -198,17 +208,42 @@ def _seconds(stdout: str) -> float:
 @pytest.mark.slow
 def test_a_slow_server_does_not_slow_the_steps(tmp_path, sub_env):
     args = ["--steps", "100", *DRIFT, "--ask", "--answer-within-s", "600", "--no-plot"]
-    with hook(delay=3.0) as h:
-        t0 = time.monotonic()
+    with hook(delay=3.0) as h:  # both runs at once: the same load on both
         slow = _train([*args, "--page-to", h.url, "--page-timeout-s", "1", "--page-retries",
                        "3", "--page-backoff-s", "0.2", "--out", str(tmp_path / "slow")], sub_env)
+        base = _train([*args, "--out", str(tmp_path / "base")], sub_env)
         so_slow, se = slow.communicate(timeout=600)
         assert slow.returncode == 0, so_slow + se
+        so_base, se = base.communicate(timeout=600)
+        assert base.returncode == 0, so_base + se
         assert len(h.posts) >= 1  # the page reached the server, which took 3 s to answer
-    base = _train([*args, "--out", str(tmp_path / "base")], sub_env)
-    so_base, se = base.communicate(timeout=600)
-    assert base.returncode == 0, so_base + se
-    assert time.monotonic() - t0 > 0
     ratio = _seconds(so_slow) / _seconds(so_base)
     print(f"train seconds with a 3 s webhook / without a pager: {ratio:.2f}")
     assert ratio < 1.6, (so_slow, so_base)
+
+
+def test_a_resumed_run_applies_the_answers_settings_again(tmp_path):
+    from spikeguard.data import TokenStream
+    from spikeguard.guard import Guard
+    from spikeguard.model import GPT, GPTConfig
+    from spikeguard.oncall.apply import reapply
+
+    model = GPT(GPTConfig.tiny(z_loss=0.0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    stream = TokenStream(np.arange(5000) % 256, batch_size=2, seq_len=16, seed=0)
+    guard = Guard(model, opt, scheduler=sched, data=stream)
+    section = {"overrides": {"z_loss": 1e-4, "lr": 4e-4, "clip": 0.5,
+                             "precision.blocks.0.attn": "fp32"}, "skip_data": [[3, 5]]}
+    for _ in range(2):  # applying it twice (a second resume) changes nothing more
+        kept = reapply(section, guard, model, stream)
+    assert kept == section["overrides"]
+    assert model.cfg.z_loss == 1e-4 and guard.updater.clip == 0.5
+    assert sched.base_lrs == [pytest.approx(4e-4)]
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-4)  # the schedule's 0.5 of the new peak
+    assert stream.skip_ranges == [(3, 5)]
+    attn = model.get_submodule("blocks.0.attn")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.randn(1, 16, model.cfg.d_model)
+        assert attn(x).dtype == torch.float32  # outside autocast, whatever the policy
+        assert model.get_submodule("blocks.0.mlp")(x).dtype == torch.bfloat16

@@ -42,6 +42,7 @@ from .. import _dist
 from .answer import Answer, answer_path, incident_path, oncall_dir, take_answer, write_json
 from .config import OnCallConfig
 from .pager import PageEvent, Pager
+from .settings import SETTINGS, config_with
 
 __all__ = ["Decision", "NotedSink", "OnCall"]
 
@@ -178,8 +179,7 @@ class OnCall:
                 "answer_default": self.config.answer_default}
         self.incident = {"id": ident, "step": step, "status": "open", "opened": time.time(),
                          "alerts": 1, "page": page, "summary": summary, "plot": str(png),
-                         "settings": ["z_loss", "lr", "lr_scale", "clip", "qk_clip",
-                                      "precision.<module>"],
+                         "settings": list(SETTINGS),
                          "layers": self.layers, "refused": [], "pages": {}}
         self._write_incident()
         self._log({"event": "incident", "incident": ident, "step": step, "summary": summary})
@@ -327,24 +327,8 @@ class OnCall:
         section["overrides"].update(what.get("settings", {}))
         if decision.skip_data is not None:
             section["skip_data"].append(list(decision.skip_data))
-        write_json(path, _with_config(meta, what.get("settings", {})))
-
-
-def _with_config(meta: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
-    """config.json's ``config`` with the settings written where TrainConfig keeps them."""
-    from .settings import CONFIG_PATH
-
-    cfg = meta.get("config")
-    for name, value in settings.items():
-        where = CONFIG_PATH.get(name)
-        node = cfg
-        if where is None or not isinstance(node, dict):
-            continue
-        for key in where[:-1]:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node[where[-1]] = value
-    return meta
+        config_with(meta.get("config"), what.get("settings", {}))
+        write_json(path, meta)
 
 
 class NotedSink:

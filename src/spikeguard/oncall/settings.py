@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["CONFIG_PATH", "SETTINGS", "parse_setting", "split_setting"]
+__all__ = ["CONFIG_PATH", "SETTINGS", "config_with", "parse_setting", "split_setting"]
 
 SETTINGS = ("z_loss", "lr", "lr_scale", "clip", "qk_clip", "precision.<module>")
 """The names ``--set`` knows (``precision.`` takes a module name after the dot)."""
@@ -83,3 +83,18 @@ def parse_setting(name: str, value: Any, *, layers: list[str]) -> tuple[str, Any
                              "autocast) or auto (the run's policy)")
         return name, str(value)
     raise ValueError(f"--set {name}: unknown setting; known: {', '.join(SETTINGS)}")
+
+
+def config_with(config: Any, settings: dict[str, Any]) -> Any:
+    """``config`` (a TrainConfig as a dict, config.json's ``config``) with each setting written
+    where TrainConfig keeps it (CONFIG_PATH; the others live in config.json's ``oncall`` only)."""
+    for name, value in settings.items():
+        where = CONFIG_PATH.get(name)
+        node = config
+        if where is None:
+            continue
+        for key in where[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node[where[-1]] = value
+    return config

@@ -37,6 +37,7 @@ from ..guard.forensics import HaltReport, TrainingHalted
 from ..model import GPT
 from ..oncall import NotedSink, OnCall
 from ..oncall.apply import apply_decision, reapply
+from ..oncall.settings import config_with
 from ..prevent.mup import mup_param_groups
 from ..prevent.schedules import warmup_cosine, wsd
 from ..sinks import JsonlSink, read_metrics
@@ -235,7 +236,7 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(
-            {"config": cfg.to_dict(), "model": gcfg.__dict__, "data": data.describe,
+            {"config": config_with(cfg.to_dict(), answered["overrides"] if answered else {}), "model": gcfg.__dict__, "data": data.describe,
              "data_sha256": data.sha256, "run_hash": run_hash, "world_size": world,
              "precision": policy.kind, "params": model.num_params(),
              **({"oncall": answered} if answered else {})}, indent=2, default=str))
