@@ -1,17 +1,21 @@
 """The on-call loop with real parts: a webhook server on 127.0.0.1 (tests/_oncall_hook.py),
 ``spikeguard train --ask`` as a user runs it (a subprocess), ``spikeguard respond`` answering it.
 
-The scenario of docs/on-call.md: the tiny model without z-loss, its logits drifting from step 80
-(``--inject logit-drift``). The page reaches the server; bad answers are refused with one line
-while the run goes on untouched; the answer "roll back to the checkpoint before log Z began to
-rise, z-loss 1e-4" is applied, recorded, kept in config.json, and log Z stays bounded after."""
+The scenario of docs/on-call.md: the tiny model without z-loss, its logits drifting from step 60
+and again after any rollback (``--inject logit-drift@60:0.05!``, peak LR 3e-3). The page reaches the server; bad
+answers are refused with one line while the run goes on untouched; the answer "roll back to the
+checkpoint before log Z began to rise, z-loss 1e-3" is applied, recorded, kept in config.json,
+and log Z stays below where it stood at the page. (z-loss 1e-4, PaLM's value, only slows this
+injected drift on the tiny model: BENCHMARKS.md, "The on-call loop".)"""
 
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -29,6 +33,9 @@ from tests.conftest import ROOT
 TINY = ["--model", "tiny", "--batch-size", "8", "--eval-batches", "1", "--no-progress",
         "--lr", "1e-3", "--z-loss", "0", "--ckpt-every", "20"]
 DRIFT = ["--inject", "logit-drift@60:0.2"]
+STICKY = ["--inject", "logit-drift@60:0.05!", "--lr", "3e-3"]
+"""The scenario's drift comes back after a rollback (the model's own tendency, not a transient):
+a rollback alone meets it again, the answer's z-loss is what holds it."""
 SECRET = "pd-routing-key-7f3a9c"
 
 
@@ -36,6 +43,21 @@ def _train(args, env, **kw):
     return subprocess.Popen([sys.executable, "-m", "spikeguard", "train", *TINY, *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)
+
+
+def _stop_when(proc, out, done, timeout=300.0):
+    """Interrupt ``proc`` (Ctrl-C: it checkpoints and exits 130) once ``done(records)`` holds
+    for the records in ``out``: the run's length then adapts to the machine's speed."""
+    end = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < end:
+        try:
+            if done(sg.read_metrics(out / "metrics.jsonl")):
+                proc.send_signal(signal.SIGINT)
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    return proc.communicate(timeout=600)
 
 
 def _respond(capsys, *args):
@@ -96,11 +118,11 @@ def test_the_drift_scenario_paged_refused_answered_rolled_back_with_z_loss(tmp_p
                                                                            capsys):
     out = tmp_path / "run"
     env = {**sub_env, "SG_TEST_PD_KEY": SECRET}
+    cmd = ["--steps", "400", *STICKY, "--ask", "--answer-within-s", "600", "--resolve-after",
+           "20", "--page-format", "pagerduty", "--page-secret-env", "SG_TEST_PD_KEY",
+           "--out", str(out)]
     with hook() as h:
-        proc = _train(["--steps", "140", *DRIFT, "--ask", "--answer-within-s", "600",
-                       "--resolve-after", "20", "--page-format", "pagerduty",
-                       "--page-to", h.url, "--page-secret-env", "SG_TEST_PD_KEY",
-                       "--out", str(out)], env)
+        proc = _train([*cmd, "--page-to", h.url], env)
         try:
             (trigger,) = h.wait(1)
             body = trigger["body"]
@@ -134,13 +156,18 @@ def test_the_drift_scenario_paged_refused_answered_rolled_back_with_z_loss(tmp_p
                 assert not (out / "oncall" / "answer.json").exists()
             assert proc.poll() is None  # the run went on meanwhile
             rc, so, _ = _respond(capsys, out, "rollback", "--incident", incident, "--to", to,
-                                 "--set", "z_loss=1e-4")
+                                 "--set", "z_loss=1e-3")
             assert rc == 0 and "answered incident" in so
-            stdout, stderr = proc.communicate(timeout=600)
+
+            def replayed(records):  # 60 steps after the answer's rollback
+                noted = [k for k, r in enumerate(records) if "oncall" in r]
+                return bool(noted) and len(records) - noted[0] >= 60
+
+            stdout, stderr = _stop_when(proc, out, replayed)
         finally:
             if proc.poll() is None:
                 proc.kill()
-        assert proc.returncode == 0, stdout + stderr
+        assert proc.returncode in (0, 130), stdout + stderr
         posts = h.wait(2, timeout=30)  # the resolve: the run recovered
     resolve = posts[1]["body"]
     assert resolve == {"routing_key": SECRET, "event_action": "resolve",
@@ -151,40 +178,47 @@ def test_the_drift_scenario_paged_refused_answered_rolled_back_with_z_loss(tmp_p
     note = noted[0]["oncall"]
     assert note["incident"] == incident and note["decision"] == "rollback"
     assert note["by"] == "person" and note["rollback_to"] == to
-    assert note["settings"] == {"z_loss": 1e-4}
+    assert note["settings"] == {"z_loss": 1e-3}
     assert noted[0]["step"] == to + 1  # the first replayed step carries it
     meta = json.loads((out / "config.json").read_text())
-    assert meta["config"]["gpt"]["z_loss"] == 1e-4
-    assert meta["oncall"]["overrides"] == {"z_loss": 1e-4}
-    # log Z after the answer stays below where it stood when the page went out
+    assert meta["config"]["gpt"]["z_loss"] == 1e-3
+    assert meta["oncall"]["overrides"] == {"z_loss": 1e-3}
+    # log Z under the same drift at the same steps: the first pass (no z-loss) against the
+    # replay after the answer; and the replay never climbs back to where the first pass went
     i = records.index(noted[0])
-    after = [r["log_z"] for r in records[i:]]
-    assert max(after) < s["log_z"]["last"], (max(after), s["log_z"]["last"])
+    first = {r["step"]: r["log_z"] for r in records[:i] if r["step"] >= s["onset_step"]}
+    replay = {r["step"]: r["log_z"] for r in records[i:]}
+    both = sorted(set(first) & set(replay))
+    assert len(both) >= 20, both
+    gap = sum(first[t] - replay[t] for t in both) / len(both)
+    print(f"log Z, steps {both[0]}-{both[-1]}: first pass - replay with z-loss = {gap:.3f} nats")
+    assert gap > 0.3
+    assert max(replay.values()) < max(first.values())
     # the secret is in no file of the run and in no output
     for path in out.rglob("*"):
         if path.is_file() and path.suffix in (".json", ".jsonl", ".txt"):
             assert SECRET not in path.read_text(errors="replace"), path
     assert SECRET not in stdout + stderr
-    # the same command again: the run is complete, and config.json keeps the answer's change
-    again = _train(["--steps", "140", *DRIFT, "--ask", "--answer-within-s", "600",
-                    "--resolve-after", "20", "--page-format", "pagerduty",
-                    "--page-to", "http://127.0.0.1:9/unused", "--page-secret-env",
-                    "SG_TEST_PD_KEY", "--out", str(out)], env)
-    so, se = again.communicate(timeout=600)
-    assert again.returncode == 0 and "is complete" in so, so + se
+    # the same command again resumes from the last checkpoint with the answer's z-loss
+    last = max(r["step"] for r in records)
+    again = _train([*cmd, "--page-to", "http://127.0.0.1:9/unused"], env)
+    so, se = _stop_when(again, out, lambda rs: max(r["step"] for r in rs) > last + 5)
+    assert again.returncode in (0, 130), so + se
+    assert "resumed from the checkpoint" in so and \
+        "kept the on-call answers' settings: {'z_loss': 0.001}" in so, so
     meta = json.loads((out / "config.json").read_text())
-    assert meta["config"]["gpt"]["z_loss"] == 1e-4 and meta["oncall"]["overrides"] == {"z_loss": 1e-4}
+    assert meta["config"]["gpt"]["z_loss"] == 1e-3 and meta["oncall"]["overrides"] == {"z_loss": 1e-3}
 
 
 @pytest.mark.slow
 def test_the_server_down_for_the_whole_run_and_no_answer_the_default_applies(tmp_path, sub_env):
     out = tmp_path / "run"
-    proc = _train(["--steps", "100", *DRIFT, "--ask", "--answer-within-s", "1",
+    proc = _train(["--steps", "400", *DRIFT, "--ask", "--answer-within-s", "1",
                    "--answer-default", "rollback", "--page-retries", "2",
                    "--page-backoff-s", "0.1", "--page-to",
                    f"http://127.0.0.1:{closed_port()}/hook", "--out", str(out)], sub_env)
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stdout + stderr
+    stdout, stderr = _stop_when(proc, out, lambda rs: any("oncall" in r for r in rs[-10:-5]))
+    assert proc.returncode in (0, 130), stdout + stderr
     pages = [json.loads(x) for x in (out / "pages.jsonl").read_text().splitlines()]
     trigger = next(p for p in pages if p["action"] == "trigger")
     assert trigger["status"] == "unsent" and trigger["attempts"] == 3

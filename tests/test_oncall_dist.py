@@ -22,7 +22,7 @@ def test_two_ranks_apply_one_answer_alike(tmp_path, sub_env, capsys):
     with hook() as h:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", "-m", "spikeguard", "train", *TINY, "--steps", "100", *DRIFT, "--parallel",
+             "2", "-m", "spikeguard", "train", *TINY, "--steps", "160", *DRIFT, "--parallel",
              "ddp", "--ask", "--answer-within-s", "600", "--page-to", h.url, "--no-plot",
              "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)

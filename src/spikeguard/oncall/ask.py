@@ -105,12 +105,15 @@ class OnCall:
     """Incidents, pages and answers of one run (module docstring). ``layers``: the model's
     module names (what ``--set precision.M`` may name); ``plot(path)`` draws the run's last
     window to ``path`` (it runs on the pager's thread); ``checkpoints()`` lists the healthy
-    checkpoint steps (default: read RUN_DIR/checkpoints)."""
+    checkpoint steps (default: read RUN_DIR/checkpoints). ``max_rollbacks``: rollbacks by
+    answers after which a default (nobody answered) that would roll back halts instead, as the
+    guard's rollback budget does; a person's answer is never refused for it."""
 
     def __init__(self, config: OnCallConfig, run_dir: str | Path, *, run_id: str = "",
                  layers: list[str] | None = None,
                  plot: Callable[[Path], Any] | None = None,
                  checkpoints: Callable[[], list[int]] | None = None,
+                 max_rollbacks: int = 3,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.run_dir = Path(run_dir).resolve()
@@ -119,6 +122,8 @@ class OnCall:
         self.plot, self.clock = plot, clock
         self.rank, self.world = _dist.rank(), _dist.world_size()
         self._checkpoints = checkpoints
+        self.max_rollbacks = max_rollbacks
+        self.rollbacks = 0         # rollbacks applied through answers (the default's budget)
         self.pager = Pager(config, self.run_dir) if config.pages and self.rank == 0 else None
         self.incident: dict[str, Any] | None = None  # rank 0: the file's content
         self.open = False          # every rank: an incident not yet resolved
@@ -214,6 +219,7 @@ class OnCall:
         """Record a decision applied at ``step``: incidents.jsonl, incident.json, config.json's
         ``oncall`` section (a resumed run keeps the settings) and the next metrics record."""
         self.after_rollback = decision.action == "rollback"
+        self.rollbacks += self.after_rollback
         note = {"incident": decision.incident, "decision": decision.action, "by": decision.by,
                 "waited_s": round(decision.waited_s, 3), **_clean(what)}
         self._note = note
@@ -276,7 +282,12 @@ class OnCall:
     def _default(self, inc: dict[str, Any], steps: list[int]) -> Answer:
         action = self.config.answer_default
         to = inc["summary"].get("rollback_checkpoint")
-        if action == "rollback" and (to is None or to not in steps):
+        if action == "rollback" and self.rollbacks >= self.max_rollbacks:
+            # the guard's own rule: a default that would roll back once more halts instead
+            self._log({"event": "default", "incident": inc["id"], "why": f"rollback budget of "
+                       f"{self.max_rollbacks} exhausted: halt instead"})
+            action = "halt"
+        elif action == "rollback" and (to is None or to not in steps):
             self._log({"event": "default", "incident": inc["id"], "why": f"no healthy "
                        f"checkpoint at the suggested step {to}: continue instead"})
             action = "continue"

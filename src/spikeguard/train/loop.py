@@ -190,7 +190,8 @@ def _oncall(cfg: TrainConfig, out: Path, run_hash: str, model: GPT, *, resume: b
         return plot_run(records, path, title=title, skip_ratio=cfg.guard.detector.skip_ratio)
 
     return OnCall(oc, out, run_id=run_hash, layers=[n for n, _ in model.named_modules() if n],
-                  plot=plot if cfg.plot else None, checkpoints=checkpoints)
+                  plot=plot if cfg.plot else None, checkpoints=checkpoints,
+                  max_rollbacks=cfg.guard.max_rollbacks)
 
 
 def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
