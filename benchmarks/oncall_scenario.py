@@ -1,16 +1,20 @@
-"""The on-call scenario end to end: a run without z-loss whose logits drift, four ways.
+"""The on-call scenario end to end: a run without z-loss whose logits drift, five ways.
 
 Each seed runs ``spikeguard train`` (tiny model, batch 8, 300 steps, peak LR 3e-3, z-loss 0,
-``--inject logit-drift@150:0.05``, checkpoints every 50 steps) as a user would, in a subprocess:
+checkpoints every 50 steps) as a user would, in a subprocess. The fault is
+``--inject logit-drift@150:0.05!``: from step 150 the head's input is scaled by
+(1 + 0.05 (t - 150)), and again from the start after a rollback (``!``: the model's own
+tendency, not a transient that a rollback leaves behind).
 
 - clean: the same run without the fault (the reference);
 - unguarded: with the fault, the guard recording only (``--no-respond``);
-- rollback: ``--tier2 rollback``: back to the suggested checkpoint, the same settings;
-- ask: ``--ask`` with the page posted to a real webhook server on 127.0.0.1; when the page
-  arrives, this script answers as the on-call engineer would: ``spikeguard respond RUN_DIR
-  rollback --incident ID --to <the page's suggested checkpoint> --set z_loss=1e-4`` (roll back
-  to before log Z began to rise, add z-loss). A later incident, if any, gets no answer and its
-  default (continue) applies after 5 s.
+- rollback: ``--tier2 rollback``: back to the suggested checkpoint, no change (the budget of 3
+  rollbacks, then a halt);
+- ask-1e-4, ask-1e-3: ``--ask`` with the page posted to a real webhook server on 127.0.0.1;
+  when the page arrives, this script answers as the on-call engineer would: ``spikeguard
+  respond RUN_DIR rollback --incident ID --to <the page's suggested checkpoint> --set
+  z_loss=Z`` (roll back to before log Z began to rise, add z-loss). A later incident, if any,
+  gets no answer and its default (continue) applies after 5 s.
 
 It prints, per seed and arm, the held-out loss, its ratio to the clean run, the largest log Z
 over the last 100 steps, and for ask the step of the page, the checkpoint restored and how
@@ -38,9 +42,10 @@ __all__ = ["main"]
 
 BASE = ["--model", "tiny", "--batch-size", "8", "--steps", "300", "--lr", "3e-3", "--z-loss", "0",
         "--no-progress", "--ckpt-every", "50", "--no-plot"]
-FAULT = ["--inject", "logit-drift@150:0.05"]
+FAULT = ["--inject", "logit-drift@150:0.05!"]
+ASK = [*FAULT, "--ask", "--answer-within-s", "5"]
 ARMS = {"clean": [], "unguarded": [*FAULT, "--no-respond"],
-        "rollback": [*FAULT, "--tier2", "rollback"], "ask": [*FAULT, "--ask", "--answer-within-s", "5"]}
+        "rollback": [*FAULT, "--tier2", "rollback"], "ask-1e-4": ASK, "ask-1e-3": ASK}
 
 
 def _train(args: list[str]) -> subprocess.Popen:
@@ -60,7 +65,7 @@ def run_arm(arm: str, seed: int, root: Path) -> dict:
     args = [*BASE, *ARMS[arm], "--seed", str(seed), "--out", str(out)]
     row: dict = {"arm": arm, "seed": seed}
     t0 = time.monotonic()
-    if arm != "ask":
+    if not arm.startswith("ask"):
         proc = _train(args)
         so, se = proc.communicate()
     else:
@@ -72,7 +77,7 @@ def run_arm(arm: str, seed: int, root: Path) -> dict:
                 to = s["rollback_checkpoint"]
                 r = subprocess.run([sys.executable, "-m", "spikeguard", "respond", str(out),
                                     "rollback", "--incident", page["incident"], "--to", str(to),
-                                    "--set", "z_loss=1e-4"], capture_output=True, text=True)
+                                    "--set", f"z_loss={arm.split('-', 1)[1]}"], capture_output=True, text=True)
                 assert r.returncode == 0, r.stderr
                 row.update(page_step=s["step"], onset=s["onset_step"], to=to)
             except TimeoutError:
@@ -84,9 +89,12 @@ def run_arm(arm: str, seed: int, root: Path) -> dict:
             row["decisions"] = [(n["step"], n["oncall"]["decision"], n["oncall"]["by"]) for n in notes]
             # from the incident opening (rank 0's clock) to the answer applied
             row["page_to_decision_s"] = notes[0]["oncall"]["waited_s"] if notes else None
-    if proc.returncode != 0:
+    if proc.returncode not in (0, 3):
         raise RuntimeError(f"{arm} seed {seed}: rc {proc.returncode}\n{se[-2000:]}")
-    row["val_loss"] = float(re.search(r"held-out loss ([\d.]+)", so).group(1))
+    row["halted"] = proc.returncode == 3
+    found = re.search(r"held-out loss ([\d.]+)", so)
+    row["val_loss"] = float(found.group(1)) if found else None
+    row["rollbacks"] = json.loads((out / "ranks" / "rank0.json").read_text())["rollbacks"]
     row["max_log_z_last100"] = round(_read(out)["max_log_z_last100"], 3)
     row["wall_s"] = round(time.monotonic() - t0, 1)
     return row
@@ -107,16 +115,24 @@ def main(argv: list[str] | None = None) -> None:
                 if args.results:
                     with open(args.results, "a") as f:
                         f.write(json.dumps(row) + "\n")
+    table(rows)
+
+
+def table(rows: list[dict]) -> None:
+    """The Markdown table of BENCHMARKS.md from the rows."""
     clean = {r["seed"]: r["val_loss"] for r in rows if r["arm"] == "clean"}
-    print("\n| arm | seeds | held-out loss (mean) | vs clean (max) | vs unguarded (max) | "
-          "max log Z, last 100 steps (max) |")
-    print("|---|---|---|---|---|---|")
     ung = {r["seed"]: r["val_loss"] for r in rows if r["arm"] == "unguarded"}
+    print("\n| arm | runs | halted | rollbacks | held-out loss (mean) | vs clean (max) | "
+          "vs unguarded (max) | max log Z, last 100 steps (max) |")
+    print("|---|---|---|---|---|---|---|---|")
     for arm in ARMS:
         rs = [r for r in rows if r["arm"] == arm]
-        print(f"| {arm} | {len(rs)} | {statistics.mean(r['val_loss'] for r in rs):.4f} | "
-              f"{max(r['val_loss'] / clean[r['seed']] for r in rs):.4f} | "
-              f"{max(r['val_loss'] / ung[r['seed']] for r in rs):.4f} | "
+        done = [r for r in rs if r["val_loss"] is not None]
+        mean = f"{statistics.mean(r['val_loss'] for r in done):.4f}" if done else "-"
+        vc = f"{max(r['val_loss'] / clean[r['seed']] for r in done):.4f}" if done else "-"
+        vu = f"{max(r['val_loss'] / ung[r['seed']] for r in done):.4f}" if done else "-"
+        print(f"| {arm} | {len(rs)} | {sum(r['halted'] for r in rs)} | "
+              f"{sum(r['rollbacks'] for r in rs)} | {mean} | {vc} | {vu} | "
               f"{max(r['max_log_z_last100'] for r in rs):.3f} |")
 
 

@@ -242,10 +242,17 @@ class OnCall:
         return note
 
     def close(self, *, halted: bool = False) -> tuple[int, int]:
-        """End of the run: a decided incident is resolved unless the run halted; pages still
-        in flight get a few seconds, then what is left is kept as unsent. (sent, unsent)."""
+        """End of the run: a decided incident is resolved unless the run halted, one still
+        waiting is marked abandoned; pages still in flight get a few seconds, then what is left
+        is kept as unsent. (sent, unsent)."""
         if self.open and not self.waiting and not halted:
-            self._resolve("the run finished")
+            self._resolve("the run ended")
+        elif self.waiting and self.rank == 0 and self.incident is not None:
+            # nothing will read an answer now: respond refuses one instead of writing it
+            self.incident.update(status="abandoned", resolved="the run ended before an answer")
+            self._write_incident()
+            self._log({"event": "abandoned", "incident": self.incident["id"]})
+        self.open = self.waiting = False
         if self.pager is None:
             return 0, 0
         sent, unsent = self.pager.close(wait_s=min(5.0, self.config.page_timeout_s))

@@ -23,7 +23,7 @@ from typing import Any
 from .answer import Answer, AnswerError, incident_path, parse_range, read_incident, write_answer
 from .settings import split_setting
 
-__all__ = ["HOST", "STATIC", "add_arguments", "create_app", "run", "state"]
+__all__ = ["HOST", "STATIC", "add_arguments", "create_app", "post_answer", "run", "state"]
 
 HOST = "127.0.0.1"
 """The only address the server listens on."""
@@ -103,52 +103,88 @@ def _answer_from(body: Any) -> Answer:
                   settings=settings)
 
 
+class _Protect:
+    """ASGI middleware: refuse a Host header other than 127.0.0.1 or localhost; add the
+    security headers to every response."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        from fastapi.responses import JSONResponse
+        from starlette.datastructures import MutableHeaders
+
+        if scope["type"] != "http":
+            await self.inner(scope, receive, send)
+            return
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        if host.rsplit(":", 1)[0] not in _HOSTS:
+            refusal = JSONResponse({"error": f"Host header {host[:100]!r} refused: the watch "
+                                             "page answers to 127.0.0.1 and localhost only"},
+                                   status_code=400)
+            await refusal(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                h = MutableHeaders(scope=message)
+                h["Content-Security-Policy"] = _CSP
+                h["X-Content-Type-Options"] = "nosniff"
+                h["Referrer-Policy"] = "no-referrer"
+                h["Cache-Control"] = "no-store"
+            await send(message)
+
+        await self.inner(scope, receive, send_with_headers)
+
+
+def post_answer(run_dir: Path, headers: Any, raw: bytes) -> tuple[int, dict[str, Any]]:
+    """POST /api/answer: (status, JSON body). Refuses another site's request (403), a body that
+    is not JSON (415) or too large (413); an answer refused as ``spikeguard respond`` refuses it
+    is 400 with its one line; an accepted one is written as respond writes it."""
+    origin = headers.get("origin")
+    if origin is not None and origin.split("://", 1)[-1].rsplit(":", 1)[0] not in _HOSTS:
+        return 403, {"error": f"Origin {origin[:100]!r} refused: answer from the watch page"}
+    site = headers.get("sec-fetch-site", "same-origin")
+    if site not in ("same-origin", "none"):
+        return 403, {"error": f"Sec-Fetch-Site {site[:40]!r} refused: answer from the watch page"}
+    if headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        return 415, {"error": "the answer must be sent as application/json"}
+    if len(raw) > _MAX_BODY:
+        return 413, {"error": "the answer is too large"}
+    try:
+        answer = _answer_from(json.loads(raw))
+        write_answer(run_dir, answer)
+    except (AnswerError, ValueError) as exc:
+        return 400, {"error": str(exc).splitlines()[0]}
+    return 200, {"ok": True, "answer": answer.to_dict()}
+
+
+def _plot(run_dir: Path) -> Path | None:
+    """The open incident's PNG, when it is drawn (only a file in RUN_DIR/oncall)."""
+    inc = incident_path(run_dir)
+    try:
+        png = Path(json.loads(inc.read_text())["plot"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if png.parent.resolve() != inc.parent.resolve() or not png.is_file():
+        return None
+    return png
+
+
 def create_app(run_dir: str | Path) -> Any:
-    """The watch page's ASGI app for ``run_dir`` (serve() binds it)."""
+    """The watch page's ASGI app for ``run_dir`` (``run`` binds it)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
-    from starlette.datastructures import MutableHeaders
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     run_dir = Path(run_dir).resolve()
     app = FastAPI(title="spikeguard watch", docs_url=None, redoc_url=None, openapi_url=None)
-
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
-
-    class Protect:
-        """Refuse foreign Host headers; add the security headers to every response."""
-
-        def __init__(self, inner: Any) -> None:
-            self.inner = inner
-
-        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-            if scope["type"] != "http":
-                await self.inner(scope, receive, send)
-                return
-            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
-            if host.rsplit(":", 1)[0] not in _HOSTS:
-                await error(400, f"Host header {host[:100]!r} refused: the watch page answers "
-                                 "to 127.0.0.1 and localhost only")(scope, receive, send)
-                return
-
-            async def send_with_headers(message: Any) -> None:
-                if message["type"] == "http.response.start":
-                    h = MutableHeaders(scope=message)
-                    h["Content-Security-Policy"] = _CSP
-                    h["X-Content-Type-Options"] = "nosniff"
-                    h["Referrer-Policy"] = "no-referrer"
-                    h["Cache-Control"] = "no-store"
-                await send(message)
-
-            await self.inner(scope, receive, send_with_headers)
-
-    app.add_middleware(Protect)
+    app.add_middleware(_Protect)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error(exc.status_code, f"{request.method} {request.url.path[:200]!r}: "
-                                      f"{exc.detail}")
+        return JSONResponse({"error": f"{request.method} {request.url.path[:200]!r}: "
+                                      f"{exc.detail}"}, status_code=exc.status_code)
 
     @app.get("/")
     async def index() -> Response:
@@ -162,7 +198,7 @@ def create_app(run_dir: str | Path) -> Any:
     @app.get("/static/{name}")
     async def static(name: str) -> Response:
         if name not in _FILES:
-            return error(404, f"no static file {name[:60]!r}")
+            return JSONResponse({"error": f"no static file {name[:60]!r}"}, status_code=404)
         return Response((STATIC / name).read_bytes(), media_type=_FILES[name])
 
     @app.get("/api/state")
@@ -171,34 +207,15 @@ def create_app(run_dir: str | Path) -> Any:
 
     @app.get("/api/plot")
     async def api_plot() -> Response:
-        inc = incident_path(run_dir)
-        try:
-            png = Path(json.loads(inc.read_text())["plot"])
-        except (OSError, ValueError, KeyError):
-            return error(404, "no incident yet, so no plot")
-        if png.parent.resolve() != inc.parent.resolve() or not png.is_file():
-            return error(404, "the incident's plot is not drawn yet")
+        png = _plot(run_dir)
+        if png is None:
+            return JSONResponse({"error": "no incident plot is drawn yet"}, status_code=404)
         return Response(png.read_bytes(), media_type="image/png")
 
     @app.post("/api/answer")
     async def api_answer(request: Request) -> JSONResponse:
-        origin = request.headers.get("origin")
-        if origin is not None and origin.split("://", 1)[-1].rsplit(":", 1)[0] not in _HOSTS:
-            return error(403, f"Origin {origin[:100]!r} refused: answer from the watch page")
-        site = request.headers.get("sec-fetch-site", "same-origin")
-        if site not in ("same-origin", "none"):
-            return error(403, f"Sec-Fetch-Site {site[:40]!r} refused: answer from the watch page")
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-            return error(415, "the answer must be sent as application/json")
-        raw = await request.body()
-        if len(raw) > _MAX_BODY:
-            return error(413, "the answer is too large")
-        try:
-            answer = _answer_from(json.loads(raw))
-            write_answer(run_dir, answer)
-        except (AnswerError, ValueError) as exc:
-            return error(400, str(exc).splitlines()[0])
-        return JSONResponse({"ok": True, "answer": answer.to_dict()})
+        status, body = post_answer(run_dir, request.headers, await request.body())
+        return JSONResponse(body, status_code=status)
 
     return app
 
