@@ -24,6 +24,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,15 +196,20 @@ def write_answer(run_dir: str | Path, answer: Answer) -> Path:
 
 
 def take_answer(run_dir: str | Path, incident: str, *, layers: list[str],
-                checkpoints: list[int]) -> tuple[Answer | None, str | None]:
+                checkpoints: list[int] | Callable[[], list[int]]
+                ) -> tuple[Answer | None, str | None]:
     """Rank 0 at a step boundary: the waiting answer to ``incident`` (removed from the
-    directory), validated again; (answer, None), (None, why it was refused) or (None, None)."""
+    directory), validated again; (answer, None), (None, why it was refused) or (None, None).
+    ``checkpoints`` (the healthy steps, or a callable listing them) is read only when an
+    answer is there: a step with no answer costs one failed open."""
     path = answer_path(run_dir)
     try:
         raw = path.read_text()
     except FileNotFoundError:
         return None, None
     path.unlink(missing_ok=True)
+    if callable(checkpoints):
+        checkpoints = checkpoints()
     try:
         answer = Answer.from_dict(json.loads(raw))
         if answer.incident != incident:

@@ -266,12 +266,8 @@ class OnCall:
     def _read(self, step: int) -> Decision | None:
         inc = self.incident
         assert inc is not None
-        steps = self._checkpoints() if self._checkpoints is not None else None
-        if steps is None:
-            from .answer import healthy_checkpoints
-
-            steps = healthy_checkpoints(self.run_dir)
-        answer, why = take_answer(self.run_dir, inc["id"], layers=self.layers, checkpoints=steps)
+        answer, why = take_answer(self.run_dir, inc["id"], layers=self.layers,
+                                  checkpoints=self._healthy)
         waited = self.clock() - self.opened_at
         if why is not None:
             inc["refused"].append({"step": step, "why": why})
@@ -279,12 +275,19 @@ class OnCall:
             self._log({"event": "refused", "incident": inc["id"], "step": step, "why": why})
             self._note = {"incident": inc["id"], "refused": why}
         if answer is None and self.clock() >= self.deadline:
-            answer = self._default(inc, steps)
+            answer = self._default(inc, self._healthy())
         if answer is None:
             return None
         return Decision(incident=inc["id"], action=answer.action, to=answer.to,
                         skip_data=answer.skip_data, settings=dict(answer.settings),
                         by=answer.by, waited_s=waited)
+
+    def _healthy(self) -> list[int]:
+        if self._checkpoints is not None:
+            return self._checkpoints()
+        from .answer import healthy_checkpoints
+
+        return healthy_checkpoints(self.run_dir)
 
     def _default(self, inc: dict[str, Any], steps: list[int]) -> Answer:
         action = self.config.answer_default
