@@ -14,7 +14,7 @@ tendency, not a transient that a rollback leaves behind).
   when the page arrives, this script answers as the on-call engineer would: ``spikeguard
   respond RUN_DIR rollback --incident ID --to <the page's suggested checkpoint> --set
   z_loss=Z`` (roll back to before log Z began to rise, add z-loss). A later incident, if any,
-  gets no answer and its default (continue) applies after 5 s.
+  is answered ``continue`` (z-loss is on: let it work).
 
 It prints, per seed and arm, the held-out loss, its ratio to the clean run, the largest log Z
 over the last 100 steps, and for ask the step of the page, the checkpoint restored and how
@@ -43,7 +43,7 @@ __all__ = ["main"]
 BASE = ["--model", "tiny", "--batch-size", "8", "--steps", "300", "--lr", "3e-3", "--z-loss", "0",
         "--no-progress", "--ckpt-every", "50", "--no-plot"]
 FAULT = ["--inject", "logit-drift@150:0.05!"]
-ASK = [*FAULT, "--ask", "--answer-within-s", "5"]
+ASK = [*FAULT, "--ask", "--answer-within-s", "300"]
 ARMS = {"clean": [], "unguarded": [*FAULT, "--no-respond"],
         "rollback": [*FAULT, "--tier2", "rollback"], "ask-1e-4": ASK, "ask-1e-3": ASK}
 
@@ -82,6 +82,15 @@ def run_arm(arm: str, seed: int, root: Path) -> dict:
                 row.update(page_step=s["step"], onset=s["onset_step"], to=to)
             except TimeoutError:
                 row["page_step"] = None
+            seen = 1
+            while proc.poll() is None:  # later incidents: continue
+                time.sleep(0.5)
+                triggers = [p["body"] for p in list(h.posts) if p["body"]["event"] == "trigger"]
+                for later in triggers[seen:]:
+                    subprocess.run([sys.executable, "-m", "spikeguard", "respond", str(out),
+                                    "continue", "--incident", later["incident"]],
+                                   capture_output=True, text=True)
+                seen = len(triggers)
             so, se = proc.communicate()
             row["pages"] = len(h.posts)
         if row.get("page_step") is not None:

@@ -150,9 +150,10 @@ def validate(run_dir: str | Path, answer: Answer, *, layers: list[str] | None = 
                           f"is {incident.get('id')} (status {incident.get('status')}); an answer "
                           "to an old incident is refused: read the latest page")
     if incident.get("status") != "open":
-        raise AnswerError(f"incident {answer.incident} is already {incident.get('status')} "
-                          f"({incident.get('decision', {}).get('action', '')}); nothing waits "
-                          "for an answer")
+        d = incident.get("decision") or {}
+        how = f" ({d.get('decision')} by {d.get('by')})" if d else ""
+        raise AnswerError(f"incident {answer.incident} is already {incident.get('status')}"
+                          f"{how}; nothing waits for an answer")
     if answer.action not in ACTIONS:
         raise AnswerError(f"answer {answer.action!r} is not one of {', '.join(ACTIONS)}")
     if answer.action != "rollback" and (answer.to is not None or answer.skip_data is not None):
