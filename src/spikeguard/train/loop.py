@@ -237,9 +237,10 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(
-            {"config": config_with(cfg.to_dict(), answered["overrides"] if answered else {}), "model": gcfg.__dict__, "data": data.describe,
-             "data_sha256": data.sha256, "run_hash": run_hash, "world_size": world,
-             "precision": policy.kind, "params": model.num_params(),
+            {"config": config_with(cfg.to_dict(), answered["overrides"] if answered else {}),
+             "model": gcfg.__dict__, "data": data.describe, "data_sha256": data.sha256,
+             "run_hash": run_hash, "world_size": world, "precision": policy.kind,
+             "params": model.num_params(),
              **({"oncall": answered} if answered else {})}, indent=2, default=str))
     progress = ProgressSink(console, total=cfg.steps, start=0,
                             tokens_per_step=cfg.batch_size * gcfg.seq_len * world,
