@@ -151,7 +151,8 @@ def test_guard_state_round_trips_through_dcp_and_the_metrics_continue(tmp_path):
     steps = [r["step"] for r in sg.read_metrics(tmp_path / "m.jsonl")]
     assert steps == list(range(12))  # no step twice, none restarted at 0
     # the resumed guard's counters match the run that never stopped
-    assert fresh.applied == saved["applied"] and fresh.records == saved["records"]
+    assert fresh.applied == saved["updater"]["applied"]
+    assert fresh.records == saved["recorder"]["records"]
     with pytest.raises(ValueError, match="GuardState.state_dict"):
         fresh.stateful().load_state_dict({"detector": {}})
     assert json.loads(fresh.stateful().state_dict()["json"])["step_index"] == 12

@@ -391,11 +391,8 @@ def test_generic_stateful_extra_state_and_bad_arguments(tmp_path):
     mgr.register(detector=c)  # the same object again: nothing to do
     with pytest.raises(TypeError, match="has no state_dict"):
         mgr.register(probe=object())
-    with pytest.raises(TypeError, match=r"save\(\) no longer takes the states \(\['extra_state', 'model'\]\).*"
-                                        r"save\(step\) / restore\(\)"):
-        mgr.save(2, model=model, extra_state={"detector": c})
-    with pytest.raises(TypeError, match=r"restore\(\) no longer takes the states \(\['model'\]\)"):
-        mgr.restore(model=model)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'model'"):
+        mgr.save(2, model=model)  # the states are registered once, not passed on every call
     with pytest.raises(ValueError, match="no model to save"):
         CheckpointManager(tmp_path / "empty").save(1)
     with pytest.raises(ValueError, match="every=0"):
@@ -494,7 +491,11 @@ def test_rollback_restores_before_update_onset_minus_one_and_skips_the_range(tmp
                 mgr.maybe_save(step, healthy=rolled or step != 9)
             if rollback and step == 9 and not rolled:
                 listed = [(c.step, c.healthy) for c in mgr.list()]
-                info = mgr.rollback(onset=7, detection=9)
+                # the guard's rollback: the newest healthy checkpoint at or before onset - 2,
+                # then the stream skips the batches of steps onset..detection
+                info = mgr.restore(at_or_before=rollback_target(
+                    7, [c.step for c in mgr.list() if c.healthy]))
+                data.skip(7, 9)
                 assert info.step == 3
                 step, rolled = info.step, True
             step += 1

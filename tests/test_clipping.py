@@ -136,7 +136,7 @@ def test_state_round_trip_continues_as_never_stopping(mode):
             out = model.loss(model(x[:, :-1]), x[:, 1:])
             out.loss.backward()
             guard.step(out)
-        return [p.detach().clone() for p in model.parameters()], guard.state_dict()["clip"]
+        return [p.detach().clone() for p in model.parameters()], guard.state_dict()["updater"]["clip"]
 
     (straight, s1), (resumed, s2) = run(), run(stop=4)
     assert s1 == s2 and s1["mode"] == mode

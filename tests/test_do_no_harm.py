@@ -130,7 +130,7 @@ def test_an_elevated_reference_inside_the_bar_asks_the_next_oldest_which_decides
              ((0.5 * (mid + bar), 0.9 * bar), False, [1, 2]),  # elevated: the second passes
              ((1.1 * bar, 0.5 * median), True, [1])]           # past the bar: alone
     for (first, second), weights, runs in cases:
-        probe = WeightsProbe(updater, None, read_lag=0)
+        probe = WeightsProbe(updater, None)
         probe.remember(1, ref(1, first))
         probe.remember(2, ref(2, second))
         ran.clear()

@@ -133,10 +133,11 @@ def test_the_guard_checkpoints_the_bound_with_its_state():
         out.loss.backward()
         guard.step(out)
     state = json.loads(json.dumps(guard.state_dict()))
-    assert state["update_bound"]["n"] == 4.0 and state["update_bound"]["ema"] > 0
+    bound = state["updater"]["update_bound"]  # the step part's state owns the bound's
+    assert bound["n"] == 4.0 and bound["ema"] > 0
     other = sg.Guard(model, opt, config=cfg)
     other.load_state_dict(state)
-    assert other.updater.bound.state_dict() == state["update_bound"]
+    assert other.updater.bound.state_dict() == bound
 
 
 def _train(tmp_path, name, bound, inject=()):

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .._validate import check_int
 
-__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointWarning", "no_old_form",
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointWarning",
            "rollback_target"]
 
 
@@ -54,19 +53,3 @@ def rollback_target(onset: int, checkpoints: int | Iterable[int]) -> int | None:
         step = limit // checkpoints * checkpoints
         return step if step >= checkpoints else None
     return max((s for s in checkpoints if s <= limit), default=None)
-
-
-_STATE_ARGS = ("model", "optimizer", "scheduler", "scaler", "data", "extra_state")
-
-
-def no_old_form(method: str, old: dict[str, Any]) -> None:
-    """The keyword form of before (the states on every call) raises, naming the new one."""
-    if not old:
-        return
-    states = sorted(k for k in old if k in _STATE_ARGS)
-    if states:
-        raise TypeError(f"CheckpointManager.{method}() no longer takes the states ({states}): "
-                        "register them once, CheckpointManager(directory, model=model, "
-                        "optimizer=opt, scheduler=sched, data=stream, states={...}), then call "
-                        f"save(step) / restore() / rollback(onset=, detection=)")
-    raise TypeError(f"CheckpointManager.{method}() got unexpected keyword(s) {sorted(old)}")

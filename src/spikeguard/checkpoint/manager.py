@@ -45,7 +45,7 @@ from .._validate import check_int
 from . import io
 from .digest import DEFAULT_DIGEST, DIGESTS, Digest
 from .files import CheckpointDir, IOStats
-from .info import CheckpointError, CheckpointInfo, CheckpointWarning, no_old_form, rollback_target
+from .info import CheckpointError, CheckpointInfo, CheckpointWarning, rollback_target
 from .load import INFO as _INFO
 from .load import MANIFEST as _MANIFEST
 from .load import Refused, load, verify_checkpoint
@@ -177,13 +177,12 @@ class CheckpointManager:
     @io.collector_paused()  # sync: the whole write; async: the part on the training thread
     def save(self, step: int, *, healthy: bool = True, alerts: list[str] | tuple[str, ...] = (),
              meta: dict | None = None, save_rng: bool = True,
-             snapshot: Mapping[str, dict[str, Any]] | None = None, **old: Any) -> Path | None:
+             snapshot: Mapping[str, dict[str, Any]] | None = None) -> Path | None:
         """Save the registered states after update ``step``; returns its directory (None: it
         failed and ``on_error="warn"`` went on). ``healthy=False`` (or any ``alerts``) marks an
         alert in this checkpoint's window: restore() passes over it. ``snapshot`` gives state
         dicts taken earlier, written instead of a registered object's current state (the guard
         saves step t's data position one step late). Collective across ranks."""
-        no_old_form("save", old)
         if self.model is None:
             raise ValueError("CheckpointManager.save: no model to save; build the manager with "
                              "CheckpointManager(directory, model=..., optimizer=...) or pass it "
@@ -326,8 +325,8 @@ class CheckpointManager:
 
     # -- restore ------------------------------------------------------------------------------
     @io.collector_paused()
-    def restore(self, *, at_or_before: int | None = None, restore_rng: bool = True,
-                **old: Any) -> CheckpointInfo:
+    def restore(self, *, at_or_before: int | None = None,
+                restore_rng: bool = True) -> CheckpointInfo:
         """Load the newest healthy checkpoint at or before ``at_or_before`` (any step if None).
 
         A checkpoint that fails its integrity or safety checks is refused with a
@@ -337,7 +336,6 @@ class CheckpointManager:
         overwrites them; after CheckpointError their state is undefined. Collective across
         ranks; all ranks agree on every refusal. Returns its info.
         """
-        no_old_form("restore", old)
         if self.model is None:
             raise ValueError("CheckpointManager.restore: no model to restore into; build the "
                              "manager with CheckpointManager(directory, model=..., ...)")
@@ -363,27 +361,3 @@ class CheckpointManager:
         where = "" if at_or_before is None else f" at or before step {at_or_before}"
         raise CheckpointError(f"no healthy checkpoint{where} in {self.directory} could be restored"
                               + "".join(f"\n  {r}" for r in refusals))
-
-    def rollback(self, *, onset: int, detection: int, **old: Any) -> CheckpointInfo:
-        """Roll back past an anomaly seen from step ``onset`` to step ``detection``.
-
-        Restores the newest healthy checkpoint that predates the update before the onset
-        (``at_or_before=onset - 2``, the rule of :func:`rollback_target`: update ``onset - 1``
-        may be the cause), then makes the registered ``data`` skip the batches of steps
-        onset..detection; the batches after the checkpoint up to ``onset - 1`` are replayed.
-        Steps count from 0 as in spikeguard.train: step s consumes the s-th batch the stream
-        yields (``data.index_of(s)``). The range is kept in the data state and in every later
-        checkpoint's info.
-        """
-        no_old_form("rollback", old)
-        if not 0 <= onset <= detection:
-            raise ValueError(f"onset={onset}, detection={detection}: need 0 <= onset <= detection")
-        data = self.states.get("data")
-        if data is None or not callable(getattr(data, "skip", None)):
-            raise ValueError("CheckpointManager.rollback needs a data stream with skip() "
-                             "registered: CheckpointManager(directory, ..., data=stream)")
-        index = getattr(data, "index_of", lambda s: s)
-        lo, hi = index(onset), index(detection)  # under the skips the stream made so far
-        info = self.restore(at_or_before=onset - 2)
-        data.skip(lo, hi)
-        return info

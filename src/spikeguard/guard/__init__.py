@@ -6,7 +6,9 @@ from .attribution import AttributionConfig
 from .forensics import HaltReport, TrainingHalted
 from .guard import Guard, GuardConfig
 from .optimizer import GuardedOptimizer
-from .state import GuardState
+from .responses import LowerLrConfig
+from .stateful import GuardState
 
 __all__ = ["AttributionConfig", "DataSource", "Decision", "Guard", "GuardConfig", "GuardMisuseWarning",
-           "GuardState", "GuardedOptimizer", "HaltReport", "RowDropSource", "TrainingHalted"]
+           "GuardState", "GuardedOptimizer", "HaltReport", "LowerLrConfig", "RowDropSource",
+           "TrainingHalted"]

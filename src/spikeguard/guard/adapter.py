@@ -5,7 +5,7 @@ category of silent misuse.
 - ``DataSource`` / ``RowDropSource``: what ``Guard(data=...)`` must provide, as the guard uses
   it (``guard/ledger.py``); ``check_data`` refuses an object that lacks a member, naming it.
 - ``Decision``: what ``guard.decide()`` returns to a framework that steps the optimizer itself.
-- ``GuardState`` (``guard/state.py``): the guard's state as a ``torch.distributed.checkpoint``
+- ``GuardState`` (``guard/stateful.py``): the guard's state as a ``torch.distributed.checkpoint``
   Stateful, for any checkpointer.
 - ``GuardMisuseWarning``: the category of every warning about a loop that uses the guard in a
   way that silently defeats it.

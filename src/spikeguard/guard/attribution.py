@@ -20,13 +20,12 @@ batch's, and skipping it can leave the weights where the next batches spike too.
 
 Every decision here is taken from all-reduced or gathered numbers, so every rank takes it alike.
 ``Attribution.judge`` returns a :class:`Finding` (cause, rows, keep mask); it applies nothing:
-the re-run without the quarantined rows goes through the step part (``Updater.apply_rerun``),
+the re-run without the quarantined rows goes through the step part (``Updater.apply_without``),
 the one place an update is applied.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import math
@@ -40,12 +39,10 @@ import torch
 
 from .. import _dist
 from .._validate import check_positive
-from ..record import Action
 from ..sinks import encode_record
-from .rows import outliers, robust_z
+from .outliers import outliers, robust_z
 
-__all__ = ["Attribution", "AttributionConfig", "Finding", "GradsAside", "kept_weight", "outliers",
-           "robust_z"]
+__all__ = ["Attribution", "AttributionConfig", "Finding", "kept_weight", "outliers", "robust_z"]
 
 log = logging.getLogger("spikeguard")
 
@@ -105,38 +102,6 @@ def _takes_keep(fn: Any) -> bool:
     return any(p.name == "keep" or p.kind is p.VAR_KEYWORD for p in params)
 
 
-class GradsAside:
-    """Re-runs happen with the gradients in place set aside and the probes quiet; ``restore``
-    puts both back. Under read_lag 1 the gradients in place are the next step's, taken at the
-    weights before this step: when an update was applied meanwhile (a drop), they are stale, so
-    ``restore(redo=...)`` re-runs the next step at the new weights instead (the caller's redo);
-    without one they are restored, brought to the new loss scale."""
-
-    def __init__(self, params: list[torch.Tensor], precision: Any, probes: Any) -> None:
-        self.params, self.precision = params, precision
-        self.grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        self.scale = precision.grad_scale()
-        self._quiet = probes.quiet() if probes is not None else contextlib.nullcontext()
-        self._quiet.__enter__()
-
-    def restore(self, *, stale: bool, redo: Callable[[], None] | None = None) -> None:
-        self._quiet.__exit__(None, None, None)
-        if stale and redo is not None:
-            for p in self.params:
-                p.grad = None
-            redo()
-            return
-        for p, grad in zip(self.params, self.grads):
-            p.grad = grad
-        new = self.precision.grad_scale()
-        if stale and self.scale is not None and new != self.scale:
-            live = [x for x in self.grads if x is not None]
-            if live:
-                torch._foreach_mul_(live, new / self.scale)  # powers of two: exact
-
-
 @dataclass
 class Finding:
     """Attribution's decision for one skipped step: the cause, the rows, what to drop."""
@@ -145,8 +110,8 @@ class Finding:
     """"data" (the re-run reproduced the step), "transient" (it did not) or "unknown"."""
     reasons: list[str] = field(default_factory=list)
     """Text for the verdict's reasons."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Record keys: cause, rerun, quarantined."""
+    rerun: dict[str, float] | None = None
+    """The verifying re-run's loss and grad norm (None: not re-run)."""
     rows: list[dict[str, Any]] = field(default_factory=list)
     """Every rank's rows of the step (gathered)."""
     quarantined: list[dict[str, Any]] = field(default_factory=list)
@@ -154,6 +119,20 @@ class Finding:
     """When the step should be re-run without its quarantined rows: this rank's rows to keep."""
     weight: float = 1.0
     """This rank's loss weight in that re-run (R n_r / N: the global token mean)."""
+    drop: Any = None
+    """What the re-run without the quarantined rows did (the step part's RerunUpdate)."""
+
+    def record(self) -> dict[str, Any]:
+        """The record's keys of this finding (``cause`` is the outcome's)."""
+        rec: dict[str, Any] = {}
+        if self.rerun is not None:
+            rec["rerun"] = self.rerun
+        if self.quarantined:
+            rec["quarantined"] = len(self.quarantined)
+        if self.drop is not None:
+            rec.update(kept_rows=[len(self.rows) - len(self.quarantined), len(self.rows)],
+                       kept_loss=self.drop.loss, kept_grad_norm=self.drop.grad_norm)
+        return rec
 
 
 class Attribution:
@@ -181,39 +160,10 @@ class Attribution:
         return self.reruns + 1 <= math.ceil(self.config.rerun_budget * (step + 1))
 
     # -- the skip -----------------------------------------------------------------------------
-    def explain(self, p: Any, verdict: Any, extras: dict[str, Any], m: Any, updater: Any,
-                probes: Any, redo: Callable[[], None] | None) -> Any:
-        """A skipped step: the finding (``judge``) with the caller's gradients set aside, and the
-        re-run without the quarantined rows through the step part's ``apply_rerun`` when the
-        finding asks for one (the one apply path). Returns the verdict with the findings in its
-        reasons (``skip`` False when that update was applied); ``redo`` re-runs the next step at
-        read_lag 1 when the applied update made its gradients stale."""
-        aside, applied = GradsAside(updater.params, updater.precision, probes), False
-        finding = Finding()
-        try:
-            finding = self.judge(p, verdict.tier, m.loss, m.grad_norm)
-            if finding.keep is not None:
-                result, weighed = updater.apply_rerun(p.rerun, finding.keep, finding.weight)
-                self.dropped(finding, result, weighed)
-                applied = result.applied
-        finally:
-            stale = applied and not p.grads_alive
-            aside.restore(stale=stale, redo=redo if stale else None)
-        released = not applied and p.grads_alive and _no_evidence(verdict, finding)
-        if released:  # its gradients are back in place, already clipped
-            updater.release()
-            updater.commit(skipped=False)  # it counts, and the schedule steps
-            finding.cause, applied = "unknown", True
-            finding.extras.update(cause="unknown", skipped=False)
-            finding.reasons.append("released: a reproduced gradient spike at an ordinary loss, "
-                                   "no outlier sequence: the clipped update goes through")
-        extras.update(finding.extras)
-        extras.setdefault("cause", finding.cause)
-        reasons = (*verdict.reasons, *finding.reasons)
-        if released:
-            return verdict._replace(reasons=reasons, skip=False, action=Action.ALERT)
-        return verdict._replace(reasons=reasons, skip=False) if applied else \
-            verdict._replace(reasons=reasons)
+    def release_asked(self, verdict: Any, f: Finding) -> bool:
+        """Whether the skip carries no evidence against its batch (``_no_evidence``), so the
+        clipped update should go through after all."""
+        return _no_evidence(verdict, f)
 
     def judge(self, p: Any, tier: int, loss: float, norm: float) -> Finding:
         """Attribute the skipped step ``p`` (its ``rerun`` and per-sequence ``rows``): re-run it
@@ -226,14 +176,13 @@ class Attribution:
             same = ((_close(loss, loss1, cfg.rerun_rtol) or math.isnan(loss1))
                     and _close(norm, norm1, cfg.rerun_rtol))
             f.cause = "data" if same else "transient"
-            f.extras.update(cause=f.cause, rerun={"loss": loss1, "grad_norm": norm1})
+            f.rerun = {"loss": loss1, "grad_norm": norm1}
             f.reasons.append(f"rerun: {f.cause} (loss {loss:.4g} -> {loss1:.4g}, grad norm "
                              f"{norm:.4g} -> {norm1:.4g})")
         f.rows = self._rows(p) if f.cause != "transient" else []
         f.quarantined = outliers(f.rows, cfg.quarantine_z)
         if f.quarantined:
             self._write(p.step, f.quarantined)
-            f.extras["quarantined"] = len(f.quarantined)
             f.reasons.append(f"quarantined {len(f.quarantined)} sequence(s): " + ", ".join(
                 f"batch {q['stream_index']} rank {q['rank']} row {q['row']} (z {q['z']:.3g})"
                 for q in f.quarantined[:4]))
@@ -262,24 +211,22 @@ class Attribution:
                               device=device)
         f.weight = kept_weight(f.rows, f.quarantined, rank)
 
-    def dropped(self, f: Finding, result: Any, weighed: bool) -> str:
-        """Record and describe the re-run without the quarantined rows (``result``: the step
-        part's RerunUpdate; ``weighed``: whether guard.backward weighed its loss)."""
-        if not weighed and f.weight != 1.0 and not self._warned_weight:
+    def dropped(self, f: Finding, result: Any) -> None:
+        """Note what the re-run without the quarantined rows did (``result``: the step part's
+        RerunUpdate) in the finding."""
+        if not result.weighed and f.weight != 1.0 and not self._warned_weight:
             self._warned_weight = True
             log.warning("spikeguard: rerun did not call guard.backward: the update without "
                         "the quarantined rows is each rank's own mean, not the global one")
+        f.drop = result
         kept, total = len(f.rows) - len(f.quarantined), len(f.rows)
-        f.extras.update(kept_rows=[kept, total], kept_loss=result.loss,
-                        kept_grad_norm=result.grad_norm)
         if not result.applied:
-            text = (f"drop: the {kept}/{total} kept rows still fail the gate (loss "
-                    f"{result.loss:.4g}, grad norm {result.grad_norm:.4g}); skipped the batch")
+            f.reasons.append(f"drop: the {kept}/{total} kept rows still fail the gate (loss "
+                             f"{result.loss:.4g}, grad norm {result.grad_norm:.4g}); skipped the "
+                             "batch")
         else:
-            f.extras["skipped"] = False
-            text = f"drop: applied the update of {kept}/{total} rows (grad norm {result.grad_norm:.4g})"
-        f.reasons.append(text)
-        return text
+            f.reasons.append(f"drop: applied the update of {kept}/{total} rows (grad norm "
+                             f"{result.grad_norm:.4g})")
 
     def _rows(self, p: Any) -> list[dict[str, Any]]:
         """Every rank's rows of the step (stream index, rank, row, loss, log Z), gathered."""

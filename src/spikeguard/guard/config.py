@@ -9,8 +9,9 @@ from .._validate import check_int, check_positive
 from ..detect.probes import ProbeConfig
 from ..detector.config import DetectorConfig
 from ..prevent.clipping import ClipConfig
+from .arguments import check_nested
 from .attribution import AttributionConfig
-from .checks import check_nested
+from .responses.lower_lr import LowerLrConfig
 
 __all__ = ["GuardConfig"]
 
@@ -53,6 +54,8 @@ class GuardConfig:
     reference_age: int = 16
     """How many kept steps back the weights check's reference batch is (an older batch is no
     longer fitted by the updates since, so it tests the weights as a fresh one would)."""
+    lower_lr: LowerLrConfig = field(default_factory=LowerLrConfig)
+    """On a Tier 2 verdict, also lower the LR for some steps (off: steps=0; responses/lower_lr.py)."""
 
     def __post_init__(self) -> None:
         if self.clip is not None:

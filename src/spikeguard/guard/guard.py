@@ -8,12 +8,15 @@
         for verdict in guard.step(out):        # clip, gate, step or skip, decide, log, save
             ...
 
-The Guard owns no decision itself: it builds its parts and passes each step through them
-(docs/design.md walks one step): the step part (``step.Updater``: measure, gate, clip, apply),
-the judge (``judge.Judge``: the detector on the host numbers), attribution (explains a skip, may
-ask for a re-run without some rows), the responder (Tier 2 and 3), the batch ledger, the
-recorder, the checkpoint manager. A framework that steps the optimizer itself calls
-``decide()`` instead of ``step()`` (docs/adapters.md).
+The Guard owns no decision itself: it builds its parts and passes each step's outcome
+(``outcome.StepOutcome``) through the stages (docs/design.md walks one step): the step part
+(``step.Updater``: measure, gate, clip, apply; the one owner of the update), the weights check
+(``weights.WeightsProbe``), the detect stage (``detection.Detection``: the detector on the host
+reading), attribution (explains a skip, may ask for a re-run without some rows), the responses
+(``responses/``: Tier 2 and 3, chosen by the policy), the recorder, the checkpoint manager. A
+stage that wants the update changed returns a request; the guard hands it to the updater. A
+framework that steps the optimizer itself calls ``decide()`` instead of ``step()``
+(docs/adapters.md).
 
 Host reads: with ``read_lag=0`` (off CUDA) step t's numbers are read at t; with ``read_lag=1``
 (on CUDA) at t+1, so no step waits for the device, and Tier 2/3, the record and the schedule act
@@ -37,18 +40,21 @@ from ..readback import Readback
 from ..record import Action
 from ..sinks import Sinks
 from .adapter import Decision, check_data, check_decide
-from .attribution import Attribution, AttributionConfig
-from .checks import check_grads, check_pair, check_start_at, check_states
+from .arguments import check_grads, check_pair, check_start_at, check_states
+from .attribution import Attribution, AttributionConfig, Finding
 from .config import GuardConfig
+from .detection import Detection
 from .forensics import HaltReport, TrainingHalted
-from .judge import Judge
 from .ledger import BatchLedger
 from .micro import MicroBatches
 from .misuse import MisuseWatch
+from .outcome import StepOutcome, Update
+from .reading import Pending, StepReading
 from .recorder import Recorder
-from .responder import Responder
-from .state import GuardState, PartsState
-from .step import Pending, ScalerState, Updater
+from .responses import Incident, Policy, Reply
+from .responses.control import RunControl
+from .stateful import STATE_VERSION, GuardState, upgrade
+from .step import ScalerState, Updater
 from .summary import History
 from .weights import WeightsProbe, weights_reason
 
@@ -79,6 +85,8 @@ class Guard:
     that steps the LR scheduler itself holds it then (integrations/)."""
     last_action: Action = Action.CONTINUE
     """What the guard did at the last resolved step."""
+    last_outcome: StepOutcome | None = None
+    """The last resolved step's outcome (its reading, verdict, what happened to the update)."""
     _rerun_now: Callable[..., Any] | None = None
     _reference = True
     _pending: Pending | None = None
@@ -108,33 +116,29 @@ class Guard:
                                                   signals=cfg.signals, pp_group=pp_group)
         self.named_params = list(model.named_parameters())
         self.params = [p for _, p in self.named_params]
-        lag = cfg.read_lag
-        self.read_lag = lag if lag is not None else int(precision.device.type == "cuda")
+        lag = cfg.read_lag  # decided here, once: the updater holds it
         self.detector = SpikeDetector(cfg.detector)
         self.history = History(cfg.detector.median_window)
         self.ledger = BatchLedger(data)
         self.updater = Updater(self.params, optimizer, precision,
                                DeviceGate(cfg.detector, precision.device), clip=cfg.clip,
                                respond=cfg.respond, scheduler=scheduler, pp_group=pp_group,
-                               tp_group=tp_group, clipping=cfg.clipping)
+                               tp_group=tp_group, clipping=cfg.clipping,
+                               read_lag=lag if lag is not None else int(
+                                   precision.device.type == "cuda"))
         self.attribution = Attribution(cfg.attribution, measure=self.updater.measure_rerun,
                                        ledger=self.ledger, sinks=self.recorder.sinks)
-        self.weights = (WeightsProbe(self.updater, self.probes, read_lag=self.read_lag,
-                                     reference_age=cfg.reference_age, max_blind_skips=cfg.detector
-                                     .max_consecutive_skips)
+        self.weights = (WeightsProbe(self.updater, self.probes, reference_age=cfg.reference_age,
+                                     max_blind_skips=cfg.detector.max_consecutive_skips)
                         if cfg.weights_check and cfg.respond else None)
-        self.judge = Judge(self.detector, self.history, self.weights, self.updater,
-                           respond=cfg.respond)
+        self.detection = Detection(self.detector, self.history, respond=cfg.respond)
         extra = dict(extra_state or {})
-        self.responder = Responder(
-            tier2=cfg.tier2, max_rollbacks=cfg.max_rollbacks, lr_scale=cfg.rollback_lr_scale,
-            checkpoints=checkpoints, ledger=self.ledger, history=self.history,
-            attribution=self.attribution, recorder=self.recorder, updater=self.updater,
-            model=model, named_params=self.named_params, optimizer=optimizer,
-            scheduler=scheduler, on_alert=on_alert, reconfigure=reconfigure,
+        self.control = RunControl(
+            max_rollbacks=cfg.max_rollbacks, checkpoints=checkpoints, ledger=self.ledger,
+            history=self.history, attribution=self.attribution, model=model,
+            named_params=self.named_params, optimizer=optimizer, on_alert=on_alert,
             keep_on_rollback={k: extra[k] for k in self.keep_on_rollback})
-        self.state = PartsState(self.detector, self.updater, self.history, self.ledger,
-                                self.attribution, self.responder, self.recorder, self.probes)
+        self.policy = Policy(cfg, reconfigure=reconfigure)
         if checkpoints is not None:
             checkpoints.register(model=model, optimizer=optimizer, scheduler=scheduler, data=data,
                                  scaler=ScalerState(self.updater) if precision.scaler else None,
@@ -145,6 +149,11 @@ class Guard:
             self.probes.start_step(self._step)
 
     # -- the parts' numbers, by their old names ------------------------------------------------
+    @property
+    def read_lag(self) -> int:
+        """0: a step's numbers are read at that step; 1: at the next (the updater's)."""
+        return self.updater.read_lag
+
     @property
     def precision(self) -> PrecisionRuntime:
         return self.updater.precision
@@ -166,7 +175,7 @@ class Guard:
     @property
     def rollbacks(self) -> int:
         """Rollbacks and reconfigured resumes so far."""
-        return self.responder.rollbacks
+        return self.control.rollbacks
 
     @property
     def records(self) -> int:
@@ -216,27 +225,7 @@ class Guard:
         ``reference=False``: ``rerun`` re-runs whatever batch is current, not this step's (a
         framework's closure), so the weights check never takes it as a later step's reference.
         Raises TrainingHalted on a halt, after the record is written."""
-        check_grads(self.params, has_loss=out is not None or bool(self.micro))
-        self.watch.before_step()
-        self._ran += 1
-        if out is not None:
-            self.accumulate(out, log_z=log_z)
-        batches = self.ledger.consume(self._step)
-        self._rerun_now = rerun  # read_lag 1: attribution may redo this step's grads (a drop)
-        self._reference = reference
-        if self.read_lag == 0:
-            return (self._resolve(self._device_step(batches, rerun)),)
-        verdicts: tuple[Verdict, ...] = ()
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            t = self._step
-            verdicts = (self._resolve(pending),)
-            if self._step != t:  # rolled back or reconfigured: this step's grads are stale
-                self.micro.clear()
-                self.optimizer.zero_grad(set_to_none=True)
-                return verdicts
-        self._pending = self._device_step(batches, rerun)
-        return verdicts
+        return self._take(out, log_z, rerun, reference, framework=False)
 
     def decide(self, out: Any = None, *, log_z: torch.Tensor | None = None,
                rerun: Callable[..., Any] | None = None, reference: bool = True) -> Decision:
@@ -245,20 +234,24 @@ class Guard:
         framework calls ``optimizer.step()`` and its scheduler's ``step()``). Needs read_lag 0,
         no loss scaler and no ``scheduler`` in the guard. A halt raises TrainingHalted."""
         up = self.updater
-        check_decide(self.read_lag, up.precision.scaler, up.scheduler, self.checkpoints, up.bound)
+        check_decide(up.read_lag, up.precision.scaler, up.scheduler, self.checkpoints, up.bound)
         if self.probes is not None:  # the framework steps after the read: no update readings
             self.probes.signals.steps_after_read()
-        up.defer = True
-        try:
-            (verdict,) = self.step(out, log_z=log_z, rerun=rerun, reference=reference)
-            for param, grad in zip(self.params, up.deferred_grads or ()):  # a drop's re-run
+        (verdict,) = self._take(out, log_z, rerun, reference, framework=True)
+        o = self.last_outcome
+        drop = o.finding.drop if o.finding is not None else None
+        if drop is not None and drop.grads is not None:  # the re-run without some rows
+            for param, grad in zip(self.params, drop.grads):
                 param.grad = grad
-        finally:
-            up.defer, up.deferred_grads = False, None
-        action = self.last_action
-        apply = up.deferred and action is not Action.ROLLBACK and self._step == verdict.step + 1
-        return Decision(apply=apply, step=verdict.step, action=action, verdict=verdict,
-                        lr_factor=up._factor)
+        apply = (o.update in (Update.APPLIED, Update.DROPPED) and o.action is not Action.ROLLBACK
+                 and self._step == verdict.step + 1)
+        return Decision(apply=apply, step=verdict.step, action=o.action, verdict=verdict,
+                        lr_factor=o.lr_factor)
+
+    def discard(self) -> None:
+        """Forget the micro-batches handed over since the last step (a framework's dry-run
+        batch that trains nothing)."""
+        self.micro.clear()
 
     def flush(self) -> tuple[Verdict, ...]:
         """Resolve a step still waiting for its host read (read_lag 1); returns its verdict."""
@@ -276,80 +269,185 @@ class Guard:
             if self.checkpoints is not None:
                 self.checkpoints.wait()
 
-    def _device_step(self, batches: tuple[int, int] | None,
-                     rerun: Callable[[], Any] | None) -> Pending:
-        t = self._step
+    def _take(self, out: Any, log_z: torch.Tensor | None, rerun: Callable[..., Any] | None,
+              reference: bool, *, framework: bool) -> tuple[Verdict, ...]:
+        check_grads(self.params, has_loss=out is not None or bool(self.micro))
+        self.watch.before_step()
+        self._ran += 1
+        if out is not None:
+            self.accumulate(out, log_z=log_z)
+        batches = self.ledger.consume(self._step)
+        self._rerun_now = rerun  # read_lag 1: attribution may redo this step's grads (a drop)
+        self._reference = reference
+        if self.updater.read_lag == 0:
+            return (self._resolve(self._device_step(batches, rerun, framework)),)
+        verdicts: tuple[Verdict, ...] = ()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            t = self._step
+            verdicts = (self._resolve(pending),)
+            if self._step != t:  # rolled back or reconfigured: this step's grads are stale
+                self.micro.clear()
+                self.optimizer.zero_grad(set_to_none=True)
+                return verdicts
+        self._pending = self._device_step(batches, rerun, framework)
+        return verdicts
+
+    # -- the device side: measure, gate, clip, apply ------------------------------------------
+    def _device_step(self, batches: tuple[int, int] | None, rerun: Callable[[], Any] | None,
+                     framework: bool) -> Pending:
+        t, up = self._step, self.updater
         batch = self.micro.take(rerun)
-        factor = self.updater.lr_factor(t)
-        lr = self.updater.current_lr()  # before the update: the rate it used
+        factor = up.lr.factor(t)
+        lr = up.current_lr()  # before the update: the rate it used
         lr = lr * factor if lr is not None else None
-        stats, numbers = self.updater.device_step(batch.loss, batch.log_z, factor)
+        stats, reading = up.device_step(batch.loss, batch.log_z, factor, apply=not framework)
         dev = stats.norm.device
-        vec = torch.stack([x.detach().to(dev, torch.float64).reshape(()) for x in numbers])
+        vec = torch.stack([x.detach().to(dev, torch.float64).reshape(()) for x in reading])
         probes = self.probes.gather() if self.probes is not None else None
         if probes is not None and probes.vector is not None:
             # the probes' readings ride in the same read-back vector (no host read of their own)
             vec = torch.cat([vec, probes.vector.detach().to(dev, torch.float64)])
             probes.vector = None
-        keep_grads = self.read_lag == 0
+        keep_grads = up.read_lag == 0
         if not keep_grads:
             self.optimizer.zero_grad(set_to_none=True)
-        data_state = self.ledger.snapshot() if self.read_lag else None
+        data_state = self.ledger.snapshot() if not keep_grads else None
         self._step = t + 1
         if self.probes is not None:
             self.probes.start_step(self._step)
         return Pending(t, Readback([vec]), lr, batches, data_state, batch.rerun, probes,
                        stats if keep_grads else None,
                        None if keep_grads else stats.finite_pieces(), batch.rows,
-                       self._reference)
+                       self._reference, framework=framework, lr_factor=factor)
 
-    # -- the host side ------------------------------------------------------------------------
+    # -- the host side: the stages ------------------------------------------------------------
     def _resolve(self, p: Pending) -> Verdict:
-        m, verdict, extras, skipped = self.judge.judge(p)
-        self.watch.judged(m.grad_norm)
-        self.last_skipped = skipped
-        # Tier 0 at a non-finite norm is the loss scaler's own overflow skip, not the guard's
-        overflow = verdict.tier == 0 and not math.isfinite(m.grad_norm)
-        self.updater.commit(skipped, overflow=overflow)
-        check = extras.get("weights_check")
-        if check is not None:
-            verdict = verdict._replace(reasons=(*verdict.reasons, weights_reason(check)))
-        # a loss-scaler overflow (tier 0) is the scaler's own skip: nothing to attribute; a
-        # step whose weights were at fault has its cause
-        if (skipped and self.config.respond and 1 <= verdict.tier < 3
-                and "cause" not in extras):
-            nxt = self._rerun_now  # read_lag 1: the next step, re-run if a drop is applied
-            redo = (lambda: self.micro.redo(nxt)) if nxt is not None else None
-            verdict = self.attribution.explain(p, verdict, extras, m, self.updater,
-                                               self.probes, redo)
-            self.last_skipped = verdict.skip
-            if extras.get("cause") == "data" and not (check and check["weights"] is False):
-                # the same batch on the same weights reproduces whichever is at fault: without
-                # a weights check that cleared the weights, the re-run cannot say "data"
-                extras["cause"] = "unknown"
-        self.updater.withheld += self.last_skipped and not overflow  # a rollback restores it
-        action = verdict.action
+        """Step ``p``'s numbers through the stages: read, weights check, detect, attribute,
+        settle the update, respond, record, checkpoint."""
+        reading, tail = StepReading.read(p.readback.values())
+        out = StepOutcome(p.step, reading, Update.WITHHELD if reading.withheld else Update.APPLIED,
+                          update_bound=self.updater.bound.active, lr_factor=p.lr_factor)
+        if self.weights is not None:
+            out = self._weigh(p, out)
+        out = self.detection.judge(p, out, tail)
+        self.watch.judged(out.metrics.grad_norm)
+        verdict = out.verdict
+        if verdict.tier == 0 and not math.isfinite(out.metrics.grad_norm):
+            out.update = Update.OVERFLOW  # the loss scaler's own skip (Tier 0), not the guard's
+        if out.weights_check is not None:
+            out.verdict = verdict._replace(
+                reasons=(*verdict.reasons, weights_reason(out.weights_check.record())))
+        # a loss-scaler overflow is the scaler's own skip: nothing to attribute; a step whose
+        # weights were at fault has its cause
+        if (out.update is Update.WITHHELD and self.config.respond
+                and 1 <= out.verdict.tier < 3 and out.cause is None):
+            out = self._attribute(p, out)
+        self.updater.settle(out.update)
+        self.last_skipped = out.skipped
+        out.action = out.verdict.action
         if not self.config.respond:
-            extras["verdict"] = action.value  # what the guard would have done
-            action = Action.CONTINUE
+            out.would_do, out.action = out.action, Action.CONTINUE
         try:
-            if self.config.respond and verdict.tier >= 2:
-                action = self.responder.respond(p, verdict, extras)
+            if self.config.respond and out.verdict.tier >= 2:
+                out = self._respond(p, out)
         finally:
-            if p.grads_alive and not self.updater.defer:  # decide(): the framework's grads
+            if p.grads_alive and not p.framework:  # decide(): the framework's grads
                 self.optimizer.zero_grad(set_to_none=True)
+        return self._record(p, out)
+
+    def _weigh(self, p: Pending, out: StepOutcome) -> StepOutcome:
+        """The weights check, and its answer handed to the updater."""
+        answer = self.weights.weigh(p, out.reading)
+        if answer.kept:
+            self.updater.healthy()
+        if answer.check is None:
+            return out
+        withheld = out.update is Update.WITHHELD
+        if self.updater.weights_at_fault(p, answer.fault, withheld=withheld):
+            out.update, withheld = Update.APPLIED, False
+        out.weights_check = answer.check
+        if answer.check.weights or not withheld:
+            out.cause = "weights" if answer.check.weights else "unknown"
+        return out
+
+    def _attribute(self, p: Pending, out: StepOutcome) -> StepOutcome:
+        """Attribution of a withheld step, with the step's gradients set aside; its requests (the
+        re-run without some rows, the release of an update with no evidence against its batch)
+        go to the updater."""
+        verdict, m, up = out.verdict, out.metrics, self.updater
+        nxt = self._rerun_now  # read_lag 1: the next step, re-run if a drop is applied
+        redo = (lambda: self.micro.redo(nxt)) if nxt is not None else None
+        aside, applied, finding = up.set_aside(self.probes), False, Finding()
+        try:
+            finding = self.attribution.judge(p, verdict.tier, m.loss, m.grad_norm)
+            if finding.keep is not None:
+                result = up.apply_without(p, finding.keep, finding.weight)
+                self.attribution.dropped(finding, result)
+                applied = result.applied
+        finally:
+            up.put_back(aside, p, applied=applied, redo=redo)
+        released = (not applied and self.attribution.release_asked(verdict, finding)
+                    and up.release(p))  # its gradients are back in place, already clipped
+        if released:
+            finding.cause = "unknown"
+            finding.reasons.append("released: a reproduced gradient spike at an ordinary loss, "
+                                   "no outlier sequence: the clipped update goes through")
+        out.finding, out.cause = finding, finding.cause
+        check = out.weights_check
+        if out.cause == "data" and not (check is not None and check.weights is False):
+            # the same batch on the same weights reproduces whichever is at fault: without a
+            # weights check that cleared the weights, the re-run cannot say "data"
+            out.cause = "unknown"
+        reasons = (*verdict.reasons, *finding.reasons)
+        if released:
+            out.update = Update.APPLIED
+            out.verdict = verdict._replace(reasons=reasons, skip=False, action=Action.ALERT)
+        elif applied:
+            out.update = Update.DROPPED
+            out.verdict = verdict._replace(reasons=reasons, skip=False)
+        else:
+            out.verdict = verdict._replace(reasons=reasons)
+        return out
+
+    def _respond(self, p: Pending, out: StepOutcome) -> StepOutcome:
+        """The policy's responses to a Tier 2 or 3 verdict; their LR and precision requests go
+        to the updater. A halt is recorded, then raised."""
+        replies = self.policy.respond(Incident(p, out.verdict, self._step), self.control)
+        reply = Reply(replies[0].action)
+        for r in replies:
+            reply.record.update(r.record)
+            if r.lr is not None:
+                self.updater.lr.add(r.lr)
+            if r.precision is not None:
+                self.updater.reconfigure(r.precision, self.model)
+            if r.halt is not None:
+                reply.halt, reply.metrics = r.halt, r.metrics
+        out.reply, out.action = reply, reply.action
+        if reply.halt is not None:
+            out.metrics = reply.metrics
+            self.recorder.record(out)
+            self.recorder.flush()
+            if self.checkpoints is not None:
+                self.checkpoints.wait()
+            raise TrainingHalted(reply.halt)
+        return out
+
+    def _record(self, p: Pending, out: StepOutcome) -> Verdict:
+        """The record, what the loop must follow, and the checkpoint at its interval."""
+        action, verdict = out.action, out.verdict
         if action is Action.ROLLBACK:  # restored: nothing held of the steps rolled back stays
             self._pending = None
             self.micro.clear()
-        if action is Action.SKIP and extras["skipped"] is False:
-            action = Action.DROP  # the batch without its quarantined rows was applied
+        if action is Action.SKIP and out.update is Update.DROPPED:
+            out.action = action = Action.DROP  # the batch without its quarantined rows went in
         # a skipped update never reached the weights: only an applied anomaly taints the interval
         if (verdict.tier >= 1 and action not in (Action.SKIP, Action.DROP)) or action is Action.ALERT:
             self._window_alerts.append(f"{p.step}: {'; '.join(verdict.reasons)}")
-        self.last_action = action
+        self.last_action, self.last_outcome = action, out
         if self._step <= p.step:  # rolled back or resumed reconfigured: the loop must follow
             self.watch.rolled_back(p.step, self._step)
-        self.recorder.log(m, verdict, action, extras)
+        self.recorder.record(out)
         if action not in (Action.ROLLBACK, Action.HALT):
             self._maybe_save(p)
         return verdict
@@ -377,24 +475,50 @@ class Guard:
         """The guard's state came back (``resume``, or a restore through ``stateful()``): the
         data is measured from where it stands; before any step in this process the metrics file
         continues after the restored records (no step written twice)."""
-        self.state.continue_at(self._step, records=self.records if self._ran == 0 else None)
+        self._continue_at(self._step, records=self.records if self._ran == 0 else None)
 
     def start_at(self, step: int) -> None:
         """Number the next step ``step`` (the framework resumed without the guard's state, or
         skipped steps itself); records of step ``step`` on in the metrics file are dropped (they
         run again). Before the guard's first step in this process any step; after, only ahead."""
         self._step = check_start_at(step, at=self._step, ran=self._ran)
-        self.state.continue_at(step, at_step=True)
+        self._continue_at(step, at_step=True)
+
+    def _continue_at(self, step: int, *, records: int | None = None,
+                     at_step: bool = False) -> None:
+        """The guard continues at ``step``: the data is measured from where it stands, the probes
+        count from ``step``; the metrics file keeps its first ``records`` records, or
+        (``at_step``) those before the first of step ``step`` or later; ``records=None`` without
+        ``at_step`` keeps them all (a rollback: the records stay in run order)."""
+        self.ledger.resync()
+        if self.probes is not None:
+            self.probes.start_step(step)
+        sinks = self.recorder.sinks
+        if sinks is not None and at_step:
+            sinks.resume_at_step(step)
+        elif sinks is not None and records is not None:
+            sinks.resume(records)
 
     def stateful(self) -> GuardState:
         """The guard's state as a torch.distributed.checkpoint Stateful, for a checkpointer
         other than the guard's own (``states={"spikeguard": guard.stateful()}``)."""
         return GuardState(self)
 
+    def _parts(self) -> dict[str, Any]:
+        """The parts with state, by the name their state has in the guard's."""
+        return {"detector": self.detector, "gate": self.updater.gate, "updater": self.updater,
+                "history": self.history, "ledger": self.ledger, "attribution": self.attribution,
+                "responses": self.control, "recorder": self.recorder}
+
     def state_dict(self) -> dict[str, Any]:
-        """JSON-ready: detector, device statistics, counters, recent batch ranges (syncs)."""
-        return self.state.state_dict(self._step)
+        """JSON-ready: every part's state by name, and the step number (syncs)."""
+        return {"version": STATE_VERSION, "step_index": self._step,
+                **{name: part.state_dict() for name, part in self._parts().items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._step = self.state.load_state_dict(state)
+        """Restore every part (a state of this version, or one of version 2)."""
+        state = upgrade(state)
+        for name, part in self._parts().items():
+            part.load_state_dict(state[name])
+        self._step = int(state["step_index"])
         self._window_alerts.clear()

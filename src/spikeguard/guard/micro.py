@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .adapter import GuardMisuseWarning
-from .checks import check_loss
+from .arguments import check_loss
 
 __all__ = ["MicroBatches", "StepBatch"]
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..record import Action, StepMetrics, metrics_record
+from ..record import metrics_record
+from .outcome import StepOutcome
 
 __all__ = ["Recorder"]
 
 
 class Recorder:
-    """Turns a step's metrics, verdict, action and extras into the record the sinks get.
+    """Turns a step's outcome into the record the sinks get.
 
     ``records`` counts the records written (one per step; a checkpoint saves the count, so a
     resumed run can cut a metrics file back to the checkpoint)."""
@@ -19,13 +20,21 @@ class Recorder:
         self.sinks = sinks
         self.records = 0
 
-    def log(self, m: StepMetrics, verdict: Any, action: Action, extras: dict[str, Any]) -> None:
+    def record(self, out: StepOutcome) -> None:
+        """The record of one resolved step: ``metrics_record``'s keys, then the outcome's."""
         self.records += 1
         if self.sinks is None:
             return
-        rec = metrics_record(m, tier=verdict.tier, action=action, reasons=verdict.reasons)
-        rec.update(extras)
+        m, verdict = out.metrics, out.verdict
+        rec = metrics_record(m, tier=verdict.tier, action=out.action, reasons=verdict.reasons)
+        rec.update(out.record_keys())
         self.sinks.log(rec, m.step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"records": self.records}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.records = int(state["records"])
 
     def flush(self) -> None:
         if self.sinks is not None:

@@ -1,4 +1,5 @@
-"""The step part: measure, gate, clip, apply. The one place an update is applied or withheld.
+"""The step part: measure, gate, clip, apply. The one owner of the update: the one place an
+update is applied, withheld, released, re-applied, counted, and its LR scaled.
 
 ``Updater.device_step`` takes the step's mean loss and log Z (device tensors) after backward:
 
@@ -12,16 +13,22 @@
    With ``ClipConfig.update_bound`` the applied update is then bounded against its own EMA
    (``guard/update_bound.py``), in this step, a release and a re-run's update alike.
 
-No host read on a healthy or skipped step. ``commit(skipped)`` is the host side, once the step's
-numbers are read: it counts an applied update and steps the LR schedule for it (and for a
-loss-scaler overflow, which the guard does not withhold: the scaler does). A re-run without
-some rows (attribution's drop) goes through ``apply_rerun``: the same measure, the same gate test
-(against the histories as they are), the same clip and ``apply_update``.
+No host read on a healthy or skipped step. The other stages never touch the update: they
+return requests, and the guard hands them here. ``weights_at_fault`` (the weights check's
+answer: release the withheld update now at read_lag 0, or the following steps at read_lag 1),
+``release`` (attribution's: a skip with no evidence against its batch), ``apply_without``
+(attribution's drop: the re-run without some rows, through the same measure, the same gate test
+against the histories as they are, the same clip and ``apply_update``), ``lr`` (a response's
+LR multiplier over a range of steps: ``lr_scale.py``). ``settle(update)`` is the host side, once
+the step's numbers are read: it counts what happened to the update and steps the LR schedule
+for an applied one (and for a loss-scaler overflow, which the guard does not withhold: the
+scaler does). ``read_lag``, decided once when the guard is built, lives here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -34,12 +41,15 @@ from ..detect.gradnorm import GradStats, grad_stats
 from ..detect.precision import PrecisionRuntime
 from ..detector.gate import DeviceGate
 from ..prevent.clipping import ClipConfig, Clipper
-from ..readback import Readback
 from .adapter import GuardMisuseWarning
+from .grads_aside import GradsAside
+from .lr_scale import LrScale
+from .outcome import Update
+from .reading import Pending, StepReading
 from .update_bound import UpdateBound
 
-__all__ = ["Pending", "RerunUpdate", "ScalerState", "Updater", "apply_update", "gated_step",
-           "loss_of"]
+__all__ = ["GradsAside", "RerunUpdate", "ScalerState", "Updater", "apply_update",
+           "gated_step", "loss_of"]
 
 
 def gated_step(optimizer: torch.optim.Optimizer, gate: torch.Tensor | bool) -> None:
@@ -124,55 +134,34 @@ def loss_of(out: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
-class Pending:
-    """One step on its way to the host: what the host side needs once its numbers are read."""
-
-    step: int
-    readback: Readback
-    """The step's numbers: loss, log Z, norm, gate, armed, clip coefficient, scale, probes."""
-    lr: float | None
-    batches: tuple[int, int] | None
-    """The stream indices of the batches the step consumed (the ledger's span)."""
-    data_state: dict[str, Any] | None
-    """read_lag 1: the data stream's state after this step (a checkpoint of it is written late)."""
-    rerun: Callable[..., Any] | None
-    probes: Any
-    """The step's ProbeValues (their numbers ride at the end of the read-back vector), or None."""
-    stats: GradStats | None
-    """The step's GradStats while its gradients are alive (read_lag 0), else None."""
-    finite: tuple[Any, list[int]] | None = None
-    """read_lag 1: per local gradient, whether its norm was finite (a device bool vector, read
-    only on the halt path) and its parameter's index: names the culprits after the grads are gone."""
-    rows: tuple[Any, ...] = ()
-    """Each micro-batch's per-sequence values (LossOutput.sequences, or None)."""
-    reference: bool = True
-    """Whether ``rerun`` replays this step's own batch later too (the weights check may use it)."""
-
-    @property
-    def grads_alive(self) -> bool:
-        return self.stats is not None
-
-
-@dataclass
 class RerunUpdate:
-    """What ``apply_rerun`` did: the re-run's numbers and whether its update was applied."""
+    """What ``apply_without`` did: the re-run's numbers and whether its update was applied."""
 
     loss: float
     grad_norm: float
     applied: bool
+    weighed: bool = True
+    """Whether ``guard.backward`` weighed the re-run's loss (a closure that calls
+    ``loss.backward()`` itself bypasses it: then each rank's loss is its own mean)."""
+    grads: list[Any] | None = None
+    """Under ``guard.decide()``: the applied re-run's gradients, for the framework to step on."""
 
 
 class Updater:
-    """The step part (module docstring). Owns the applied-update count and the LR schedule's
-    steps; ``loss_weight`` is what ``backward`` multiplies the loss by (1 except in a re-run
-    without quarantined rows), ``backwards`` counts its calls."""
+    """The step part (module docstring): the one owner of the update. It applies, withholds,
+    releases and re-applies; ``settle`` counts what happened (``applied``, ``withheld``) and
+    steps the LR schedule; ``lr`` holds the LR multipliers; ``read_lag`` (0 or 1, decided once
+    by the guard) says whether a step's gradients are still in place when its numbers are read.
+    ``loss_weight`` is what ``backward`` multiplies the loss by (1 except in a re-run without
+    quarantined rows), ``backwards`` counts its calls."""
 
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                  precision: PrecisionRuntime, gate: DeviceGate, *, clip: float | None,
-                 respond: bool, scheduler: Any = None, pp_group: Any = None,
+                 respond: bool, read_lag: int, scheduler: Any = None, pp_group: Any = None,
                  tp_group: Any = None, clipping: ClipConfig | None = None) -> None:
         self.params, self.optimizer, self.precision, self.gate = params, optimizer, precision, gate
         self.clip, self.respond, self.scheduler = clip, respond, scheduler
+        self.read_lag = read_lag
         self.clipper = Clipper(clipping, clip, params)
         c = self.clipper.config
         self.bound = UpdateBound(c.update_bound, c.update_beta, c.warmup, params,
@@ -182,21 +171,12 @@ class Updater:
         self.withheld = 0
         """Updates the guard withheld (skips, halts), loss-scaler overflows not included."""
         self.loss_weight, self.backwards = 1.0, 0
-        self._factor = 1.0  # the LR factor of the last device step (a release applies it too)
-        self.lr_ramp: tuple[int, int, float] | None = None
-        """(first step, last step, scale) of a replay after a rollback: the LR of step s in
-        that stretch is multiplied by scale + (1 - scale) (s - first) / (last - first + 1)."""
+        self.lr = LrScale()
+        """The multipliers of the scheduled LR (a replay's ramp, a reconfigure, a response)."""
         self._warned_lr = False
-        self.release_next = False
-        """Withhold only non-finite steps from the next step on (read_lag 1, after the weights
-        check found the weights at fault: the step it judged has lost its gradients already)."""
-        self.defer = False
-        """Decide only (``guard.decide``): apply nothing, note in ``deferred`` whether the update
-        would have been applied; the framework steps its optimizer on the gradients in place."""
-        self.deferred = False
-        self.deferred_grads: list[Any] | None = None
-        """Under ``defer``: the gradients of an applied re-run without quarantined rows, to put
-        back in place once the step's re-runs are done (they are the update to apply)."""
+        self._release_following = False
+        # withhold only non-finite steps from the next step on (read_lag 1, after the weights
+        # check found the weights at fault: the step it judged has lost its gradients already)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` through the loss scaler, weighted by ``loss_weight``."""
@@ -212,37 +192,25 @@ class Updater:
                           pp_group=self.pp_group, tp_group=self.tp_group,
                           per_tensor=self.clipper.per_tensor)
 
-    def lr_factor(self, step: int) -> float:
-        """The multiplier of the scheduled LR at ``step`` (1 outside a replay's ramp)."""
-        ramp = self.lr_ramp
-        if ramp is None or not ramp[0] <= step <= ramp[1]:
-            return 1.0
-        first, last, scale = ramp
-        return scale + (1.0 - scale) * (step - first) / (last - first + 1)
-
-    def device_step(self, loss: torch.Tensor, log_z: torch.Tensor,
-                    lr_factor: float = 1.0) -> tuple[GradStats, list]:
-        """Measure, gate, clip, apply (module docstring). Returns the GradStats and the step's
-        numbers as 0-d tensors: loss, log Z, norm, applied gate (what was withheld), armed,
-        clip coefficient, scale, the gate itself (what Tier 1 or a non-finite value flags) and the
-        update bound's coefficient (1 when off or not bounded)."""
+    def device_step(self, loss: torch.Tensor, log_z: torch.Tensor, lr_factor: float = 1.0, *,
+                    apply: bool = True) -> tuple[GradStats, StepReading]:
+        """Measure, gate, clip, apply (module docstring); ``apply=False`` (``guard.decide()``)
+        applies nothing: the framework steps its optimizer on the gradients in place. Returns
+        the GradStats and the step's ``StepReading`` as 0-d device tensors."""
         stats = self.measure(loss, log_z)
         loss_g, log_z_g = stats.extras[0], stats.extras[1]
         armed = self.gate.armed()
         gate = self.gate(stats.norm, loss_g)
         if not self.respond:
             skip = torch.zeros_like(gate)
-        elif self.release_next:
+        elif self._release_following:
             skip = ~torch.isfinite(stats.norm) | ~torch.isfinite(loss_g)
         else:
             skip = gate
         coef = (self.clipper.clip_(stats, self.optimizer, skip) if self.clipper.active
                 else torch.ones_like(stats.norm))
-        self._factor = lr_factor
-        if self.defer:  # decide() reads the gate at once anyway (read_lag 0)
-            self.deferred, self.deferred_grads = not bool(skip), None
         bounded = None
-        if not self.defer:
+        if apply:
             withhold = skip if self.respond else False
             bounded = self._apply(lambda: apply_update(self.precision, self.optimizer,
                                                        skip=withhold), withhold, lr_factor)
@@ -251,7 +219,8 @@ class Updater:
         scale = self.precision.scale_tensor()
         if scale is None:
             scale = torch.full((), float("nan"), device=stats.norm.device)
-        return stats, [loss_g, log_z_g, stats.norm, skip, armed, coef, scale, gate, bounded]
+        return stats, StepReading(loss_g, log_z_g, stats.norm, skip, armed, coef, scale, gate,
+                                  bounded)
 
     def _apply(self, step: Callable[[], None], skip: torch.Tensor | bool,
                factor: float) -> torch.Tensor | None:
@@ -264,42 +233,72 @@ class Updater:
             step()
         return self.bound.after(skip, factor) if self.bound.active else None
 
-    def release(self) -> None:
-        """Apply the update the gate withheld at this step, now: its gradients are still in
-        place and already clipped (read_lag 0). The scaler's overflow check and update ran with
-        the step; a released step is finite, so there is nothing for the scaler to skip."""
-        if self.defer:
-            self.deferred = True
-            return
-        self._apply(lambda: gated_step(self.optimizer, False), False, self._factor)
+    def release(self, p: Pending) -> bool:
+        """Apply the update the gate withheld at step ``p`` after all, if its gradients are still
+        in place (read_lag 0; clipped already; the scaler's overflow check and update ran with
+        the step, and a released step is finite). Returns whether it was released (under
+        ``guard.decide()`` the framework applies it)."""
+        if not p.grads_alive:
+            return False
+        if not p.framework:
+            self._apply(lambda: gated_step(self.optimizer, False), False, p.lr_factor)
+        return True
 
-    def state_dict(self) -> dict[str, Any]:
-        """The clipping rule's statistics (JSON-ready; a host read)."""
-        return self.clipper.state_dict()
+    def weights_at_fault(self, p: Pending, fault: bool, *, withheld: bool) -> bool:
+        """The weights check's answer for the flagged step ``p``: when the weights are at
+        fault the withheld update goes through, now (read_lag 0) or, with its gradients gone
+        (read_lag 1), as the steps after it do until a check finds the weights healthy. Returns
+        whether step ``p``'s own update was released."""
+        self._release_following = fault and not p.grads_alive
+        return fault and withheld and self.release(p)
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        """From the guard's state: the replay's LR ramp, the clipping rule's and the update
-        bound's statistics."""
-        ramp = state.get("lr_ramp")
-        self.lr_ramp = tuple(ramp) if ramp else None
-        self.clipper.load_state_dict(state.get("clip"))
-        self.bound.load_state_dict(state.get("update_bound"))
+    def healthy(self) -> None:
+        """A kept step: the weights are not at fault (ends a release of the following steps)."""
+        self._release_following = False
 
-    def commit(self, skipped: bool, overflow: bool = False) -> None:
-        """The host side of a resolved step: an applied update counts and steps the schedule.
-        ``overflow``: the loss scaler skipped this step on its own overflow (the detector's Tier
-        0), not the guard: no update counts, but the schedule steps, as in torch's AMP recipe
-        (``scaler.step``, then ``scheduler.step()`` every iteration), so a run the guard never
-        acts on follows the plain loop's schedule exactly."""
-        if overflow:
-            if self.scheduler is not None:
-                self.scheduler.step()
+    def set_aside(self, probes: Any) -> GradsAside:
+        """Put the gradients in place aside (and the probes quiet) for a re-run."""
+        return GradsAside(self.params, self.precision, probes)
+
+    def put_back(self, aside: GradsAside, p: Pending, *, applied: bool,
+                 redo: Callable[[], None] | None) -> None:
+        """Bring back what ``set_aside`` took. At read_lag 1 the gradients in place are the next
+        step's, taken at the old weights: when an update was applied meanwhile they are stale,
+        and ``redo`` re-runs the next step at the new weights (or they are brought to the new
+        loss scale without one)."""
+        stale = applied and not p.grads_alive
+        aside.restore(stale=stale, redo=redo if stale else None)
+
+    def settle(self, update: Update) -> None:
+        """The host side of a resolved step: count it and step the LR schedule for an applied
+        update, and for a loss-scaler overflow (the detector's Tier 0), which the guard did not
+        withhold: the schedule steps as in torch's AMP recipe (``scaler.step``, then
+        ``scheduler.step()`` every iteration), so a run the guard never acts on follows the
+        plain loop's schedule exactly. A withheld update holds the schedule."""
+        if update is Update.WITHHELD:
+            self.withheld += 1
             return
-        if skipped:
-            return
-        self.applied += 1
+        if update is not Update.OVERFLOW:
+            self.applied += 1
         if self.scheduler is not None:
             self.scheduler.step()
+
+    def reconfigure(self, kind: str, model: Any) -> None:
+        """Train on under the precision ``kind`` (a reconfigured resume)."""
+        policy = dataclasses.replace(self.precision.policy, kind=kind)
+        self.precision = policy.runtime(model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, the LR multipliers, the clipping rule's and the update bound's statistics
+        (JSON-ready; a host read)."""
+        return {"applied": self.applied, "withheld": self.withheld, "lr": self.lr.state_dict(),
+                "clip": self.clipper.state_dict(), "update_bound": self.bound.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.applied, self.withheld = int(state["applied"]), int(state["withheld"])
+        self.lr.load_state_dict(state["lr"])
+        self.clipper.load_state_dict(state.get("clip"))
+        self.bound.load_state_dict(state.get("update_bound"))
 
     def current_lr(self) -> float | None:
         """The first param group's LR (a number, or a 0-d CPU tensor: no device read); None,
@@ -337,17 +336,16 @@ class Updater:
                                  stats.extras[1].double()]).tolist()
         return lo, lz, n / scale, stats  # a power-of-two loss scale divides exactly
 
-    def apply_rerun(self, rerun: Callable[..., Any], keep: torch.Tensor,
-                    weight: float) -> tuple[RerunUpdate, bool]:
-        """Re-run the step with only the rows ``keep`` marks, each rank's loss weighted by
-        ``weight`` (through ``backward``); apply that update if it passes the gate's test, and
-        commit it. Returns what happened and whether ``backward`` weighed the loss (a closure
-        that calls ``loss.backward()`` itself bypasses it: then the loss is unweighted)."""
-        for p in self.params:  # the verifying re-run's gradients
-            p.grad = None
+    def apply_without(self, p: Pending, keep: torch.Tensor, weight: float) -> RerunUpdate:
+        """Attribution's request: re-run step ``p`` with only the rows ``keep`` marks, each
+        rank's loss weighted by ``weight`` (through ``backward``); apply that update if it passes
+        the gate's test (under ``guard.decide()``: keep its gradients for the framework). Runs
+        with the step's gradients set aside."""
+        for param in self.params:  # the verifying re-run's gradients
+            param.grad = None
         calls, self.loss_weight = self.backwards, weight
         try:
-            out = rerun(keep=keep)
+            out = p.rerun(keep=keep)
         finally:
             self.loss_weight = 1.0
         weighed = self.backwards != calls
@@ -358,16 +356,15 @@ class Updater:
         ok = not bool(gate)
         if ok and self.clip is not None:
             stats.clip_(self.clip)
-        if self.defer:
-            self.deferred = ok
-            self.deferred_grads = [p.grad for p in self.params] if ok else None
+        grads = None
+        if p.framework:
+            grads = [param.grad for param in self.params] if ok else None
         else:
             self._apply(lambda: apply_update(self.precision, self.optimizer, skip=not ok),
                         not ok, 1.0)
-        for p in self.params:
-            p.grad = None
-        self.commit(skipped=not ok)
-        return RerunUpdate(loss=loss, grad_norm=norm, applied=ok), weighed
+        for param in self.params:
+            param.grad = None
+        return RerunUpdate(loss=loss, grad_norm=norm, applied=ok, weighed=weighed, grads=grads)
 
 
 class ScalerState:

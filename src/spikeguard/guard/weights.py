@@ -50,11 +50,21 @@ from typing import Any
 
 import torch
 
-from .attribution import GradsAside
-
-__all__ = ["WeightsCheck", "WeightsProbe", "weights_reason"]
+__all__ = ["Answer", "WeightsCheck", "WeightsProbe", "weights_reason"]
 
 _INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What ``WeightsProbe.weigh`` says about one step."""
+
+    check: WeightsCheck | None
+    """The check, when the gate flagged the step on finite numbers."""
+    fault: bool
+    """The weights are at fault: the withheld update should go through."""
+    kept: bool
+    """An unflagged, applied step: the weights are healthy (a release of the following ends)."""
 
 
 @dataclass(frozen=True)
@@ -96,11 +106,12 @@ class WeightsProbe:
     """Remembers the closures of kept steps and answers weights-or-batch (module docstring).
 
     Built with the step part (``updater``: its measurement of a re-run's gradients, its gate's
-    Tier 1 test, the release of a withheld update) and the probes (kept quiet in the re-run)."""
+    Tier 1 test, the gradients set aside for a re-run) and the probes (kept quiet in the re-run).
+    It applies nothing: ``weigh`` returns its answer, and the guard hands it to the updater."""
 
-    def __init__(self, updater: Any, probes: Any, *, read_lag: int, reference_age: int = 16,
+    def __init__(self, updater: Any, probes: Any, *, reference_age: int = 16,
                  max_blind_skips: int = 5) -> None:
-        self.updater, self.probes, self.read_lag = updater, probes, read_lag
+        self.updater, self.probes = updater, probes
         self.measure: Callable[..., Any] = updater.measure_rerun
         self.test: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
             updater.gate.reference_test)
@@ -116,39 +127,28 @@ class WeightsProbe:
         if rerun is not None:
             self._refs.append((step, rerun))
 
-    @property
-    def has_reference(self) -> bool:
-        return bool(self._refs)
-
-    def weigh(self, p: Any, values: list[float]) -> tuple[bool, WeightsCheck | None]:
-        """Weights or batch for step ``p`` (its read-back ``values``: loss, log Z, norm, withheld,
-        armed, clip coefficient, scale, flagged): returns whether its update stays withheld, and
-        the check when the gate flagged it on finite numbers. At read_lag 0 a step whose weights
-        are at fault is applied now (its clipped gradients are still in place); at read_lag 1
-        they are gone, so the steps after it go through instead, until a check finds the
-        weights healthy or an unflagged step comes."""
-        loss, norm, skip, flag = values[0], values[2], values[3] != 0.0, values[7] != 0.0
-        up = self.updater
-        if not (loss == loss and norm == norm and abs(loss) != _INF and abs(norm) != _INF):
-            return skip, None
-        if not flag:
-            if not skip:
+    def weigh(self, p: Any, reading: Any) -> Answer:
+        """Weights or batch for step ``p`` (its ``StepReading``): the check when the gate flagged
+        it on finite numbers, and whether the weights are at fault (then the withheld update
+        should go through: ``Updater.weights_at_fault``). An unflagged applied step is remembered
+        as a future reference, and says the weights are healthy."""
+        if not reading.finite:
+            return Answer(None, fault=False, kept=False)
+        if not reading.flagged:
+            if not reading.withheld:
                 self.remember(p.step, p.rerun if p.reference else None)
-                up.release_next = False
-            return skip, None
+                return Answer(None, fault=False, kept=True)
+            return Answer(None, fault=False, kept=False)
         check = WeightsCheck(weights=None)
         if self._refs:
-            aside = GradsAside(up.params, up.precision, self.probes)
+            aside = self.updater.set_aside(self.probes)
             try:
                 check = self.check()
             finally:
                 aside.restore(stale=False)
-        fault = check.weights if check.weights is not None else (skip and self.blind_release())
-        if fault and skip and p.grads_alive:
-            up.release()
-            skip = False
-        up.release_next = bool(fault) and self.read_lag > 0
-        return skip, check
+        fault = check.weights if check.weights is not None else (
+            reading.withheld and self.blind_release())
+        return Answer(check, fault=bool(fault), kept=False)
 
     def check(self) -> WeightsCheck:
         """Re-run the oldest remembered batch under the current weights and test it; when it

@@ -190,7 +190,7 @@ class _OlmoGuardLogic:
             self.guard.start_at(self.trainer.global_step + 1)
 
     def pre_epoch(self) -> None:
-        self.guard.micro.clear()  # the Trainer's dry-run batch before the first epoch trains nothing
+        self.guard.discard()  # the Trainer's dry-run batch before the first epoch trains nothing
 
     def pre_step(self, batch: dict[str, Any]) -> None:
         tokens = self.trainer.data_loader.global_num_tokens_in_batch(batch)

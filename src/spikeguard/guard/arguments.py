@@ -59,8 +59,10 @@ def check_loss(loss: Any, device: torch.device) -> None:
 
 def check_nested(config: Any) -> None:
     """A GuardConfig's nested configs are of their types (a dict would fail much later)."""
+    from .responses.lower_lr import LowerLrConfig
+
     for name, kind in (("detector", DetectorConfig), ("probes", ProbeConfig),
-                       ("clipping", ClipConfig)):
+                       ("clipping", ClipConfig), ("lower_lr", LowerLrConfig)):
         if not isinstance(getattr(config, name), kind):
             raise TypeError(f"GuardConfig.{name} must be a {kind.__name__}, got "
                             f"{type(getattr(config, name)).__name__}")

@@ -1,0 +1,87 @@
+"""The one mechanism that changes the learning rate on the guard's behalf: multipliers of the
+scheduled LR over ranges of steps, owned by the step part (``Updater.lr``).
+
+A ``Stretch`` multiplies the LR of steps ``first`` to ``last`` (None: for good) by ``scale``,
+or, with ``ramp``, by ``scale`` rising linearly back to 1 at ``last + 1``. A rollback's replay is
+a ramp (``GuardConfig.rollback_lr_scale``, replacing the last replay's), a reconfigured resume a
+stretch for good, the lower-LR response (``responses/lower_lr.py``) a flat stretch of N steps.
+The factor of a step is the product of the stretches that cover it. It is applied around the
+optimizer step only (``Updater``): the scheduler never sees it, and under ``guard.decide()`` the
+framework gets it as ``Decision.lr_factor``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LrScale", "Stretch", "stretches_v2"]
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """One multiplier of the scheduled LR over a range of steps (module docstring)."""
+
+    first: int
+    """The first step it covers."""
+    last: int | None
+    """The last step it covers; None: every step from ``first`` on."""
+    scale: float
+    """The multiplier (at ``first``, for a ramp)."""
+    ramp: bool = False
+    """Rise linearly from ``scale`` at ``first`` to 1 at ``last + 1`` (needs ``last``)."""
+    kind: str = "scale"
+    """Who asked: a new stretch of kind ``replay`` replaces the previous replay's."""
+
+    def factor(self, step: int) -> float:
+        if step < self.first or (self.last is not None and step > self.last):
+            return 1.0
+        if not self.ramp or self.last is None:
+            return self.scale
+        return self.scale + (1.0 - self.scale) * (step - self.first) / (self.last - self.first + 1)
+
+
+class LrScale:
+    """The stretches in force (module docstring); state in ``state_dict``."""
+
+    def __init__(self) -> None:
+        self.stretches: list[Stretch] = []
+
+    def add(self, stretch: Stretch) -> None:
+        """Put ``stretch`` in force (a ``replay`` replaces the previous ``replay``)."""
+        if stretch.kind == "replay":
+            self.stretches = [s for s in self.stretches if s.kind != "replay"]
+        self.stretches.append(stretch)
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the scheduled LR at ``step`` (1 outside every stretch)."""
+        f = 1.0
+        for s in self.stretches:
+            f *= s.factor(step)
+        return f
+
+    def replay(self) -> tuple[int, int, float] | None:
+        """(first, last, scale) of the replay ramp in force, or None."""
+        for s in self.stretches:
+            if s.kind == "replay":
+                return (s.first, s.last if s.last is not None else s.first, s.scale)
+        return None
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [{"first": s.first, "last": s.last, "scale": s.scale, "ramp": s.ramp,
+                 "kind": s.kind} for s in self.stretches]
+
+    def load_state_dict(self, state: list[dict[str, Any]] | None) -> None:
+        self.stretches = [Stretch(first=int(s["first"]),
+                                  last=None if s["last"] is None else int(s["last"]),
+                                  scale=float(s["scale"]), ramp=bool(s["ramp"]),
+                                  kind=str(s["kind"])) for s in state or ()]
+
+
+def stretches_v2(ramp: Any) -> list[dict[str, Any]]:
+    """A version-2 guard state's ``lr_ramp`` ((first, last, scale) of a replay, or None) as
+    ``LrScale.state_dict()`` gives it."""
+    if not ramp:
+        return []
+    return [{"first": int(ramp[0]), "last": int(ramp[1]), "scale": float(ramp[2]), "ramp": True,
+             "kind": "replay"}]

@@ -1,0 +1,32 @@
+"""The Tier 2 alert (the default): page with the summary and go on training."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ...record import Action
+from .base import Incident, Reply
+
+__all__ = ["Alert"]
+
+log = logging.getLogger("spikeguard")
+
+
+class Alert:
+    """``on_alert(summary)``, else a log line; the record carries the ``summary``."""
+
+    def respond(self, incident: Incident, control: Any) -> Reply:
+        summary = control.summary(incident)
+        page(incident, control, summary)
+        return Reply(Action.ALERT, record={"summary": summary})
+
+
+def page(incident: Incident, control: Any, summary: dict[str, Any]) -> None:
+    """Page through ``control.on_alert``, else a warning in the log."""
+    if control.on_alert is not None:
+        control.on_alert(summary)
+    else:
+        log.warning("spikeguard: Tier 2 at step %d: %s (suggested rollback to step %s)",
+                    incident.step, "; ".join(incident.verdict.reasons),
+                    summary["rollback_checkpoint"])

@@ -1,0 +1,53 @@
+"""Which responses a verdict's tier gets: the detector says the tier and the reasons, the policy
+says what is done about them.
+
+Tier 2: ``GuardConfig.tier2``'s response (``alert``, the default, or ``rollback``), then every
+response switched on by a ``ResponseConfig`` field of the GuardConfig for tier 2 (``lower_lr``).
+Tier 3: the halt (with the reconfigure hook), then those for tier 3. The first Reply that is not
+an alert (a rollback, a halt) ends the chain: the run it leaves is not the one the others were
+asked about. ``respond`` returns the replies in order; the first one's action is the step's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import fields
+from typing import Any
+
+from ...record import Action
+from ..forensics import HaltReport
+from .alert import Alert
+from .base import Incident, Reply, Response, ResponseConfig
+from .halt import Halt
+from .rollback import Rollback
+
+__all__ = ["Policy"]
+
+
+class Policy:
+    """The responses of each tier (module docstring), built from a GuardConfig."""
+
+    def __init__(self, config: Any, *,
+                 reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None = None
+                 ) -> None:
+        halt = Halt(reconfigure)
+        first: Response = Rollback(config.rollback_lr_scale, halt) if config.tier2 == "rollback" \
+            else Alert()
+        self.tiers: dict[int, list[Response]] = {2: [first], 3: [halt]}
+        for f in fields(config):
+            value = getattr(config, f.name)
+            if isinstance(value, ResponseConfig) and value.enabled:
+                for tier in value.tiers:
+                    self.tiers[tier].append(value.build())
+
+    def respond(self, incident: Incident, control: Any) -> tuple[Reply, ...]:
+        """The replies to a verdict of tier 2 or 3, in order (module docstring)."""
+        replies: list[Reply] = []
+        for response in self.tiers.get(incident.verdict.tier, ()):
+            reply = response.respond(incident, control)
+            if reply is None:
+                continue
+            replies.append(reply)
+            if reply.action is not Action.ALERT:
+                break
+        return tuple(replies)

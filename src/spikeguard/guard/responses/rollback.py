@@ -1,0 +1,74 @@
+"""The Tier 2 rollback (``GuardConfig(tier2="rollback")``): restore the newest healthy checkpoint
+before the onset, leave the anomaly's batches out (or only their quarantined rows), and replay
+at a reduced LR ramping back to 1 by the detection step; within a budget, past which it halts.
+With nothing healthy to go back to it alerts and training goes on (a halt would lose the run).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ...record import Action
+from ..lr_scale import Stretch
+from .alert import page
+from .base import Incident, Reply
+from .halt import Halt
+
+__all__ = ["Rollback"]
+
+log = logging.getLogger("spikeguard")
+
+
+class Rollback:
+    """The rollback response (module docstring); ``lr_scale`` is the replay's starting LR
+    multiple (``GuardConfig.rollback_lr_scale``); ``halt`` answers once the budget is spent."""
+
+    def __init__(self, lr_scale: float, halt: Halt) -> None:
+        self.lr_scale, self.halt = lr_scale, halt
+
+    def respond(self, incident: Incident, control: Any) -> Reply:
+        from ...checkpoint.info import CheckpointError
+
+        summary = control.summary(incident)
+        if not control.budget_left:
+            return self.halt.halt(incident, control, summary=summary,
+                                  detail=f"rollback budget of {control.max_rollbacks} exhausted")
+        onset, step, ledger = incident.onset, incident.step, control.ledger
+        skip = ledger.data_range(onset, step)
+        # before the restore, which takes the attribution history back to the checkpoint
+        drops = control.attribution.range_drops(onset, step) if ledger.can_drop else None
+        try:
+            info = control.restore_before(onset)
+        except CheckpointError as e:
+            log.warning("spikeguard: Tier 2 at step %d: cannot roll back (%s); alerting and "
+                        "going on", step, e)
+            page(incident, control, summary)
+            return Reply(Action.ALERT, record={"summary": summary, "rollback_failed": str(e)})
+        control.rollbacks += 1
+        ledger.reapply()  # earlier rollbacks' ranges and drops hold across this restore
+        record: dict[str, Any] = {"summary": summary}
+        if drops is not None:  # only the quarantined sequences of the range, not the range
+            ledger.drop(drops)
+            skip = None
+            record["dropped_sequences"] = {str(i): r for i, r in drops.items()}
+        if skip is not None and ledger.can_skip:
+            ledger.skip(*skip)
+        ledger.resync()
+        scale = self._replay_scale(control, info.step, step)
+        record.update(rollback_to=info.step, skip_range=list(skip) if skip else None,
+                      rollbacks=control.rollbacks, replay_lr_scale=scale)
+        log.warning("spikeguard: Tier 2 at step %d: rolled back to step %d, skipping batches %s",
+                    step, info.step, skip)
+        return Reply(Action.ROLLBACK, record=record,
+                     lr=Stretch(first=info.step + 1, last=step, scale=scale, ramp=True,
+                                kind="replay"))
+
+    def _replay_scale(self, control: Any, restored: int, detection: int) -> float:
+        """The LR scale of this replay: ``lr_scale``, times the last one when this rollback
+        lands in the stretch the last one replayed (the same trouble came back: go lower)."""
+        last, scale = control.replay, self.lr_scale
+        if last is not None and restored <= last[1]:
+            scale *= last[2]
+        control.replay = (restored, detection, scale)
+        return scale
