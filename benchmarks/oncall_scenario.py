@@ -10,7 +10,7 @@ tendency, not a transient that a rollback leaves behind).
 - unguarded: with the fault, the guard recording only (``--no-respond``);
 - rollback: ``--tier2 rollback``: back to the suggested checkpoint, no change (the budget of 3
   rollbacks, then a halt);
-- ask-1e-4, ask-1e-3: ``--ask`` with the page posted to a real webhook server on 127.0.0.1;
+- ask-1e-4, ask-1e-3: ``--tier2 ask`` with the page posted to a real webhook server on 127.0.0.1;
   when the page arrives, this script answers as the on-call engineer would: ``spikeguard
   respond RUN_DIR rollback --incident ID --to <the page's suggested checkpoint> --set
   z_loss=Z`` (roll back to before log Z began to rise, add z-loss). A later incident, if any,
@@ -43,7 +43,7 @@ __all__ = ["main"]
 BASE = ["--model", "tiny", "--batch-size", "8", "--steps", "300", "--lr", "3e-3", "--z-loss", "0",
         "--no-progress", "--ckpt-every", "50", "--no-plot"]
 FAULT = ["--inject", "logit-drift@150:0.05!"]
-ASK = [*FAULT, "--ask", "--answer-within-s", "300"]
+ASK = [*FAULT, "--tier2", "ask", "--answer-within-s", "300"]
 ARMS = {"clean": [], "unguarded": [*FAULT, "--no-respond"],
         "rollback": [*FAULT, "--tier2", "rollback"], "ask-1e-4": ASK, "ask-1e-3": ASK}
 

@@ -1,5 +1,5 @@
 """The on-call loop with real parts: a webhook server on 127.0.0.1 (tests/_oncall_hook.py),
-``spikeguard train --ask`` as a user runs it (a subprocess), ``spikeguard respond`` answering it.
+``spikeguard train --tier2 ask`` as a user runs it (a subprocess), ``spikeguard respond`` answering it.
 
 The scenario of docs/on-call.md: the tiny model without z-loss, its logits drifting from step 60
 and again after any rollback (``--inject logit-drift@60:0.05!``, peak LR 3e-3). The page reaches the server; bad
@@ -118,7 +118,7 @@ def test_the_drift_scenario_paged_refused_answered_rolled_back_with_z_loss(tmp_p
                                                                            capsys):
     out = tmp_path / "run"
     env = {**sub_env, "SG_TEST_PD_KEY": SECRET}
-    cmd = ["--steps", "400", *STICKY, "--ask", "--answer-within-s", "600", "--resolve-after",
+    cmd = ["--steps", "400", *STICKY, "--tier2", "ask", "--answer-within-s", "600", "--resolve-after",
            "20", "--page-format", "pagerduty", "--page-secret-env", "SG_TEST_PD_KEY",
            "--out", str(out)]
     with hook() as h:
@@ -213,7 +213,7 @@ def test_the_drift_scenario_paged_refused_answered_rolled_back_with_z_loss(tmp_p
 @pytest.mark.slow
 def test_the_server_down_for_the_whole_run_and_no_answer_the_default_applies(tmp_path, sub_env):
     out = tmp_path / "run"
-    proc = _train(["--steps", "400", *DRIFT, "--ask", "--answer-within-s", "1",
+    proc = _train(["--steps", "400", *DRIFT, "--tier2", "ask", "--answer-within-s", "1",
                    "--answer-default", "rollback", "--page-retries", "2",
                    "--page-backoff-s", "0.1", "--page-to",
                    f"http://127.0.0.1:{closed_port()}/hook", "--out", str(out)], sub_env)
@@ -241,7 +241,7 @@ def _seconds(stdout: str) -> float:
 
 @pytest.mark.slow
 def test_a_slow_server_does_not_slow_the_steps(tmp_path, sub_env):
-    args = ["--steps", "100", *DRIFT, "--ask", "--answer-within-s", "600", "--no-plot"]
+    args = ["--steps", "100", *DRIFT, "--tier2", "ask", "--answer-within-s", "600", "--no-plot"]
     with hook(delay=3.0) as h:  # both runs at once: the same load on both
         slow = _train([*args, "--page-to", h.url, "--page-timeout-s", "1", "--page-retries",
                        "3", "--page-backoff-s", "0.2", "--out", str(tmp_path / "slow")], sub_env)
@@ -256,28 +256,45 @@ def test_a_slow_server_does_not_slow_the_steps(tmp_path, sub_env):
     assert ratio < 1.6, (so_slow, so_base)
 
 
-def test_a_resumed_run_applies_the_answers_settings_again(tmp_path):
+def test_an_answer_is_applied_as_a_reply_and_a_resume_keeps_its_settings(tmp_path):
     from spikeguard.data import TokenStream
-    from spikeguard.guard import Guard
+    from spikeguard.guard import Guard, GuardConfig
     from spikeguard.model import GPT, GPTConfig
-    from spikeguard.oncall.apply import reapply
+    from spikeguard.oncall import Decision, OnCall
+    from spikeguard.train.loop import _keep_answers
 
     model = GPT(GPTConfig.tiny(z_loss=0.0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
     stream = TokenStream(np.arange(5000) % 256, batch_size=2, seq_len=16, seed=0)
-    guard = Guard(model, opt, scheduler=sched, data=stream)
-    section = {"overrides": {"z_loss": 1e-4, "lr": 4e-4, "clip": 0.5,
-                             "precision.blocks.0.attn": "fp32"}, "skip_data": [[3, 5]]}
-    for _ in range(2):  # applying it twice (a second resume) changes nothing more
-        kept = reapply(section, guard, model, stream)
-    assert kept == section["overrides"]
+    oncall = OnCall(OnCallConfig(), tmp_path, ask=True)
+    guard = Guard(model, opt, scheduler=sched, data=stream, config=GuardConfig(tier2="ask"),
+                  oncall=oncall)
+    from spikeguard.guard.responses.ask import answer
+
+    reply = answer(Decision(incident="1-a", action="continue",
+                            settings={"z_loss": 1e-4, "lr": 4e-4, "clip": 0.5,
+                                      "precision.blocks.0.attn": "fp32"}),
+                   guard.control, 7, model=model, updater=guard.updater, probes=guard.probes,
+                   peak=1e-3)
+    assert reply.record["settings"] == {"z_loss": 1e-4, "clip": 0.5, "lr": pytest.approx(4e-4),
+                                        "precision.blocks.0.attn": "fp32"}
+    assert reply.lr.first == 7 and reply.lr.last is None and reply.lr.scale == pytest.approx(0.4)
     assert model.cfg.z_loss == 1e-4 and guard.updater.clip == 0.5
-    assert sched.base_lrs == [pytest.approx(4e-4)]
-    assert opt.param_groups[0]["lr"] == pytest.approx(2e-4)  # the schedule's 0.5 of the new peak
-    assert stream.skip_ranges == [(3, 5)]
     attn = model.get_submodule("blocks.0.attn")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         x = torch.randn(1, 16, model.cfg.d_model)
         assert attn(x).dtype == torch.float32  # outside autocast, whatever the policy
         assert model.get_submodule("blocks.0.mlp")(x).dtype == torch.bfloat16
+    # a resumed run: the same settings again, on a fresh model; twice changes nothing more
+    model2 = GPT(GPTConfig.tiny(z_loss=0.0))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 0.5)
+    stream2 = TokenStream(np.arange(5000) % 256, batch_size=2, seq_len=16, seed=0)
+    guard2 = Guard(model2, opt2, scheduler=sched2, data=stream2)
+    section = {"overrides": reply.record["settings"], "skip_data": [[3, 5]]}
+    for _ in range(2):
+        kept = _keep_answers(section, guard2, model2, stream2)
+    assert kept == section["overrides"] and model2.cfg.z_loss == 1e-4
+    assert [s.scale for s in guard2.updater.lr.stretches] == [pytest.approx(0.4)]
+    assert stream2.skip_ranges == [(3, 5)]

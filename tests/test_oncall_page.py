@@ -37,7 +37,7 @@ def run_dir(tmp_path_factory):
                 "loss_ema_ratio": 1.0, "tier": 0, "action": "continue", "reasons": []}
                for s in range(100)]
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    oncall = OnCall(OnCallConfig(ask=True), out, layers=[n for n, _ in model.named_modules() if n],
+    oncall = OnCall(OnCallConfig(), out, ask=True, layers=[n for n, _ in model.named_modules() if n],
                     plot=lambda path: plot_run(records, path, title="watched"))
     oncall.page(_summary())
     inc = json.loads((out / "oncall" / "incident.json").read_text())

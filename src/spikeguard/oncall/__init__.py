@@ -6,9 +6,9 @@ page and the decision every rank applies alike), the answer protocol of ``spikeg
 """
 
 from .answer import Answer, AnswerError, validate, write_answer
-from .ask import Decision, NotedSink, OnCall
+from .ask import Decision, OnCall
 from .config import OnCallConfig
 from .pager import Pager
 
-__all__ = ["Answer", "AnswerError", "Decision", "NotedSink", "OnCall", "OnCallConfig", "Pager",
+__all__ = ["Answer", "AnswerError", "Decision", "OnCall", "OnCallConfig", "Pager",
            "validate", "write_answer"]

@@ -1,14 +1,15 @@
 """OnCall: the incident a Tier 2 opens, its page, and the answer every rank applies alike.
 
-The narrow surface a Tier 2 response calls (``tier2="ask"``, docs/on-call.md):
+What the guard calls (``Guard(oncall=...)``; under ``tier2="ask"``, guard/responses/ask.py):
 
-    oncall = OnCall(config, run_dir, run_id=..., layers=[...], plot=draw_png)
+    oncall = OnCall(config, run_dir, run_id=..., layers=[...], plot=draw_png, ask=True)
     oncall.page(summary, step)     # a Tier 2 verdict, on every rank: open or extend the incident
     decision = oncall.poll(step)   # every step boundary, on every rank: None, or the same
                                    # Decision on every rank (rank 0 reads it and broadcasts)
-    ...apply it (apply.apply_decision)...
-    oncall.applied(decision, step, what)   # the record, config.json, the next metrics record
-    oncall.close(halted=...)       # -> (pages sent, pages unsent)
+    ...the guard applies it (responses/ask.py: answer)...
+    oncall.applied(decision, step, what)   # incidents.jsonl, incident.json, config.json
+    oncall.take_note()             # what the next metrics record carries under ``oncall``
+    oncall.close(halted=...)       # the run's end -> (pages sent, pages unsent)
 
 Rank 0 owns the files (answer.py) and the pager; the other ranks hold only whether an incident
 waits for an answer, which they know because every rank sees the same verdicts. ``poll`` costs
@@ -26,6 +27,7 @@ with the incident's dedup key.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import secrets
 import shlex
@@ -44,7 +46,9 @@ from .config import OnCallConfig
 from .pager import PageEvent, Pager
 from .settings import SETTINGS, config_with
 
-__all__ = ["Decision", "NotedSink", "OnCall"]
+__all__ = ["Decision", "OnCall"]
+
+log = logging.getLogger("spikeguard")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,15 +111,16 @@ class OnCall:
     window to ``path`` (it runs on the pager's thread); ``checkpoints()`` lists the healthy
     checkpoint steps (default: read RUN_DIR/checkpoints). ``max_rollbacks``: rollbacks by
     answers after which a default (nobody answered) that would roll back halts instead, as the
-    guard's rollback budget does; a person's answer is never refused for it."""
+    guard's rollback budget does; a person's answer is never refused for it. ``ask``: an
+    incident waits for an answer (``GuardConfig(tier2="ask")``); otherwise pages only."""
 
     def __init__(self, config: OnCallConfig, run_dir: str | Path, *, run_id: str = "",
                  layers: list[str] | None = None,
                  plot: Callable[[Path], Any] | None = None,
                  checkpoints: Callable[[], list[int]] | None = None,
-                 max_rollbacks: int = 3,
+                 max_rollbacks: int = 3, ask: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
+        self.config, self.ask = config, ask
         self.run_dir = Path(run_dir).resolve()
         self.run_id = run_id
         self.layers = list(layers or [])
@@ -167,7 +172,7 @@ class OnCall:
             return
         if self.open:  # a Tier 2 after a rollback: the old incident is over, this is new
             self._resolve("superseded by a new Tier 2 after the rollback")
-        self.open, self.waiting, self.after_rollback = True, self.config.ask, False
+        self.open, self.waiting, self.after_rollback = True, self.ask, False
         self.incidents += 1
         self.opened_at = self.clock()
         self.deadline = self.opened_at + self.config.answer_within_s
@@ -180,7 +185,7 @@ class OnCall:
                 "summary": summary, "plot": str(png),
                 "answers": answer_commands(self.run_dir, ident, summary),
                 "watch": f"spikeguard watch {shlex.quote(str(self.run_dir))}",
-                "ask": self.config.ask, "answer_within_s": self.config.answer_within_s,
+                "ask": self.ask, "answer_within_s": self.config.answer_within_s,
                 "answer_default": self.config.answer_default}
         self.incident = {"id": ident, "step": step, "status": "open", "opened": time.time(),
                          "alerts": 1, "page": page, "summary": summary, "plot": str(png),
@@ -232,6 +237,9 @@ class OnCall:
                                  decision={**note, "step": step})
             self._write_incident()
         self._log({"event": "decision", "step": step, **note})
+        log.warning("spikeguard: on-call: incident %s answered %s (by %s) at step %d: %s",
+                    decision.incident, decision.action, decision.by, step,
+                    {k: v for k, v in note.items() if k not in ("incident", "decision", "by")})
         self._save_config(decision, step, what)
         if decision.action == "halt" and decision.by == "person":
             self._send_resolve(decision.incident)
@@ -350,18 +358,3 @@ class OnCall:
             section["skip_data"].append(list(decision.skip_data))
         config_with(meta.get("config"), what.get("settings", {}))
         write_json(path, meta)
-
-
-class NotedSink:
-    """A sink around ``inner`` whose next record carries ``oncall.take_note()`` under
-    ``oncall`` (a decision, a refusal); everything else is ``inner``'s."""
-
-    def __init__(self, inner: Any, oncall: OnCall) -> None:
-        self.inner, self.oncall = inner, oncall
-
-    def log(self, record: dict[str, Any], step: int) -> None:
-        note = self.oncall.take_note()
-        self.inner.log({**record, "oncall": note} if note else record, step)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)

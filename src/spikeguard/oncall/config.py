@@ -1,4 +1,4 @@
-"""OnCallConfig: where a Tier 2 page goes, and what a run under ``ask`` does while it waits."""
+"""OnCallConfig: where a Tier 2 page goes, and what a run under ``tier2="ask"`` does while it waits."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 @dataclass(kw_only=True, frozen=True)
 class OnCallConfig:
-    """Pages a Tier 2 to a person and, under ``ask``, applies their answer (docs/on-call.md)."""
+    """Pages a Tier 2 to a person and, under ``tier2="ask"``, how long the run waits for their
+    answer (docs/on-call.md)."""
 
     page_to: str | None = None
     """Webhook URL the page is posted to (http or https); None: no page unless page_url_env."""
@@ -36,8 +37,6 @@ class OnCallConfig:
     """Attempts after the first before a page is kept as unsent in RUN_DIR/pages.jsonl."""
     page_backoff_s: float = 2.0
     """Wait before the first retry; it doubles for each later one."""
-    ask: bool = False
-    """Tier 2 asks a person: page, go on training, apply their answer at a step boundary."""
     answer_within_s: float = 1800.0
     """Seconds to wait for an answer before answer_default applies (and the record says so)."""
     answer_default: Literal["continue", "rollback", "halt"] = "continue"
@@ -70,8 +69,6 @@ class OnCallConfig:
                              "number >= 0 (default 2.0)")
         check_positive(self.answer_within_s, "OnCallConfig.answer_within_s", default=1800.0)
         check_int(self.resolve_after, "OnCallConfig.resolve_after", minimum=1, default=50)
-        if not isinstance(self.ask, bool):
-            raise ValueError(f"OnCallConfig.ask={self.ask!r} must be True or False")
 
     @property
     def pages(self) -> bool:

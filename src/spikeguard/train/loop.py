@@ -34,9 +34,10 @@ from ..data import TokenStream
 from ..detect.precision import PrecisionPolicy
 from ..guard import Guard
 from ..guard.forensics import HaltReport, TrainingHalted
+from ..guard.responses.ask import lr_stretch
 from ..model import GPT
-from ..oncall import NotedSink, OnCall
-from ..oncall.apply import apply_decision, reapply
+from ..oncall import OnCall
+from ..oncall.apply import apply_settings
 from ..oncall.settings import config_with
 from ..prevent.mup import mup_param_groups
 from ..prevent.schedules import warmup_cosine, wsd
@@ -171,15 +172,37 @@ def _answered(out: Path) -> dict[str, Any] | None:
         return None
 
 
+def _keep_answers(section: dict[str, Any] | None, guard: Guard, model: GPT,
+                  stream: TokenStream) -> dict[str, Any]:
+    """A resumed run keeps what on-call answers changed (config.json's ``oncall``): their
+    skip ranges and settings again; an LR change is the guard's stretch, restored with its
+    state unless the checkpoint predates the answer."""
+    if not section:
+        return {}
+    for lo, hi in section.get("skip_data", []):
+        if (lo, hi) not in {tuple(r) for r in stream.skip_ranges}:
+            stream.skip(lo, hi)
+    settings = dict(section.get("overrides", {}))
+    lr = settings.pop("lr", None)
+    kept = apply_settings(model, settings, updater=guard.updater, probes=guard.probes)
+    if lr is not None:
+        if not any(s.kind == "answer" for s in guard.updater.lr.stretches):
+            stretch, _ = lr_stretch({"lr": lr}, first=guard.step_index,
+                                    peak=float(guard.scheduler.base_lrs[0]))
+            guard.updater.lr.add(stretch)
+        kept["lr"] = lr
+    return kept
+
+
 def _oncall(cfg: TrainConfig, out: Path, run_hash: str, model: GPT, *, resume: bool,
             checkpoints: Any) -> OnCall | None:
     """The run's on-call loop (pages, and answers under --ask), or None when not configured."""
-    oc = cfg.oncall
-    if not (oc.pages or oc.ask):
+    oc, ask = cfg.oncall, cfg.guard.tier2 == "ask"
+    if not (oc.pages or ask):
         return None
-    if oc.ask and (cfg.guard.tier2 != "alert" or not cfg.guard.respond):
-        raise ValueError(f"--ask answers a Tier 2 alert; it needs --tier2 alert (not "
-                         f"{cfg.guard.tier2}) and the guard's responses on")
+    if ask and not cfg.guard.respond:
+        raise ValueError("--tier2 ask applies a person's answer; it needs the guard's "
+                         "responses on (not --defenses none or --no-respond)")
     if _dist.rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         OnCall.start(out, resume=resume)
@@ -191,7 +214,7 @@ def _oncall(cfg: TrainConfig, out: Path, run_hash: str, model: GPT, *, resume: b
 
     return OnCall(oc, out, run_id=run_hash, layers=[n for n, _ in model.named_modules() if n],
                   plot=plot if cfg.plot else None, checkpoints=checkpoints,
-                  max_rollbacks=cfg.guard.max_rollbacks)
+                  max_rollbacks=cfg.guard.max_rollbacks, ask=ask)
 
 
 def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
@@ -248,8 +271,6 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
     sinks = [JsonlSink(out / "metrics.jsonl"), progress] if rank == 0 else []
     oncall = _oncall(cfg, out, run_hash, model, resume=resume,
                      checkpoints=lambda: [c.step for c in guard.checkpoints.list() if c.healthy])
-    if oncall is not None and sinks:
-        sinks[0] = NotedSink(sinks[0], oncall)  # a decision goes into the next record
     def target() -> int:  # steps to run: --steps plus the withheld updates made up
         return cfg.steps + min(guard.withheld, cfg.make_up_skips)
 
@@ -257,7 +278,7 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
                   checkpoints=RunCheckpoints(out / "checkpoints", every=cfg.ckpt_every,
                                              keep=cfg.keep, last_step=lambda: target() - 1),
                   data=stream, sinks=sinks, probes=True, extra_state={"faults": injector},
-                  keep_on_rollback=("faults",), on_alert=oncall.page if oncall else None)
+                  keep_on_rollback=("faults",), oncall=oncall)
     threads = (f"--threads {cfg.threads}; torch's default here: {torch_threads}" if cfg.threads
                else "torch's default, --threads 0")
     console.print(f"{data.describe}; model {cfg.model}: {model.num_params():,} params on "
@@ -285,7 +306,7 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
                               f"--out runs beside it)")
                 return result
             console.print(f"resumed from the checkpoint at step {info.step}")
-            kept = reapply(answered, guard, model, stream)
+            kept = _keep_answers(answered, guard, model, stream)
             if kept:
                 console.print(f"kept the on-call answers' settings: {kept}")
     start = time.perf_counter()
@@ -323,17 +344,6 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
             injector.after_step(optimizer)
             result.losses.append(float(loss.ce))
             skipped += [v.step for v in verdicts if v.skip]
-            # the on-call answer, at the step boundary, the same on every rank (oncall/ask.py)
-            if oncall is not None and (decision := oncall.poll(guard.step_index)) is not None:
-                done = apply_decision(guard, model, decision)
-                oncall.applied(decision, guard.step_index, done)
-                console.print(f"on-call: incident {decision.incident} answered "
-                              f"{decision.action} (by {decision.by}): {done or 'no change'}")
-                if decision.action == "halt":
-                    raise TrainingHalted(HaltReport(
-                        step=guard.step_index - 1, reasons=(f"on-call answer: halt (incident "
-                                                            f"{decision.incident}, by "
-                                                            f"{decision.by})",)))
     except TrainingHalted as halt:
         result.halted = halt.report
     except KeyboardInterrupt:
