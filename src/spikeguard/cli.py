@@ -235,7 +235,7 @@ def _add_oncall(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("respond", help="answer a running job's Tier 2 page: rollback, continue, "
                        "halt", description="Answer the open incident of a run started with "
-                       "--ask: the run applies the answer at its next step boundary, the same "
+                       "--tier2 ask: the run applies the answer at its next step boundary, the same "
                        "on every rank. A bad answer is refused (exit status 2), nothing written.")
     respond.add_arguments(p)
     p.set_defaults(func=respond.run)

@@ -79,7 +79,7 @@ class TrainConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     """Clipping, the Tier 2 policy and every detector threshold (windows sized to the run)."""
     oncall: OnCallConfig = field(default_factory=OnCallConfig)
-    """Where a Tier 2 page goes and, under --ask, how a person's answer reaches the run."""
+    """Where a Tier 2 page goes and, under --tier2 ask, how a person's answer reaches the run."""
     defenses: Literal["all", "none"] = "all"
     """none: a baseline without z-loss, QK-norm, clipping and guard responses."""
     ckpt_every: int = 50

@@ -196,7 +196,7 @@ def _keep_answers(section: dict[str, Any] | None, guard: Guard, model: GPT,
 
 def _oncall(cfg: TrainConfig, out: Path, run_hash: str, model: GPT, *, resume: bool,
             checkpoints: Any) -> OnCall | None:
-    """The run's on-call loop (pages, and answers under --ask), or None when not configured."""
+    """The run's on-call loop (pages, and answers under --tier2 ask), or None when not configured."""
     oc, ask = cfg.oncall, cfg.guard.tier2 == "ask"
     if not (oc.pages or ask):
         return None
