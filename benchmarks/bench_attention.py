@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 import spikeguard as sg
+from spikeguard.prevent.attention import attention
 
 __all__ = ["interleaved_medians", "main"]
 
@@ -49,7 +50,7 @@ def _attention_cases(cfg: sg.GPTConfig, batch: int) -> dict[str, Callable[[], No
 
     def case(cap: float | None, backend: str, kv=(k, v)) -> Callable[[], None]:
         def run() -> None:
-            out = sg.attention(q, *kv, causal=True, softcap=cap, backend=backend)
+            out = attention(q, *kv, causal=True, softcap=cap, backend=backend)
             torch.autograd.grad(out, (q, *kv), grad)
         return run
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 import spikeguard as sg
-from spikeguard.prevent.losses import _sequences
+from spikeguard.prevent.losses import LossOutput, _sequences
 
 __all__ = ["main"]
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         out = model.loss(model(x[:, :-1]), x[:, 1:], per_sequence=per_sequence)
         out.loss.backward()
 
-        def rerun(keep: torch.Tensor | None = None) -> sg.LossOutput:
+        def rerun(keep: torch.Tensor | None = None) -> LossOutput:
             xs = x if keep is None else x[keep]
             o = model.loss(model(xs[:, :-1]), xs[:, 1:])
             o.loss.backward()

@@ -23,6 +23,7 @@ import time
 import torch
 
 import spikeguard as sg
+from spikeguard.detect.probes import Probes
 
 __all__ = ["main"]
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 loss_t[alpha].append(time.perf_counter() - t0)
     # the probes' forward hooks run inside the forward: time a forward with and without them
     plain, hooked = sg.GPT(shape), sg.GPT(shape)
-    probes = sg.Probes(hooked, sg.ProbeConfig())
+    probes = Probes(hooked, sg.ProbeConfig())
     xb = torch.randint(0, shape.vocab_size, (args.batch_size, shape.seq_len), generator=gen)
     fwd_t: dict[str, list[float]] = {"plain": [], "hooked": []}
     with torch.no_grad():

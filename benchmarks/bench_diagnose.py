@@ -9,7 +9,8 @@ command itself: ``spikeguard diagnose FILE --json`` on a 10,000-row CSV and trai
 a fresh process (< 1 s, without importing torch), beside ``python -c pass`` in the same run.
 
 The log is a healthy run with both worked scenarios spliced in, cycled to the length, steps
-renumbered 0..N-1, written by the JSONL sink's encoder.
+renumbered 0..N-1, written by the JSONL sink's encoder; the same stream is also written as the
+console lines of nanoGPT, llm.c and Megatron-LM, each read and searched in a fresh process.
 
     PYTHONPATH=src:. python benchmarks/bench_diagnose.py [--steps N] [--smoke]
 """
@@ -108,6 +109,43 @@ def _cli(files: dict[str, Path], reps: int) -> None:
           f"{base:.2f} s (target < 1 s, best of {reps})")
 
 
+_MEGATRON_LINES = 200_000  # Megatron's 330-byte lines: 1M of them are 330 MB on disk
+
+
+def _console_logs(folder: Path, stream: list) -> dict[str, Path]:
+    """The stream as the console lines nanoGPT, llm.c and Megatron-LM print (the formats
+    ``spikeguard diagnose`` tells by content); Megatron's first ``_MEGATRON_LINES`` only."""
+    nano, llmc, meg = folder / "nanogpt.log", folder / "llmc.log", folder / "megatron.log"
+    with open(nano, "w") as f:
+        f.writelines(f"iter {m.step}: loss {m.loss:.4f}, time 561.94ms, mfu 16.60%\n"
+                     for m in stream)
+    with open(llmc, "w") as f:
+        f.writelines(f"step {m.step:>7}/{len(stream)} | train loss {m.loss:.6f} | norm "
+                     f"{m.grad_norm:.4f} | lr 6.00e-04 | 98.51 ms | 5323 tok/s\n" for m in stream)
+    with open(meg, "w") as f:
+        f.writelines(f" iteration {m.step + 1:>8}/{len(stream)} | consumed samples: "
+                     f"{(m.step + 1) * 16:>10} | elapsed time per iteration (ms): 820.7 | "
+                     "learning rate: 1.000000E-04 | global batch size:    16 | lm loss: "
+                     f"{m.loss:.6E} | loss scale: 4096.0 | grad norm: {m.grad_norm:.3f} | "
+                     "number of skipped iterations:   0 | number of nan iterations:   0 |\n"
+                     for m in stream[:_MEGATRON_LINES])
+    return {"nanoGPT": nano, "llm.c": llmc, "Megatron-LM": meg}
+
+
+def _console_bench(folder: Path, stream: list) -> None:
+    """Read + search of each console log in a fresh process: wall and CPU seconds."""
+    for name, path in _console_logs(folder, stream).items():
+        mib = path.stat().st_size / 2**20
+        text = subprocess.run([sys.executable, __file__, "--search-only", str(path)],
+                              capture_output=True, text=True, check=True).stdout
+        _, tn, tr, tf, cpu, *_ = next(line for line in text.splitlines()
+                                      if line.startswith("SEARCH")).split()
+        print(f"parse+search, {name} console log: {int(tn):,} lines ({mib:.0f} MiB) in "
+              f"{float(tr) + float(tf):.2f} s wall (read {float(tr):.2f} s, search "
+              f"{float(tf):.2f} s; CPU {float(cpu):.2f} s; target <= 10 s for 1M steps)")
+        path.unlink()
+
+
 def _search(path: str) -> int:
     """Child process: read + search only; prints seconds, records, RSS before and after."""
     import spikeguard.diagnose  # noqa: F401  (the imports count in the baseline, not the search)
@@ -133,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="5k steps, one round, the search in this process: checks it runs")
     p.add_argument("--search-only", metavar="LOG", help=argparse.SUPPRESS)
+    p.add_argument("--console-only", action="store_true",
+                   help="only the console logs (nanoGPT, llm.c, Megatron-LM lines)")
     args = p.parse_args(argv)
     if args.search_only:
         return _search(args.search_only)
@@ -141,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     from spikeguard.detector.detector import SpikeDetector
     from spikeguard.diagnose import diagnose, read_log, replay, replay_config, write_report
 
+    if args.console_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            _console_bench(Path(tmp), _stream(args.steps))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "metrics.jsonl"
         stream = _stream(args.steps)
@@ -156,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                                  capture_output=True, text=True, check=True).stdout
         _, n, t_read, t_find, cpu, rss0, rss1, n_found = next(
             line for line in out.splitlines() if line.startswith("SEARCH")).split()
+        _console_bench(Path(tmp), stream)
         total = float(t_read) + float(t_find)
         print(f"parse+search: {int(n):,} records ({size:.0f} MiB) in {total:.2f} s (read "
               f"{float(t_read):.2f} s, search {float(t_find):.2f} s; CPU {float(cpu):.2f} s; "

@@ -23,7 +23,7 @@ import time
 import torch
 
 import spikeguard as sg
-from spikeguard.detect.probes import ProbeConfig
+from spikeguard.detect.probes import ProbeConfig, Probes
 from spikeguard.detect.signals import SignalConfig, Signals
 
 __all__ = ["main"]
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         torch.manual_seed(0)
         model = sg.GPT(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        probes = sg.Probes(model, ProbeConfig(activation_max=False, layer_grad_norms=False,
+        probes = Probes(model, ProbeConfig(activation_max=False, layer_grad_norms=False,
                                               signals=signals), optimizer=opt)
         sig = probes.signals
         if any(signals is a for a in timed_arms):  # hooks registered bound: re-register timed

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from tests.test_integrations_olmo import make_trainer, trainer_config
 
-import spikeguard as sg
 from spikeguard.integrations.olmo_core import relaunch_config
+from spikeguard.sinks import read_metrics
 
 
 def final_loss(path: Path, last: int = 5) -> float:
-    records = sg.read_metrics(path)[-last:]
+    records = read_metrics(path)[-last:]
     return sum(r["loss"] for r in records) / len(records)
 
 

@@ -52,7 +52,7 @@ def _one(job: tuple) -> dict:
     arm, fault, seed, steps, model, root, faults, lr = job
     import torch
 
-    from spikeguard import read_metrics
+    from spikeguard.sinks import read_metrics
     from spikeguard.train import TrainConfig, train
 
     torch.set_num_threads(1)

@@ -12,12 +12,13 @@ import torch
 import transformers
 
 import spikeguard as sg  # sg
+from spikeguard.data import load_corpus
 from spikeguard.integrations.hf import SpikeguardLoss, guard_trainer  # sg
 
 
 class Bytes(torch.utils.data.Dataset):
     def __init__(self, n: int, seq: int = 64) -> None:
-        tokens = sg.load_corpus("pydoc").train
+        tokens = load_corpus("pydoc").train
         self.rows = [torch.from_numpy(tokens[i * seq:(i + 1) * seq].astype(np.int64))
                      for i in range(n)]
 

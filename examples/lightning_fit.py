@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 import spikeguard as sg
+from spikeguard.data import load_corpus
 from spikeguard.integrations.lightning import SpikeguardCallback  # sg
 
 STEPS = 100
@@ -36,7 +37,7 @@ class LitGPT(L.LightningModule):
 
 
 def batches(n: int, rows: int = 8, seq: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    t = torch.from_numpy(sg.load_corpus("pydoc").train[:n * rows * seq + 1].astype(np.int64))
+    t = torch.from_numpy(load_corpus("pydoc").train[:n * rows * seq + 1].astype(np.int64))
     return [(t[i:i + rows * seq].view(rows, seq), t[i + 1:i + rows * seq + 1].view(rows, seq))
             for i in range(0, n * rows * seq, rows * seq)]
 

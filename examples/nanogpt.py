@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spikeguard as sg  # sg
+from spikeguard.data import load_corpus
 
 DEFAULTS = dict(
     out_dir="runs/nanogpt", eval_interval=50, log_interval=10, eval_iters=5,
@@ -163,7 +164,7 @@ def main(**overrides):
                "float16": torch.float16}[cfg["dtype"]]
     ctx = nullcontext() if device_type == "cpu" else torch.amp.autocast(device_type, ptdtype)
 
-    corpus = sg.load_corpus("pydoc")  # the token files: bytes of the Python docs
+    corpus = load_corpus("pydoc")  # the token files: bytes of the Python docs
     splits = {"train": corpus.train, "val": corpus.val}
 
     def get_batch(split: str):

@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 import spikeguard as sg
 import tests._titan_cpu as titan_cpu  # the CPU patches, before torchtitan is imported
+from spikeguard.data import load_corpus
+from spikeguard.integrations.exits import exit_status
 from spikeguard.integrations.torchtitan import GuardedTrainer
 
 NAN_PARAM = "layers.1.feed_forward.w2.weight"
@@ -85,6 +87,8 @@ class Probe(GuardedTrainer):
     reference_at: int | None = None
     stop_at: int | None = None
     nan_at: int | None = None
+    scale_at: tuple[int, ...] = ()
+    folders: dict[str, int] | None = None
 
     def __init__(self, config: Any) -> None:
         self.steps_seen = StepsSink()
@@ -110,6 +114,8 @@ class Probe(GuardedTrainer):
             self.first_step = self.step
         if self.step == self.stop_at:
             raise KeyboardInterrupt(f"stopped before step {self.step}")
+        if self.folders is not None:
+            self.folders.update(checkpoint_folders(self.out))
         step = self.step
         if step in self.watch:
             self.snaps[step] = {"before": snapshot(self)}
@@ -123,11 +129,22 @@ class Probe(GuardedTrainer):
             sums.append(self.reference(kw["input_dict"], kw["labels"]))
             (self.out / f"reference-rank{dist.get_rank()}.json").write_text(json.dumps(sums))
         loss = super().forward_backward_step(**kw)
+        if self.step in self.scale_at:  # the gradients x1000: a fault that is not the data
+            for p in self.model_parts[0].parameters():
+                if p.grad is not None:
+                    (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).mul_(1000.0)
         if self.step == self.nan_at and dist.get_rank() == 0:
             p = dict(self.model_parts[0].named_parameters())[NAN_PARAM]
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             local.view(-1)[0] = float("nan")
         return loss
+
+
+def checkpoint_folders(out: Path) -> dict[str, int]:
+    """Every checkpoint folder under ``out`` (listed ones and those set aside), by path, with
+    the inode of its DCP ``.metadata`` (a rename keeps it)."""
+    return {str(p.parent.relative_to(out)): p.stat().st_ino
+            for p in out.rglob(".metadata")}
 
 
 def build(out: Path, steps: int, guard: sg.GuardConfig, **kw: Any) -> Probe:
@@ -137,7 +154,7 @@ def build(out: Path, steps: int, guard: sg.GuardConfig, **kw: Any) -> Probe:
 
 def held_out_loss(trainer: GuardedTrainer, n: int = 16) -> float:
     """Mean cross-entropy of the trained model on ``n`` fixed held-out sequences per rank."""
-    val = sg.load_corpus("pydoc").val
+    val = load_corpus("pydoc").val
     seq = trainer.config.training.seq_len
     rank = dist.get_rank()
     rows = [torch.from_numpy(val[(rank * n + i) * (seq + 1):(rank * n + i + 1) * (seq + 1)]
@@ -188,12 +205,43 @@ def rollback(out: Path) -> None:
     guard = sg.GuardConfig(detector=detector, tier2="rollback", rollback_lr_scale=1.0,
                            weights_check=False)
     rolled = build(out / "rollback", steps, guard, poison=tuple(range(10, 16)))
+    rolled.folders = {}  # every checkpoint folder seen before each step
     rolled.train()
     result = {"clean": clean_loss, "rollback": held_out_loss(rolled),
-              "rollbacks": rolled.guard.rollbacks}
+              "rollbacks": rolled.guard.rollbacks, "seen": rolled.folders,
+              "after": checkpoint_folders(out / "rollback")}
     rolled.close()
     if dist.get_rank() == 0:
         (out / "rollback.json").write_text(json.dumps(result))
+
+
+def recurring(out: Path) -> None:
+    """The gradients x1000 at torchtitan's steps 9-16 (guard 8-15), whatever the batch: the
+    first storm rolls back, the replay meets it again, and the run halts saying so."""
+    steps = 16
+    guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01),
+                           tier2="rollback", rollback_lr_scale=1.0, weights_check=False)
+    trainer = build(out, steps, guard)
+    trainer.scale_at = tuple(range(9, 17))
+    try:
+        trainer.train()
+    except sg.TrainingHalted as halt:
+        if dist.get_rank() == 0:
+            (out / "recurring.json").write_text(json.dumps(
+                {"rollbacks": trainer.guard.rollbacks, "halt": str(halt)}))
+    finally:
+        trainer.close()
+
+
+def example(out: Path) -> None:
+    """examples/torchtitan_train.py as docs/torchtitan.md runs it on a laptop (its arguments;
+    the job is the torchrun), with the CPU helper the example imports off a GPU."""
+    from examples import torchtitan_train
+
+    argv = ["--module", "llama3", "--config", "llama3_debugmodel", "--checkpoint.enable",
+            "--training.steps", "4", "--training.seq_len", "32", "--training.local_batch_size",
+            "2", "--dump_folder", str(out / "run")]
+    torchtitan_train.main(argv=argv).close()
 
 
 def refusals(out: Path) -> None:
@@ -247,10 +295,15 @@ def main() -> None:
             folder = out / name
             folder.mkdir(parents=True, exist_ok=True)
             {"outlier": outlier, "outlier_lag1": lambda f: outlier(f, read_lag=1),
-             "rollback": rollback, "refusals": refusals, "nan": nan}[name](folder)
+             "rollback": rollback, "recurring": recurring, "example": example,
+             "refusals": refusals, "nan": nan}[name](folder)
             if dist.get_rank() == 0:
                 (folder / "done").write_text(", ".join(titan_cpu.PATCHES))
             dist.barrier()
+    except sg.TrainingHalted as halt:  # the halt's exit status, as the example's
+        print(f"rank {dist.get_rank()}: TrainingHalted: {halt}", flush=True)
+        dist.barrier()  # every rank halted at the same step: each says so before any exits
+        sys.exit(exit_status(halt))
     finally:
         dist.destroy_process_group()
 

@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 import spikeguard as sg
+from spikeguard.data import load_corpus
 from spikeguard.guard import AttributionConfig, Guard, GuardConfig, TrainingHalted
+from spikeguard.sinks import read_metrics
 
 
 @dataclass
@@ -36,7 +38,7 @@ class Run:
         return sum(self.losses[s] for s in steps) / len(steps)
 
     def records(self) -> list[dict[str, Any]]:
-        return sg.read_metrics(self.out / "metrics.jsonl")
+        return read_metrics(self.out / "metrics.jsonl")
 
     def quarantine(self) -> list[dict[str, Any]]:
         path = self.out / "quarantine.jsonl"
@@ -66,7 +68,7 @@ def attributed_run(*, steps: int = 300, batch: int = 16, seed: int = 0, out: Pat
                             fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, sg.schedules.warmup_cosine(warmup_steps=20, total_steps=steps, min_ratio=0.1))
-    tokens = sg.load_corpus("pydoc").train.copy()
+    tokens = load_corpus("pydoc").train.copy()
     stream = sg.TokenStream(tokens, batch_size=batch, seq_len=cfg.seq_len, seed=seed)
     for index, row in garbage:
         plant(stream, tokens, index, row, kind=kind, seed=seed)

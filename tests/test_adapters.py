@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 import spikeguard as sg
 from spikeguard.guard.adapter import DataSource, RowDropSource
+from spikeguard.sinks import read_metrics
 from tests.guard_harness import snapshot, unchanged
 
 STEPS = 12
@@ -67,9 +68,9 @@ def test_decide_then_the_framework_steps_is_bit_identical_to_guard_step(tmp_path
     guard_a.close(), guard_b.close()
     # the plain guards read the signals; guard.step()'s records carry the update it applied
     # (the withheld one reads 0), decide()'s none: the framework steps after the step is read
-    ratios = [r.get("update_ratio") for r in sg.read_metrics(tmp_path / "a.jsonl")]
+    ratios = [r.get("update_ratio") for r in read_metrics(tmp_path / "a.jsonl")]
     assert ratios[OUTLIER] == 0 and all(v > 0 for i, v in enumerate(ratios) if i != OUTLIER)
-    assert all("update_ratio" not in r for r in sg.read_metrics(tmp_path / "b.jsonl"))
+    assert all("update_ratio" not in r for r in read_metrics(tmp_path / "b.jsonl"))
 
 
 def test_decide_refuses_what_would_step_twice_or_late():
@@ -126,7 +127,7 @@ def test_start_at_continues_the_numbering_and_drops_the_records_that_run_again(t
         guard.start_at(-1)
     _train(model, data, guard, 3)
     guard.close()
-    steps = [r["step"] for r in sg.read_metrics(tmp_path / "m.jsonl")]
+    steps = [r["step"] for r in read_metrics(tmp_path / "m.jsonl")]
     assert steps == list(range(8))
     with pytest.raises(ValueError, match="at step 8 after 3 steps"):
         guard.start_at(6)  # behind: only a rollback goes back
@@ -148,7 +149,7 @@ def test_guard_state_round_trips_through_dcp_and_the_metrics_continue(tmp_path):
     assert fresh.detector.state_dict() != _run()[3].detector.state_dict()
     _train(model2, data2, fresh, 2)
     fresh.close()
-    steps = [r["step"] for r in sg.read_metrics(tmp_path / "m.jsonl")]
+    steps = [r["step"] for r in read_metrics(tmp_path / "m.jsonl")]
     assert steps == list(range(12))  # no step twice, none restarted at 0
     # the resumed guard's counters match the run that never stopped
     assert fresh.applied == saved["updater"]["applied"]

@@ -10,7 +10,13 @@ import torch.nn.functional as F
 
 import spikeguard as sg
 from spikeguard.model import Attention, _apply_rope
-from spikeguard.prevent.attention import logit_p99
+from spikeguard.prevent.attention import (
+    QKNorm,
+    StackedLogitBoundsWarning,
+    attention,
+    logit_p99,
+    softcap,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +53,7 @@ def _repeat_kv(q, k, v):
 
 def test_softcap_values_match_the_corrected_table_and_its_gradient():
     x = torch.tensor([5.0, 30.0, 80.0, 200.0], dtype=torch.float64, requires_grad=True)
-    y = sg.softcap(x, 50.0)
+    y = softcap(x, 50.0)
     # the worked example's 4.99, 26.8, 46.1, 49.9, recomputed
     torch.testing.assert_close(y.detach(), torch.tensor([4.983, 26.85, 46.08, 49.97], dtype=torch.float64),
                                atol=0.07, rtol=0)
@@ -55,13 +61,13 @@ def test_softcap_values_match_the_corrected_table_and_its_gradient():
     (grad,) = torch.autograd.grad(y.sum(), x)
     torch.testing.assert_close(grad, 1 - torch.tanh(x.detach() / 50) ** 2)
     assert float(grad[-1]) < 2e-3 and float(grad[0]) > 0.99  # saturated at 4 caps, linear at 0.1
-    assert float(sg.softcap(torch.tensor(1e9), 30.0)) == pytest.approx(30.0)
+    assert float(softcap(torch.tensor(1e9), 30.0)) == pytest.approx(30.0)
 
 
 @pytest.mark.parametrize("cap", [0.0, -5.0, math.inf, math.nan, True])
 def test_softcap_rejects_bad_caps(cap):
     with pytest.raises(ValueError, match="cap="):
-        sg.softcap(torch.ones(2), cap)
+        softcap(torch.ones(2), cap)
 
 
 @pytest.mark.parametrize("cap", [None, 5.0, 50.0])
@@ -71,7 +77,7 @@ def test_attention_equals_float64_reference_forward_and_backward(cap, causal, ba
     q, k, v = _qkv(s=21)
     if causal and backend == "auto" and cap is None:
         q, k, v = _qkv()  # SDPA's causal path with T == S
-    out = sg.attention(q, k, v, causal=causal, softcap=cap, backend=backend)
+    out = attention(q, k, v, causal=causal, softcap=cap, backend=backend)
     ref = _reference(q, k, v, causal=causal, cap=cap)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     g = torch.randn_like(out)
@@ -83,7 +89,7 @@ def test_attention_equals_float64_reference_forward_and_backward(cap, causal, ba
 
 def test_cap_is_applied_before_the_mask():
     q, k, v = _qkv(spread=1.0)
-    out = sg.attention(q, k, v, causal=True, softcap=2.0)
+    out = attention(q, k, v, causal=True, softcap=2.0)
     before = _reference(q, k, v, causal=True, cap=2.0)
     after = _reference(q, k, v, causal=True, cap=2.0, mask_first=True)  # masked keys at -cap leak
     torch.testing.assert_close(out.double(), before, atol=2e-5, rtol=1e-5)
@@ -92,20 +98,20 @@ def test_cap_is_applied_before_the_mask():
 
 def test_the_cap_is_never_dropped():
     q, k, v = _qkv(spread=6.0)
-    capped = sg.attention(q, k, v, softcap=5.0)
-    plain = sg.attention(q, k, v)
+    capped = attention(q, k, v, softcap=5.0)
+    plain = attention(q, k, v)
     assert (capped - plain).abs().max() > 1e-2
     with pytest.raises(ValueError, match="SDPA cannot apply softcap"):
-        sg.attention(q, k, v, softcap=5.0, backend="sdpa")
+        attention(q, k, v, softcap=5.0, backend="sdpa")
     with pytest.raises(ValueError, match="backend='flex' trains only on CUDA"):
-        sg.attention(q, k, v, softcap=5.0, backend="flex")
+        attention(q, k, v, softcap=5.0, backend="flex")
     with pytest.raises(ValueError, match="4-D"):
-        sg.attention(q[0], k[0], v[0])
+        attention(q[0], k[0], v[0])
 
 
 def test_attention_keeps_low_precision_dtype_and_computes_in_fp32():
     q, k, v = (x.detach().bfloat16().requires_grad_() for x in _qkv())
-    out = sg.attention(q, k, v, softcap=20.0)
+    out = attention(q, k, v, softcap=20.0)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), _reference(q, k, v, causal=True, cap=20.0),
                                atol=2e-2, rtol=2e-2)
@@ -115,7 +121,7 @@ def test_attention_keeps_low_precision_dtype_and_computes_in_fp32():
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_qknorm_matches_the_definition(kind):
-    qk = sg.QKNorm(8, kind=kind)
+    qk = QKNorm(8, kind=kind)
     assert [n for n, _ in qk.named_parameters()] == ["q_weight", "k_weight"]
     assert all(bool((p == 1).all()) for p in qk.parameters())
     with torch.no_grad():
@@ -139,15 +145,15 @@ def test_qknorm_matches_the_definition(kind):
 
 def test_qknorm_validation():
     with pytest.raises(ValueError, match="kind='batch'"):
-        sg.QKNorm(8, kind="batch")
+        QKNorm(8, kind="batch")
     with pytest.raises(ValueError, match="head_dim=0"):
-        sg.QKNorm(0)
+        QKNorm(0)
     with pytest.raises(ValueError, match="head_dim=8"):
-        sg.QKNorm(8)(torch.ones(2, 4), torch.ones(2, 4))
+        QKNorm(8)(torch.ones(2, 4), torch.ones(2, 4))
 
 
 def test_stacking_qknorm_and_softcap_warns():
-    with pytest.warns(sg.StackedLogitBoundsWarning, match="Pick one"):
+    with pytest.warns(StackedLogitBoundsWarning, match="Pick one"):
         sg.GPTConfig.tiny(qk_norm=True, attn_softcap=50.0)
     with pytest.raises(ValueError, match=r"GPTConfig\.attn_softcap=0"):
         sg.GPTConfig.tiny(attn_softcap=0)
@@ -193,7 +199,7 @@ def test_logit_p99_sample_tracks_the_full_quantile():
 def test_grouped_and_multi_query_heads_equal_repeated_heads_in_float64(backend, cap, causal,
                                                                        h_kv):
     q, k, v = _qkv(h=6, h_kv=h_kv, s=17 if causal else 21, seed=h_kv)
-    out = sg.attention(q, k, v, causal=causal, softcap=cap, backend=backend)
+    out = attention(q, k, v, causal=causal, softcap=cap, backend=backend)
     assert out.shape == q.shape
     ref = _reference(*_repeat_kv(q, k, v), causal=causal, cap=cap)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
@@ -209,7 +215,7 @@ def test_grouped_query_eager_path_across_several_head_chunks():
     # 3 query heads per K/V head x 224 x 224 fp32 scores: 3 of the 4 (batch, K/V head) slices
     # fit one chunk, so the loop runs twice and the last chunk is short
     q, k, v = _qkv(b=2, h=6, h_kv=2, t=224, s=224, spread=2.0, seed=5)
-    out = sg.attention(q, k, v, softcap=5.0)
+    out = attention(q, k, v, softcap=5.0)
     ref = _reference(*_repeat_kv(q, k, v), causal=True, cap=5.0)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
@@ -221,11 +227,11 @@ def test_grouped_query_eager_path_across_several_head_chunks():
 def test_heads_that_do_not_divide_and_double_backward_raise():
     q, k, v = _qkv(h=6, h_kv=4)
     with pytest.raises(ValueError, match="H_kv dividing H"):
-        sg.attention(q, k, v)
+        attention(q, k, v)
     with pytest.raises(ValueError, match="H_kv dividing H"):
         logit_p99(q.detach(), k.detach())
     q, k, v = _qkv(h=4, h_kv=2)
-    out = sg.attention(q, k, v, softcap=5.0, backend="eager")
+    out = attention(q, k, v, softcap=5.0, backend="eager")
     (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice.*once_differentiable"):
         gq.sum().backward()
@@ -276,7 +282,7 @@ def test_rope_dot_products_depend_only_on_the_offset():
 
 def test_gpt_attention_module_with_qknorm_rope_and_cap_matches_reference():
     torch.manual_seed(0)
-    with pytest.warns(sg.StackedLogitBoundsWarning):
+    with pytest.warns(StackedLogitBoundsWarning):
         cfg = sg.GPTConfig.tiny(pos="rope", qk_norm=True, attn_softcap=3.0)
     attn = Attention(cfg)
     with torch.no_grad():

@@ -14,6 +14,7 @@ import torch
 import spikeguard as sg
 from spikeguard.guard import AttributionConfig, GuardConfig
 from spikeguard.guard.attribution import Attribution, kept_weight, outliers, robust_z
+from spikeguard.sinks import read_metrics
 from spikeguard.train.faults import Injector
 
 from .attribution_harness import attributed_run
@@ -265,7 +266,7 @@ def test_train_writes_the_quarantine_and_diagnose_shows_it_with_its_spike(tmp_pa
     lines = [json.loads(x) for x in (tmp_path / "quarantine.jsonl").read_text().splitlines()]
     assert [(q["stream_index"], q["rank"], q["row"]) for q in lines if q["step"] == 45] == \
         [(45, 0, 3)]
-    rec = {r["step"]: r for r in sg.read_metrics(tmp_path / "metrics.jsonl")}[45]
+    rec = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl")}[45]
     assert rec["action"] == "skip" and rec["cause"] == "data"
     assert main(["diagnose", str(tmp_path / "metrics.jsonl")]) == 0
     text = capsys.readouterr().out

@@ -20,13 +20,14 @@ STEPS, AT, ROW, STOP = 60, 33, 3, 36  # batch 4 per rank: the global batches of 
 
 def _attributed_fsdp(rank: int, world: int, directory: str) -> dict:
     import spikeguard as sg
+    from spikeguard.data import load_corpus
     from spikeguard.guard import AttributionConfig
     from tests.attribution_harness import plant
     from tests.guard_harness import fsdp_tiny
 
     model, opt, sched = fsdp_tiny(world, STEPS)
     cfg = model.cfg
-    tokens = sg.load_corpus("pydoc").train.copy()
+    tokens = load_corpus("pydoc").train.copy()
     data = sg.TokenStream(tokens, batch_size=4, seq_len=cfg.seq_len, seed=0, rank=rank,
                           world_size=world)
     if rank == 1:

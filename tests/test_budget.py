@@ -2,26 +2,25 @@ import json
 
 import pytest
 
-import spikeguard as sg
 from spikeguard.cli import main
-from spikeguard.prevent.budget import activation_bytes
+from spikeguard.prevent.budget import activation_bytes, memory_budget
 
 
 def test_seed_worked_example_13b_bf16_mixed():
-    b0 = sg.memory_budget(13e9)
+    b0 = memory_budget(13e9)
     assert b0.bytes_per_param == 18
     assert b0.total_bytes == pytest.approx(234e9)
-    per_gpu = [sg.memory_budget(13e9, n_gpus=8, zero_stage=z).per_gpu_bytes / 1e9 for z in (1, 2, 3)]
+    per_gpu = [memory_budget(13e9, n_gpus=8, zero_stage=z).per_gpu_bytes / 1e9 for z in (1, 2, 3)]
     assert per_gpu == pytest.approx([97.5, 52.0, 29.25])
 
 
 def test_recipes_and_components():
-    assert sg.memory_budget(1e9, recipe="fp32").bytes_per_param == 16
-    assert sg.memory_budget(1e9, recipe="fp16-mixed").bytes_per_param == 16
-    b = sg.memory_budget(1e9)
+    assert memory_budget(1e9, recipe="fp32").bytes_per_param == 16
+    assert memory_budget(1e9, recipe="fp16-mixed").bytes_per_param == 16
+    b = memory_budget(1e9)
     assert sum(b.components.values()) == b.bytes_per_param
     # stage 0 on many GPUs replicates everything
-    assert sg.memory_budget(1e9, n_gpus=64, zero_stage=0).per_gpu_bytes == b.total_bytes
+    assert memory_budget(1e9, n_gpus=64, zero_stage=0).per_gpu_bytes == b.total_bytes
 
 
 def test_activation_formula_by_hand():
@@ -44,7 +43,7 @@ def test_activation_formula_by_hand():
 ])
 def test_bad_input_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        sg.memory_budget(1e9, **kwargs)
+        memory_budget(1e9, **kwargs)
 
 
 def test_cli_json_and_human(capsys):

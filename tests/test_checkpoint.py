@@ -16,7 +16,8 @@ import pytest
 import torch
 import xxhash
 
-from spikeguard import CheckpointError, CheckpointManager, CheckpointWarning, TokenStream
+from spikeguard import CheckpointManager, TokenStream
+from spikeguard.checkpoint import CheckpointError, CheckpointWarning
 from spikeguard.checkpoint.manager import rollback_target
 from tests._ckpt_common import (
     build,
@@ -122,8 +123,12 @@ def test_rotation_keeps_keep_and_never_the_last_healthy(tmp_path):
     for step in range(1, 8):
         mgr.save(step, healthy=step <= 3, save_rng=False)
     kept = [(c.step, c.healthy) for c in mgr.list()]
-    assert kept == [(3, True), (6, False), (7, False)]
+    # an incident is open from step 4: the healthy ones before it are kept apart from keep=3
+    assert kept == [(1, True), (2, True), (3, True), (5, False), (6, False), (7, False)]
     assert mgr.restore().step == 3
+    for step in range(8, 11):  # three healthy ones after it close the incident
+        mgr.save(step, save_rng=False)
+    assert [c.step for c in mgr.list()] == [8, 9, 10]
 
 
 @pytest.mark.parametrize("async_save", [False, True])

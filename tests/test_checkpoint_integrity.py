@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from spikeguard import CheckpointError, CheckpointWarning, verify_checkpoint
+from spikeguard.checkpoint import CheckpointError, CheckpointWarning, verify_checkpoint
 from tests._ckpt_common import (
     Payload,
     build,

@@ -3,13 +3,13 @@ import hashlib
 import numpy as np
 import pytest
 
-import spikeguard as sg
+from spikeguard.data import load_corpus
 
 
 def test_pydoc_corpus_is_real_text_with_a_recorded_hash():
     from pydoc_data.topics import topics
 
-    c = sg.load_corpus("pydoc")
+    c = load_corpus("pydoc")
     raw = np.concatenate([c.train, c.val]).tobytes()
     assert hashlib.sha256(raw).hexdigest() == c.sha256
     assert b"assignment" in raw and topics["assert"].encode()[:40] in raw
@@ -18,15 +18,15 @@ def test_pydoc_corpus_is_real_text_with_a_recorded_hash():
 
 
 def test_stdlib_corpus_and_errors():
-    c = sg.load_corpus("stdlib")
+    c = load_corpus("stdlib")
     assert b"def " in c.train[:200_000].tobytes()
     with pytest.raises(ValueError, match="unknown"):
-        sg.load_corpus("wikipedia")
+        load_corpus("wikipedia")
     with pytest.raises(ValueError, match="val_fraction"):
-        sg.load_corpus("pydoc", val_fraction=0.9)
+        load_corpus("pydoc", val_fraction=0.9)
 
 
 def test_corpora_compare_by_content_without_comparing_arrays():
-    a, b = sg.load_corpus("pydoc"), sg.load_corpus("pydoc")
+    a, b = load_corpus("pydoc"), load_corpus("pydoc")
     assert a == b and a is not b and hash(a) == hash(b)
-    assert a != sg.load_corpus("pydoc", val_fraction=0.2) and a != sg.load_corpus("stdlib")
+    assert a != load_corpus("pydoc", val_fraction=0.2) and a != load_corpus("stdlib")

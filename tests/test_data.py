@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from spikeguard import TokenStream, load_corpus
+from spikeguard import TokenStream
+from spikeguard.data import load_corpus
 
 
 def _tokens(n: int = 4097) -> np.ndarray:

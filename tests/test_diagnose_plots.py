@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import spikeguard as sg
+from spikeguard.record import metrics_record
 from spikeguard.testing import scenarios as sc
 from tests import plot_check as pc
 
@@ -18,7 +19,7 @@ def _diagnose(tmp_path, scenario):
     path = tmp_path / "metrics.jsonl"
     sink = sg.JsonlSink(path, mode="w", defer=False)
     for m in scenario.metrics:
-        sink.log(sg.metrics_record(m), m.step)
+        sink.log(metrics_record(m), m.step)
     sink.close()
     return diagnose(path)
 
@@ -69,3 +70,24 @@ def test_a_short_spike_gets_a_zoom_not_the_whole_run():
     assert zoom_window(300, 319, 1000, 399) == (251, 343)  # 4x its width, 1/8 of the run
     lo, hi = zoom_window(57_184, 59_000, 1000, 7000)  # a long spike keeps its evidence band
     assert (lo, hi) == (56_309, 59_437) and np.isclose(57_184 - lo, 7000 // 8)
+
+
+@pytest.mark.parametrize("name", ["deepspeed_chinese_llama_issue534.log",
+                                  "hfconsole_qwen_fp16_lr0.log", "megatron_fp16_gpt2_ws1.log"])
+def test_precision_logs_draw_with_the_loss_scale_and_no_false_nan_marks(name):
+    pytest.importorskip("matplotlib")
+    from spikeguard.diagnose import diagnose
+    from spikeguard.diagnose._plots import draw
+    from tests.reallog_judge import REAL
+
+    d = diagnose(REAL / name)
+    figs = draw(d)  # the scaler's records left out of the replay: the traces still line up
+    assert len(d.replay.trace["loss_ema_ratio"]) == len(d.log)
+    logged_nan = bool((np.isnan(d.log.columns["loss"]) & ~d.log.missing["loss"]).any())
+    for key, (_, fig) in figs.items():
+        for ax in fig.axes:
+            labels = ax.get_legend_handles_labels()[1]
+            if ax.get_ylabel() == "loss":  # a missing loss cell is no NaN
+                assert ("NaN / inf" in labels) == logged_nan, key
+        if key.startswith("spike") and "precision" in d.spikes[int(key[5:]) - 1].kinds:
+            assert "grad_scale" in [ax.get_ylabel() for ax in fig.axes]

@@ -11,6 +11,8 @@ import spikeguard as sg
 from spikeguard.detector.detector import DetectorConfig
 from spikeguard.diagnose import read_log, read_quarantine, replay_config
 from spikeguard.diagnose._columns import canonical, parse_map
+from spikeguard.record import metrics_record
+from spikeguard.sinks import TensorBoardSink, read_metrics
 
 
 def records(n=120, start=0, every=1, seed=0):
@@ -27,7 +29,7 @@ def records(n=120, start=0, every=1, seed=0):
 def write_jsonl(path, metrics, **record_kw):
     sink = sg.JsonlSink(path, mode="w", defer=False)
     for m in metrics:
-        sink.log(sg.metrics_record(m, **record_kw), m.step)
+        sink.log(metrics_record(m, **record_kw), m.step)
     sink.close()
     return path
 
@@ -48,7 +50,7 @@ def test_jsonl_columns_equal_read_metrics(tmp_path, parser):
     path = write_jsonl(tmp_path / "metrics.jsonl", ms)
     loads = json.loads if parser == "json" else None
     log = read_log(path, json_loads=loads)
-    ref = sg.read_metrics(path)
+    ref = read_metrics(path)
     assert log.format == "jsonl" and len(log) == len(ref) == 3000 and log.stride == 1
     assert log.steps.tolist() == [r["step"] for r in ref]
     for key in ("loss", "grad_norm", "log_z", "nan_frac", "lr"):
@@ -68,7 +70,7 @@ def test_jsonl_cut_last_line_and_bad_line_give_partial_results(tmp_path):
     assert "last line was cut off" in text and "1 line(s) are not JSON objects (first: line 11)" in text
     # spikeguard's own reader drops the cut line too, but refuses the damaged one
     with pytest.raises(ValueError, match=":11:"):
-        sg.read_metrics(path)
+        read_metrics(path)
 
 
 def test_empty_and_unreadable_files_say_so(tmp_path):
@@ -186,9 +188,9 @@ def test_tensorboard_logs_written_by_the_tensorboard_sink(tmp_path):
     pytest.importorskip("tensorboard")
     ms = records(60)
     ms[30].grad_norm = math.nan
-    sink = sg.TensorBoardSink(tmp_path / "tb", defer=False)
+    sink = TensorBoardSink(tmp_path / "tb", defer=False)
     for m in ms:
-        sink.log(sg.metrics_record(m), m.step)
+        sink.log(metrics_record(m), m.step)
     sink.close()
     log = read_log(tmp_path / "tb")
     assert log.format == "tensorboard" and log.steps.tolist() == list(range(60))
@@ -254,3 +256,22 @@ def test_quarantine_file_reader(tmp_path):
                       "log_z": 8.0, "z": 12.5}
     assert warnings == ["quarantine.jsonl: 1 line(s) without a readable step: skipped"]
     assert read_quarantine(tmp_path / "missing.jsonl") == []
+
+
+def test_a_run_and_its_relaunches_are_one_history(tmp_path):
+    first, again, third = records(160), records(129, start=101, seed=1), records(99, start=201,
+                                                                                seed=2)
+    write_jsonl(tmp_path / "metrics.jsonl", first)  # cancelled at 159 for a rollback
+    write_jsonl(tmp_path / "relaunch1" / "metrics.jsonl", again)  # from the checkpoint at 100
+    write_jsonl(tmp_path / "relaunch2" / "metrics.jsonl", third)  # from the checkpoint at 200
+    for given in (tmp_path / "metrics.jsonl", tmp_path / "relaunch1" / "metrics.jsonl",
+                  tmp_path / "relaunch2"):
+        log = read_log(given)
+        assert log.steps.tolist() == list(range(300)), given
+        assert log.path == str(tmp_path / "metrics.jsonl")
+        assert any("joined a run and its relaunches" in w for w in log.warnings)
+        # the relaunch's records of the steps it replays win
+        ref = [m.loss for m in first[:101]] + [m.loss for m in again[:100]] + \
+            [m.loss for m in third]
+        assert np.allclose(log.columns["loss"], ref)
+    assert not list(tmp_path.glob(".joined-*"))

@@ -11,6 +11,7 @@ import pytest
 
 import spikeguard as sg
 from spikeguard.diagnose import diagnose, write_report
+from spikeguard.record import metrics_record
 from spikeguard.testing import scenarios as sc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +23,7 @@ def drift(tmp_path_factory):
     path = tmp_path_factory.mktemp("drift") / "metrics.jsonl"
     sink = sg.JsonlSink(path, mode="w", defer=False)
     for m in sc.logit_drift(0).metrics:
-        sink.log(sg.metrics_record(m), m.step)
+        sink.log(metrics_record(m), m.step)
     sink.close()
     return diagnose(path, ckpt_every=1000, compare={"grad_k": 5.0})
 

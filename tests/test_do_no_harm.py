@@ -16,6 +16,7 @@ from spikeguard.detector.gate import DeviceGate
 from spikeguard.detector.rules import GradSpike, grad_limit
 from spikeguard.diagnose import diagnose
 from spikeguard.guard import GuardConfig
+from spikeguard.sinks import read_metrics
 from spikeguard.train import TrainConfig, train
 
 
@@ -146,7 +147,7 @@ def _run(tmp_path, name, **kw):
     cfg = TrainConfig(model="tiny", batch_size=8, out=str(out), progress=False, plot=False,
                       eval_batches=4, **kw)
     result = train(cfg, echo=False)
-    return result, sg.read_metrics(out / "metrics.jsonl")
+    return result, read_metrics(out / "metrics.jsonl")
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 from examples.train_loop import main
 
 import spikeguard as sg
+from spikeguard.sinks import read_metrics
 
 
 def test_train_loop_example_skips_the_injected_outlier_and_nothing_else(tmp_path):
@@ -8,7 +9,7 @@ def test_train_loop_example_skips_the_injected_outlier_and_nothing_else(tmp_path
     flagged = {i: v for i, v in enumerate(verdicts) if v.action is not sg.Action.CONTINUE}
     assert list(flagged) == [120]
     assert flagged[120].action is sg.Action.SKIP and flagged[120].tier == 1
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(130))
     assert records[120]["action"] == "skip" and records[119]["action"] == "continue"
     assert records[-1]["loss"] < records[0]["loss"] - 1.0  # it learned
@@ -28,11 +29,11 @@ def test_readme_shows_the_example_loop_verbatim():
 
 def test_readme_loop_run_twice_keeps_one_record_per_step(tmp_path):
     first = main(steps=53, out=str(tmp_path), inject_at=None)
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert len(first) == 53 and [r["step"] for r in records] == list(range(53))
     again = main(steps=53, out=str(tmp_path), inject_at=None)  # resumes from the checkpoint at 50
     assert [v.step for v in again] == [51, 52]
-    rerun = sg.read_metrics(tmp_path / "metrics.jsonl")
+    rerun = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rerun] == list(range(53))  # not 55 records: 51 and 52 once
     assert rerun == records  # and the steps run again computed the same numbers
 

@@ -14,6 +14,7 @@ from spikeguard.detect.precision import PrecisionPolicy
 from spikeguard.detector.gate import DeviceGate
 from spikeguard.guard import Guard, GuardConfig, TrainingHalted
 from spikeguard.guard.step import apply_update
+from spikeguard.sinks import read_metrics
 from spikeguard.testing import scenarios as sc
 
 from .guard_harness import Fault, guarded_run, snapshot, unchanged
@@ -129,7 +130,7 @@ def test_a_nan_gradient_halts_naming_the_parameter_and_the_halt_is_the_last_reco
     report = run.halted.report
     assert report.step == 90 and report.nonfinite_params == ["blocks.1.attn.qkv.weight"]
     assert "nan_frac > 0" in report.reasons and "blocks.1.attn.qkv.weight" in str(run.halted)
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert records[-1]["step"] == 90 and records[-1]["action"] == "halt"
     assert records[-1]["halt"]["nonfinite_params"] == ["blocks.1.attn.qkv.weight"]
     assert [r["step"] for r in records] == list(range(91))
@@ -140,7 +141,7 @@ def test_with_read_lag_1_the_halt_still_names_the_parameter_after_its_grads_are_
                       faults=[Fault("nan", 40, param="blocks.0.attn.proj.weight")])
     report = run.halted.report
     assert report.step == 40 and report.nonfinite_params == ["blocks.0.attn.proj.weight"]
-    last = sg.read_metrics(tmp_path / "metrics.jsonl")[-1]
+    last = read_metrics(tmp_path / "metrics.jsonl")[-1]
     assert last["action"] == "halt" and last["nan_frac"] is None  # unknown once the grads are gone
 
 
@@ -195,7 +196,7 @@ def test_a_transient_lr_spike_under_the_default_policy_alerts_and_goes_on(lr_fau
     finishes (only Tier 3 halts under the default policy)."""
     run = lr_fault_runs["alert"]
     assert run.halted is None and max(run.losses) == STEPS - 1
-    records = sg.read_metrics(run.guard.checkpoints.directory.parent / "metrics.jsonl")
+    records = read_metrics(run.guard.checkpoints.directory.parent / "metrics.jsonl")
     first = next(r for r in records if r["tier"] >= 1)
     weights = [r for r in records if r.get("cause") == "weights"]
     assert weights and all(not r["skipped"] and r["action"] == "alert" for r in weights)
@@ -211,7 +212,7 @@ def test_a_plain_guard_reads_the_update_ratio_and_pages_at_the_faulty_update(lr_
     150) reads at least 20x the median update ratio, and Tier 2 pages at that update itself.
     Built with GuardConfig(signals=False), no record carries an update ratio, and the page comes
     only after the loss has moved."""
-    records = sg.read_metrics(lr_fault_runs["alert"].guard.checkpoints.directory.parent
+    records = read_metrics(lr_fault_runs["alert"].guard.checkpoints.directory.parent
                               / "metrics.jsonl")
     ratios = [r.get("update_ratio") for r in records]
     assert sum(v is not None for v in ratios) >= STEPS - 1
@@ -220,7 +221,7 @@ def test_a_plain_guard_reads_the_update_ratio_and_pages_at_the_faulty_update(lr_
     assert page["step"] == 150 and page["reasons"][0] == "update_ratio > 20x median", page
     off = guarded_run(steps=STEPS, out=tmp_path, signals=False,
                       faults=[Fault("lr", 150, mult=50.0, length=20)])
-    records = sg.read_metrics(off.guard.checkpoints.directory.parent / "metrics.jsonl")
+    records = read_metrics(off.guard.checkpoints.directory.parent / "metrics.jsonl")
     assert not any("update_ratio" in r for r in records)
     assert next(r for r in records if r["tier"] == 2)["step"] > 150
 
@@ -231,7 +232,7 @@ def test_a_transient_lr_spike_with_rollback_recovers_within_2pct(lr_fault_runs, 
     assert ("rollback" in [a for _, a in _flagged(run)])
     assert run.guard.rollbacks == 1 and max(run.losses) == STEPS - 1
     assert abs(run.final_loss() / clean.final_loss() - 1) < 0.02
-    records = sg.read_metrics(run.guard.checkpoints.directory.parent / "metrics.jsonl")
+    records = read_metrics(run.guard.checkpoints.directory.parent / "metrics.jsonl")
     rb = next(r for r in records if r["action"] == "rollback")
     assert rb["rollback_to"] <= rb["summary"]["onset_step"] - 2
     lo, hi = rb["skip_range"]
@@ -284,7 +285,7 @@ def test_the_gate_bit_equals_the_verdict_on_a_real_run(tmp_path):
     steps left the weights and moments exactly as they were."""
     run = guarded_run(steps=90, faults=[Fault("outlier", 60)], out=tmp_path, watch=(59, 60))
     _sized(run.verdicts[60], loss_ema=2.0)
-    records = {r["step"]: r for r in sg.read_metrics(tmp_path / "metrics.jsonl")}
+    records = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl")}
     withheld = [v.step for v in run.verdicts if records[v.step]["skipped"]]
     assert withheld == [60]
     for v in run.verdicts:
@@ -303,7 +304,7 @@ def test_a_gradient_at_20x_the_median_is_withheld_and_called_transient(tmp_path)
                       watch=(59, 60))
     v = run.verdicts[60]
     _sized(v, grad_median=19.9)
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records if r["skipped"]] == [60]
     assert records[60]["cause"] == "transient" and records[60]["weights_check"]["weights"] is False
     assert _same(*run.around[60]) and not _same(*run.around[59])
@@ -315,7 +316,7 @@ def test_a_gradient_at_20x_the_median_is_withheld_and_called_transient(tmp_path)
 def test_the_lr_schedule_advances_only_on_applied_updates(tmp_path, read_lag):
     steps = 80
     run = guarded_run(steps=steps, faults=[Fault("outlier", 60)], out=tmp_path, read_lag=read_lag)
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(steps))
     sched = sg.schedules.warmup_cosine(warmup_steps=20, total_steps=steps, min_ratio=0.1)
     applied = 0
@@ -366,8 +367,8 @@ def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path):
     for p, q in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(p, q)
     assert resumed.losses == {s: full.losses[s] for s in range(41, 70)}
-    full_recs = {r["step"]: r for r in sg.read_metrics(tmp_path / "full" / "metrics.jsonl")}
-    recs = sg.read_metrics(tmp_path / "part" / "metrics.jsonl")
+    full_recs = {r["step"]: r for r in read_metrics(tmp_path / "full" / "metrics.jsonl")}
+    recs = read_metrics(tmp_path / "part" / "metrics.jsonl")
     # resume() cut the file back to the checkpoint at 40: steps 41..54 are not written twice
     assert [r["step"] for r in recs] == list(range(70))
     for r in recs:

@@ -5,6 +5,7 @@ import torch
 
 import spikeguard as sg
 from spikeguard.prevent import init
+from spikeguard.prevent.init import fan_in_init_, gpt2_residual_init_
 
 
 def _stream_std(n_layer: int, init: str, seed: int) -> float:
@@ -43,16 +44,16 @@ def test_fan_in_init_preserves_variance_through_a_deep_linear_stack():
     assert init.fan_in_std(8, gain=math.sqrt(2)) == pytest.approx(0.5)
     torch.manual_seed(0)
     w = torch.empty(512, 1024)
-    sg.fan_in_init_(w)
+    fan_in_init_(w)
     assert float(w.std()) == pytest.approx(1 / 32, rel=0.01)
     x = torch.randn(256, 512)
     for _ in range(16):
         layer = torch.empty(512, 512)
-        sg.fan_in_init_(layer)
+        fan_in_init_(layer)
         x = x @ layer.T
     assert 0.5 < float(x.var()) < 2.0  # 0.02-std init would shrink it by (0.02^2 * 512)^16
     conv = torch.empty(4, 3, 5, 5)
-    sg.fan_in_init_(conv)
+    fan_in_init_(conv)
     assert float(conv.std()) == pytest.approx(1 / math.sqrt(75), rel=0.25)
 
 
@@ -70,8 +71,8 @@ def test_residual_scale_and_deepnorm_constants_exact_values():
     (lambda: init.fan_in_std(4, gain=0.0), "gain=0.0"),
     (lambda: init.residual_scale(0), "n_layer=0"),
     (lambda: init.deepnorm_constants(-2), "n_layer=-2"),
-    (lambda: sg.fan_in_init_(torch.empty(4)), "at least 2 dims|>= 2 dims"),
-    (lambda: sg.gpt2_residual_init_([torch.empty(2, 2)], 4, std=0.0), "std=0.0"),
+    (lambda: fan_in_init_(torch.empty(4)), "at least 2 dims|>= 2 dims"),
+    (lambda: gpt2_residual_init_([torch.empty(2, 2)], 4, std=0.0), "std=0.0"),
 ])
 def test_init_helpers_reject_bad_input(call, match):
     with pytest.raises(ValueError, match=match):

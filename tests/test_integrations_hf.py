@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import spikeguard as sg
+from spikeguard.data import load_corpus
 from spikeguard.integrations import hf as sg_hf
 from spikeguard.integrations._common import METRICS, HeldScheduler
+from spikeguard.sinks import read_metrics
 
 from .state_compare import same, same_moments
 
@@ -32,7 +34,7 @@ class ByteDataset(torch.utils.data.Dataset):
     bytes (a corrupt shard: a byte the text never holds)."""
 
     def __init__(self, n: int, outlier_step: int | None = None) -> None:
-        tokens = sg.load_corpus("pydoc").train
+        tokens = load_corpus("pydoc").train
         self.seqs = [torch.from_numpy(tokens[i * SEQ:(i + 1) * SEQ].astype(np.int64))
                      for i in range(n)]
         if outlier_step is not None:
@@ -106,7 +108,7 @@ def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
     callback = sg_hf.guard_trainer(trainer, config=guard_config())
     assert isinstance(trainer.lr_scheduler, HeldScheduler)
     trainer.train()
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
     assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
     assert records[OUTLIER]["action"] == "skip"
@@ -182,7 +184,7 @@ def test_nan_stops_the_trainer_with_a_report_then_raises(tmp_path):
     p1, m1, pos1, _ = snaps.after[nan_step]
     assert same(p0, p1) and same_moments(m0, m1) and pos1 == pos0
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert records[-1]["step"] == nan_step and records[-1]["action"] == "halt"
     assert math.isnan(records[-1]["loss"])
     last = [h for h in trainer.state.log_history if "spikeguard/loss" in h][-1]
@@ -202,7 +204,7 @@ def test_gradient_accumulation_is_one_guard_step_of_the_whole_batch(tmp_path):
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
     (ce + 1e-4 * (lse ** 2).mean()).backward()
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in reference.parameters()))
-    first = sg.read_metrics(tmp_path / "metrics.jsonl")[0]
+    first = read_metrics(tmp_path / "metrics.jsonl")[0]
     assert first["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
     assert first["loss"] == pytest.approx(ce.item(), rel=1e-5)
     assert first["log_z"] == pytest.approx(lse.mean().item(), rel=1e-5)
@@ -219,7 +221,7 @@ def test_a_resume_continues_the_guard_steps_with_one_record_each(tmp_path):
     again = make_trainer(tmp_path, steps=6, save_strategy="steps", save_steps=4)
     resumed = sg_hf.guard_trainer(again, config=guard_config(6))
     again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
-    steps = [r["step"] for r in sg.read_metrics(tmp_path / "metrics.jsonl")]
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert steps == list(range(6))  # steps 4 and 5 ran again, once each; none restarted at 0
     assert resumed.guard.step_index == again.state.global_step == 6
 
@@ -250,7 +252,7 @@ def test_metrics_reach_tensorboard(tmp_path):
     trainer = make_trainer(tmp_path, steps=steps, report_to="tensorboard")
     sg_hf.guard_trainer(trainer, config=guard_config(steps))
     trainer.train()
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     (found,) = tmp_path.rglob("events.out.tfevents*")  # under output_dir/runs/<date>
     events = EventAccumulator(str(found.parent)).Reload()
     for key in METRICS:

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import spikeguard as sg
+from spikeguard.data import load_corpus
 from spikeguard.integrations import lightning as sg_lightning
 from spikeguard.integrations._common import METRICS
+from spikeguard.sinks import read_metrics
 
 from .state_compare import same, same_moments
 
@@ -31,7 +33,7 @@ def lr_lambda(step: int) -> float:
 
 def batches(steps: int, outlier: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Consecutive byte windows of the corpus; the batch of ``outlier`` is all NUL bytes."""
-    tokens = torch.from_numpy(sg.load_corpus("pydoc").train[:steps * BATCH * SEQ + 1]
+    tokens = torch.from_numpy(load_corpus("pydoc").train[:steps * BATCH * SEQ + 1]
                               .astype(np.int64))
     out = []
     for t in range(steps):
@@ -125,7 +127,7 @@ def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
     # the skip's re-run is training_step and backward only: no callback hook ran twice
     assert hooks.backward == hooks.before_step == STEPS
     out = tmp_path / "run" / "version_0"
-    records = sg.read_metrics(out / "metrics.jsonl")
+    records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
     assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
     assert records[OUTLIER]["rerun"] is not None  # the skip was re-run (attribution)
@@ -184,7 +186,7 @@ def test_nan_stops_the_trainer_with_a_report_then_raises(tmp_path):
     p1, m1, pos1, _ = module.snaps["after"][nan_step]
     assert same(p0, p1) and same_moments(m0, m1) and pos1 == pos0
     assert all(torch.isfinite(p).all() for p in module.parameters())
-    records = sg.read_metrics(out / "metrics.jsonl")
+    records = read_metrics(out / "metrics.jsonl")
     assert records[-1]["step"] == nan_step and records[-1]["action"] == "halt"
     assert math.isnan(records[-1]["loss"])
 
@@ -219,7 +221,7 @@ def test_a_resume_in_the_same_folder_keeps_one_record_per_step(tmp_path):
     resumed_cb = sg_lightning.SpikeguardCallback(config=guard_config(8), out_dir=tmp_path)
     trainer, loader = make_trainer(tmp_path, resumed_cb, steps=6)
     trainer.fit(LitGPT(resumed_cb), loader, ckpt_path=tmp_path / "a.ckpt")
-    steps = [r["step"] for r in sg.read_metrics(tmp_path / "metrics.jsonl")]
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert steps == list(range(6))  # steps 4 and 5 ran again and were written once
 
 
@@ -234,4 +236,4 @@ def test_a_checkpoint_without_the_guard_state_still_continues_the_numbering(tmp_
     fresh = sg_lightning.SpikeguardCallback(config=guard_config(8), out_dir=tmp_path / "b")
     trainer, loader = make_trainer(tmp_path, fresh, steps=6)
     trainer.fit(LitGPT(fresh), loader, ckpt_path=tmp_path / "b.ckpt")
-    assert [r["step"] for r in sg.read_metrics(tmp_path / "b" / "metrics.jsonl")] == [4, 5]
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")] == [4, 5]

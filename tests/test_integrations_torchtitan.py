@@ -1,13 +1,15 @@
 """The Guard inside torchtitan 0.3.0's Trainer, on 2 gloo ranks (torchrun) with torchtitan's
-llama3 debug model (2 of its 6 layers, FSDP2 over both ranks) and the CPU patches of
-tests/_titan_cpu.py: an outlier batch skipped on both ranks with nothing moved, a resume that
-continues the steps without duplicate records, a rollback through torchtitan's
-CheckpointManager that ends within 2% of a clean run, and a NaN gradient that halts naming the
-tensor with a non-zero exit. One job runs every scenario (tests/_titan_job.py): importing
+llama3 debug model (2 of its 6 layers, FSDP2 over both ranks) and spikeguard's CPU helper
+(spikeguard.integrations.torchtitan_cpu): an outlier batch skipped on both ranks with nothing
+moved, a resume that continues the steps without duplicate records, a rollback through
+torchtitan's CheckpointManager that ends within 2% of a clean run and loses no checkpoint, a
+fault that returns on the replay halting early, the example as documented, and a NaN gradient
+that halts naming the tensor with exit status 3. One job runs every scenario (tests/_titan_job.py): importing
 torchtitan is most of its time."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -19,7 +21,7 @@ import sys
 import pytest
 import torch
 
-import spikeguard as sg
+from spikeguard.sinks import read_metrics
 from tests.conftest import ROOT, checkout_env
 
 TESTED = "0.3.0"
@@ -50,21 +52,38 @@ def job(tmp_path_factory):
     env = dict(checkout_env(), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={WORLD}",
-           "-m", "tests._titan_job", str(out), "outlier", "outlier_lag1", "rollback", "refusals",
-           "nan"]
+           "-m", "tests._titan_job", str(out), "outlier", "outlier_lag1", "rollback", "recurring",
+           "example", "refusals", "nan"]
     # its own session: a job that hangs is killed whole (torchrun and every rank)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
+        for pid in [proc.pid, *_descendants(proc.pid)]:  # torchrun's ranks have their own group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        log, _ = proc.communicate(timeout=60)
         pytest.fail(f"the torchtitan job hung for 300 s:\n{log[-4000:]}")
     (out / "torchrun.log").write_text(log)
-    for name in ("outlier", "outlier_lag1", "rollback", "refusals"):
+    for name in ("outlier", "outlier_lag1", "rollback", "recurring", "example", "refusals"):
         assert (out / name / "done").exists(), f"scenario {name} did not finish:\n{log[-4000:]}"
     return proc.returncode, out, log
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first."""
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = open(f"/proc/{d}/stat").read()
+            parents[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, todo = [], [pid]
+    while todo:
+        kids = [c for c, p in parents.items() if p == todo.pop()]
+        out += kids
+        todo += kids
+    return out
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -79,7 +98,7 @@ trainer steps), and one step late (a GPU's default: step(), the skip is AdamW's 
 @pytest.mark.parametrize(("name", "lag"), RUNS)
 def test_outlier_batch_is_skipped_on_both_ranks_and_nothing_moves(job, name, lag):
     _, out, _ = job
-    records = sg.read_metrics(out / name / "metrics-first.jsonl")
+    records = read_metrics(out / name / "metrics-first.jsonl")
     assert [r["step"] for r in records if r["skipped"]] == [10]
     bad = records[10]
     assert bad["action"] == "skip" and bad["reasons"][0].startswith("grad_norm")
@@ -123,7 +142,7 @@ def test_outlier_batch_is_skipped_on_both_ranks_and_nothing_moves(job, name, lag
 
 def test_the_records_loss_and_log_z_are_the_steps_token_means(job):
     _, out, _ = job
-    records = sg.read_metrics(out / "nan" / "metrics.jsonl")
+    records = read_metrics(out / "nan" / "metrics.jsonl")
     # torchtitan's loss is each rank's sum over the global token count of the step (two
     # micro-batches per rank here); the guard's is the mean over every token of the step, as
     # float64 torch computes it apart from the trainer
@@ -140,8 +159,8 @@ def test_the_records_loss_and_log_z_are_the_steps_token_means(job):
 @pytest.mark.parametrize(("name", "lag"), RUNS)
 def test_resume_continues_the_steps_without_duplicate_records(job, name, lag):
     _, out, _ = job
-    first = sg.read_metrics(out / name / "metrics-first.jsonl")
-    records = sg.read_metrics(out / name / "metrics.jsonl")
+    first = read_metrics(out / name / "metrics-first.jsonl")
+    records = read_metrics(out / name / "metrics.jsonl")
     # the first run stopped before torchtitan's step 15 (guard step 14), its newest checkpoint
     # at torchtitan's step 12: the resumed run replays guard steps 12-13 and goes on to the end
     assert [r["step"] for r in first] == list(range(14))
@@ -163,7 +182,7 @@ def test_resume_continues_the_steps_without_duplicate_records(job, name, lag):
 def test_rollback_leaves_the_poisoned_batches_out_and_ends_near_clean(job):
     _, out, _ = job
     result = json.loads((out / "rollback" / "rollback.json").read_text())
-    records = sg.read_metrics(out / "rollback" / "rollback" / "metrics.jsonl")
+    records = read_metrics(out / "rollback" / "rollback" / "metrics.jsonl")
     rolled = [r for r in records if r["action"] == "rollback"]
     assert len(rolled) == 1 and result["rollbacks"] == 1
     back = rolled[0]
@@ -177,6 +196,33 @@ def test_rollback_leaves_the_poisoned_batches_out_and_ends_near_clean(job):
     assert after[0]["loss"] == records[8]["loss"]  # the restored state replays step 8 exactly
     # held-out loss of the final model, against the same run never poisoned
     assert abs(result["rollback"] - result["clean"]) <= 0.02 * result["clean"], result
+    # torchtitan's numbering beside the guard's: the rollback went to the folder step-8
+    assert back["titan_step"] == 16 and back["titan_rollback_to"] == 8
+    # no checkpoint folder seen before any step is gone: the replay's step-12 set the first aside
+    seen, after = result["seen"], result["after"]
+    lost = {path for path, inode in seen.items() if inode not in after.values()}
+    assert not lost, sorted(lost)
+    assert any(path.startswith("checkpoint/superseded/step-12") for path in after), after
+
+
+def test_a_fault_that_returns_on_replay_halts_early_with_its_reason(job):
+    _, out, _ = job
+    result = json.loads((out / "recurring" / "recurring.json").read_text())
+    assert result["rollbacks"] == 2  # the second Tier 2 met on the replay: no third rollback
+    assert "came back on replay" in result["halt"] and "not the data" in result["halt"]
+    records = read_metrics(out / "recurring" / "metrics.jsonl")
+    assert [r["step"] for r in records if r["action"] == "rollback"] == [13, 13]
+
+
+def test_the_example_runs_as_documented_on_cpu_ranks(job):
+    _, out, _ = job
+    records = read_metrics(out / "example" / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [r["titan_step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["loss"] > 0 and r["log_z"] > 0 for r in records)
+    config = json.loads((out / "example" / "run" / "config.json").read_text())
+    assert config["config"]["guard"]["tier2"] == "rollback"
+    assert config["config"]["z_loss"] == 1e-4 and config["precision"] == "float32"
 
 
 def test_nan_gradient_halts_naming_the_tensor_with_a_non_zero_exit(job):
@@ -185,10 +231,11 @@ def test_nan_gradient_halts_naming_the_tensor_with_a_non_zero_exit(job):
     assert not (out / "nan" / "done").exists()
     report = json.loads((out / "nan" / "report.json").read_text())
     assert report["step"] == 6 and report["nonfinite_params"] == [NAN_PARAM]
-    records = sg.read_metrics(out / "nan" / "metrics.jsonl")
+    records = read_metrics(out / "nan" / "metrics.jsonl")
     assert records[-1]["step"] == 6 and records[-1]["action"] == "halt"
     assert records[-1]["tier"] == 3
     assert log.count("TrainingHalted") >= WORLD, log[-3000:]  # on every rank
+    assert code != 0 and "exitcode  : 3" in log, log[-3000:]  # exits.HALTED, as the example
     assert os.path.getsize(out / "nan" / "report.json") > 0
 
 

@@ -314,8 +314,8 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_public_names_and_model_loss():
-    assert sg.cross_entropy is cross_entropy and sg.LossOutput is LossOutput
-    assert sg.linear_cross_entropy is linear_cross_entropy and sg.router_z_loss is router_z_loss
+    assert sg.cross_entropy is cross_entropy and LossOutput is LossOutput
+    assert sg.linear_cross_entropy is linear_cross_entropy and router_z_loss is router_z_loss
     torch.manual_seed(10)
     model = sg.GPT(sg.GPTConfig.tiny(tie_embeddings=False))
     idx, tgt = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))

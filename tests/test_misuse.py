@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import spikeguard as sg
+from spikeguard.guard import GuardMisuseWarning
+from spikeguard.sinks import read_metrics
 
 
 def _parts(steps=30, **guard_kw):
@@ -31,7 +33,7 @@ def test_a_foreign_grad_scaler_is_named_with_its_scale_and_the_norm():
     x, y = next(data)
     out = model.loss(model(x), y)
     scaler.scale(out.loss).backward()  # the loop's own scaler, left in place
-    with pytest.warns(sg.GuardMisuseWarning, match=r"GradScaler .*scale 65536.*off by about"):
+    with pytest.warns(GuardMisuseWarning, match=r"GradScaler .*scale 65536.*off by about"):
         (v,) = guard.step(out)
     assert v.evidence["grad_norm"] > 1e3
     del scaler
@@ -51,7 +53,7 @@ def test_a_large_norm_without_a_scaler_and_a_disabled_scaler_say_nothing():
 def test_rollback_without_data_warns_at_construction(tmp_path):
     model, opt, _, cfg = _parts(config={"tier2": "rollback"})
     ckpt = sg.CheckpointManager(tmp_path / "ck", every=2)
-    with pytest.warns(sg.GuardMisuseWarning, match=r"without Guard\(data=\.\.\.\)"):
+    with pytest.warns(GuardMisuseWarning, match=r"without Guard\(data=\.\.\.\)"):
         sg.Guard(model, opt, config=cfg, checkpoints=ckpt)
 
 
@@ -70,7 +72,7 @@ def test_a_loop_that_counts_its_own_steps_is_told_after_a_rollback(tmp_path):
     guard = sg.Guard(model, opt, config=cfg, data=data,
                      checkpoints=sg.CheckpointManager(tmp_path / "ck", every=4))
     rolled = None
-    with pytest.warns(sg.GuardMisuseWarning, match=r"rolled back at step 10 to step 5.*skips "
+    with pytest.warns(GuardMisuseWarning, match=r"rolled back at step 10 to step 5.*skips "
                                                      "the 6 replayed steps"):
         for it in range(12):  # nanoGPT's habit: its own counter, never guard.step_index
             (v,) = guard.step(_batch(model, data, poisoned=it >= 8))
@@ -97,13 +99,13 @@ def test_an_lr_it_cannot_read_is_recorded_null_with_one_warning(tmp_path):
     model, _, data, cfg = _parts()
     guard = sg.Guard(model, _NoLR(model.parameters()), config=cfg, data=data,
                      sinks=[sg.JsonlSink(tmp_path / "m.jsonl")])
-    with pytest.warns(sg.GuardMisuseWarning, match=r"_NoLR has param_groups\[0\]\['lr'\] = "
+    with pytest.warns(GuardMisuseWarning, match=r"_NoLR has param_groups\[0\]\['lr'\] = "
                                                      "None.*lr is null") as seen:
         for _ in range(3):
             guard.step(_batch(model, data, poisoned=False))
-    assert len([w for w in seen if w.category is sg.GuardMisuseWarning]) == 1
+    assert len([w for w in seen if w.category is GuardMisuseWarning]) == 1
     guard.close()
-    assert [r["lr"] for r in sg.read_metrics(tmp_path / "m.jsonl")] == [None] * 3
+    assert [r["lr"] for r in read_metrics(tmp_path / "m.jsonl")] == [None] * 3
 
 
 def test_a_tensor_lr_on_the_cpu_is_read_without_a_warning(tmp_path):
@@ -112,7 +114,7 @@ def test_a_tensor_lr_on_the_cpu_is_read_without_a_warning(tmp_path):
     guard = sg.Guard(model, opt, config=cfg, data=data, sinks=[sg.JsonlSink(tmp_path / "m")])
     guard.step(_batch(model, data, poisoned=False))
     guard.close()
-    assert sg.read_metrics(tmp_path / "m")[0]["lr"] == pytest.approx(2e-3)
+    assert read_metrics(tmp_path / "m")[0]["lr"] == pytest.approx(2e-3)
 
 
 def test_a_summed_micro_batch_loss_is_told_and_the_mean_is_not():
@@ -121,7 +123,7 @@ def test_a_summed_micro_batch_loss_is_told_and_the_mean_is_not():
     x, y = next(data)
     summed = sg.cross_entropy(model.logits(model(x)), y, reduction="sum")
     (summed.loss / y.numel()).backward()
-    with pytest.warns(sg.GuardMisuseWarning, match=r"reduction 'sum'.*own mean"):
+    with pytest.warns(GuardMisuseWarning, match=r"reduction 'sum'.*own mean"):
         guard.accumulate(summed)
     guard.micro.clear()
     opt.zero_grad()

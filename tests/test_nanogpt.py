@@ -10,6 +10,7 @@ import torch
 from examples.nanogpt import main
 
 import spikeguard as sg
+from spikeguard.sinks import read_metrics
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=4,
             gradient_accumulation_steps=2, eval_iters=1, eval_interval=100, log_interval=1000,
@@ -34,7 +35,7 @@ def test_an_outlier_batch_is_skipped_and_changes_nothing(tmp_path):
     model, opt, guard, _ = main(**TINY, out_dir=str(tmp_path / "a"), poison_iter=POISON)
     clean = main(**{**TINY, "max_iters": POISON - 1}, out_dir=str(tmp_path / "b"))
     assert _same(_state(model, opt), _state(clean[0], clean[1]))  # the last step changed nothing
-    records = sg.read_metrics(tmp_path / "a" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "a" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(POISON + 1))
     assert [r["step"] for r in records if r["skipped"]] == [POISON]
     # the schedule counts applied updates: the next update gets the skipped step's LR
@@ -48,7 +49,7 @@ def test_a_nan_gradient_halts_naming_the_tensor_with_a_non_zero_exit(tmp_path):
     with pytest.raises(sg.TrainingHalted) as halt:
         main(**{**TINY, "max_iters": 6}, nan_iter=3, out_dir=str(tmp_path))
     assert "transformer.h.0.mlp.c_fc.weight" in str(halt.value)
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert records[-1]["step"] == 3 and records[-1]["action"] == "halt"
 
 
@@ -58,7 +59,7 @@ def test_a_resume_continues_the_steps_with_one_record_each(tmp_path):
     main(**{**TINY, "eval_interval": 8}, out_dir=out)
     _, _, guard, iter_num = main(**{**TINY, "eval_interval": 8}, out_dir=out,
                                  init_from="resume")
-    steps = [r["step"] for r in sg.read_metrics(tmp_path / "metrics.jsonl")]
+    steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert steps == list(range(13)) and iter_num == 13 and guard.applied == 13
 
 

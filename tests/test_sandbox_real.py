@@ -10,10 +10,10 @@ import textwrap
 
 import pytest
 
-import spikeguard as sg
 from spikeguard.guard import GuardConfig
 from spikeguard.model import GPTConfig
 from spikeguard.sandbox.real import MAX_STEPS, RealConfig, RealRun, RealRuns
+from spikeguard.sinks import read_metrics
 from spikeguard.train import TrainConfig
 
 
@@ -130,7 +130,7 @@ def test_the_default_real_run_with_every_defense_on_survives_and_says_what_the_g
                    env=sub_env, check=True, timeout=600, capture_output=True)
     result = json.loads((folder / "result.json").read_text())
     assert result["status"] == "finished" and result["rollbacks"] == 0
-    records = sg.read_metrics(folder / "metrics.jsonl")
+    records = read_metrics(folder / "metrics.jsonl")
     assert records[100]["skipped"] and records[100]["action"] == "skip"
     assert not any(r["action"] in ("halt", "rollback") for r in records)
     assert "skipped step 100" in result["guard"]

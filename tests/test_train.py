@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-import spikeguard as sg
+from spikeguard.data import load_corpus
+from spikeguard.sinks import read_metrics
 from spikeguard.train import TrainConfig, parse_fault, train
 from tests.conftest import ROOT
 
@@ -31,7 +32,7 @@ def _run(args, env, *, check=True, timeout=1200):
 def test_an_outlier_is_skipped_and_the_run_dir_holds_config_record_checkpoints_plot(tmp_path, sub_env):
     r = _run([*TINY, "--steps", "80", "--inject", "outlier@60", "--ckpt-every", "20",
               "--out", str(tmp_path)], sub_env)
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     # --steps counts updates: the withheld one is made up by one more batch (step 80)
     assert [x["step"] for x in records] == list(range(81))
     # the planted batch is unambiguous on this run's own trajectory (the premise, checked): a
@@ -63,7 +64,7 @@ def test_a_nan_halts_with_status_3_a_halt_line_and_the_parameter_named(tmp_path,
     assert r.returncode == 3, r.stdout + r.stderr
     assert any(line.startswith("HALT at step 30") for line in r.stdout.splitlines())
     assert "blocks.0.mlp.fc.weight" in r.stderr
-    last = sg.read_metrics(tmp_path / "metrics.jsonl")[-1]
+    last = read_metrics(tmp_path / "metrics.jsonl")[-1]
     assert last["step"] == 30 and last["action"] == "halt"
     assert last["halt"]["nonfinite_params"] == ["blocks.0.mlp.fc.weight"]
     _check_run_png(tmp_path, "nan")
@@ -87,8 +88,8 @@ def test_kill_and_rerun_continues_the_metrics_with_nothing_lost_or_repeated(tmp_
     assert 47 <= lines_before < 60  # killed after the checkpoint at 40, before the end
     r = _run([*args, "--out", str(cut)], sub_env)
     assert "resumed from the checkpoint at step 40" in r.stdout
-    full = sg.read_metrics(tmp_path / "full" / "metrics.jsonl")
-    resumed = sg.read_metrics(metrics)
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    resumed = read_metrics(metrics)
     assert [x["step"] for x in resumed] == list(range(60))  # steps 41.. ran again, once each
     assert resumed == full  # bit for bit: weights, data position, RNG and guard state restored
 
@@ -153,7 +154,7 @@ def test_fault_specs_parse_and_refuse():
 def test_data_from_a_text_folder_a_bin_file_and_a_local_bpe(tmp_path):
     docs = tmp_path / "docs"
     (docs / "a").mkdir(parents=True)
-    text = sg.load_corpus("pydoc").train[:200_000].tobytes()
+    text = load_corpus("pydoc").train[:200_000].tobytes()
     (docs / "a" / "one.txt").write_bytes(text[:100_000])
     (docs / "two.md").write_bytes(text[100_000:])
     common = dict(steps=4, model="tiny", batch_size=2, eval_batches=1, progress=False, plot=False,
@@ -195,7 +196,7 @@ def test_two_ranks_under_torchrun_skip_an_outlier_on_rank_1_together(tmp_path, s
                         "--inject-rank", "1", "--parallel", "ddp", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     # one record for the job; both ranks make up the withheld update with one more batch
     assert [x["step"] for x in records] == list(range(41))
     assert [x["step"] for x in records if x["skipped"]] == [30]
@@ -228,7 +229,7 @@ def test_benchmark_smokes_print_parsable_numbers(sub_env):
 def test_an_lr_spike_with_rollback_rolls_back_once_and_the_fault_does_not_return(tmp_path, sub_env):
     _run([*TINY, "--steps", "120", "--inject", "lr@80:200:10", "--tier2", "rollback",
           "--ckpt-every", "20", "--out", str(tmp_path)], sub_env)
-    records = sg.read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     rollbacks = [x for x in records if x["action"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["rollback_to"] <= 78
     assert records[-1]["step"] == 119 and not any(x["action"] == "halt" for x in records)
@@ -256,7 +257,7 @@ def _check_run_png(out, name):
 
     pc.keep(out / "run.png", f"run_{name}.png")
     img = pc.pixels(out / "run.png")
-    records = sg.read_metrics(out / "metrics.jsonl")
+    records = read_metrics(out / "metrics.jsonl")
     fig = draw_run(records, title=name)  # the same layout, for matplotlib's own transforms
     assert fig.canvas.get_width_height() == (img.shape[1], img.shape[0])
     axes = fig.axes

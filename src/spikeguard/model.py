@@ -11,6 +11,7 @@ scalings); its optimizer takes :func:`spikeguard.prevent.mup.mup_param_groups`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -28,6 +29,7 @@ from .prevent.attention import (
     softcap,
 )
 from .prevent.init import gpt2_residual_init_, mup_hidden_init_
+from .prevent.layout import AttentionLayout
 from .prevent.losses import LossOutput, linear_cross_entropy
 
 __all__ = ["GPT", "GPTConfig", "count_params"]
@@ -216,6 +218,18 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
+    def attention_layout(self) -> AttentionLayout:
+        """ln1 -> the fused qkv (q rows first, then k, then v): the logit bound and QK-Clip read
+        the attention through this (spikeguard.prevent.layout)."""
+        cfg, attn = self.attn.cfg, self.attn
+        qk = attn.qk_norm
+        return AttentionLayout(
+            norm_weight=self.ln1.weight, norm_bias=self.ln1.bias, q_weight=attn.qkv.weight,
+            q_row=0, k_weight=attn.qkv.weight, k_row=cfg.n_head * cfg.head_dim,
+            n_head=cfg.n_head, n_kv_head=cfg.kv_heads, head_dim=cfg.head_dim, d_model=cfg.d_model,
+            scale=cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim),
+            qk_norm=None if qk is None else (qk.q_weight, qk.k_weight))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
@@ -321,12 +335,6 @@ class GPT(nn.Module):
         return linear_cross_entropy(hidden, self._scaled_output_weight(), targets,
                                     z_loss=self.cfg.z_loss, softcap=self.cfg.final_logit_softcap,
                                     per_sequence=per_sequence)
-
-    @torch.no_grad()
-    def estimate_flops_per_token(self) -> float:
-        """Training FLOPs per token (6N plus attention), for throughput reports."""
-        cfg = self.cfg
-        return 6.0 * self.num_params() + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
 
 
 def _check_token_ids(idx: torch.Tensor, vocab_size: int) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import spikeguard as sg
+from spikeguard.checkpoint import CheckpointError
 
 __all__ = ["run"]
 
@@ -102,6 +103,6 @@ if __name__ == "__main__":
     try:
         run(a.out, steps=a.steps, every=a.every, async_save=a.async_save, on_error=a.on_error,
             fsize=a.fsize, fsize_after=a.fsize_after)
-    except sg.CheckpointError as e:
+    except CheckpointError as e:
         print(f"CheckpointError: {e}", file=sys.stderr)
         sys.exit(4)

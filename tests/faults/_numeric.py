@@ -28,6 +28,7 @@ import torch
 
 import spikeguard as sg
 from spikeguard.guard import TrainingHalted
+from spikeguard.prevent.losses import LossOutput
 
 __all__ = ["KINDS", "Outcome", "numeric_run"]
 
@@ -154,7 +155,7 @@ def _run(kind: str, seed: int, steps: int) -> Outcome:
             with guard.autocast():
                 loss = model.loss(model(x), y)
             if t == step and kind.endswith("loss"):
-                loss = sg.LossOutput(loss.loss + bad, loss.ce + bad, loss.z_loss, loss.log_z)
+                loss = LossOutput(loss.loss + bad, loss.ce + bad, loss.z_loss, loss.log_z)
             if t == step and kind == "fp16-overflow":
                 guard.backward(loss.loss * _LOSS_SCALE_FAULT)
             else:

@@ -1,5 +1,5 @@
-"""Bad input to every name in ``spikeguard.__all__`` (tests/faults/_bad_input.py holds the
-table): each call raises the expected error, its message holds the words that name the problem,
+"""Bad input to every name in ``spikeguard.__all__`` and to the building blocks the table
+imports from their modules (tests/faults/_bad_input.py holds the table): each call raises the expected error, its message holds the words that name the problem,
 and the objects it was given are the same after it as before."""
 
 import re
@@ -9,6 +9,7 @@ from itertools import count
 import pytest
 
 import spikeguard as sg
+from tests.faults import _bad_input
 from tests.faults._bad_input import CASES, NOT_CALLED
 from tests.faults._bad_objects import same as _same
 from tests.faults._bad_objects import snapshot
@@ -25,8 +26,10 @@ _ALL = CASES(lambda: None)  # for the ids and the coverage check only
 
 def test_every_public_name_has_bad_input_or_a_reason_it_takes_none():
     covered = {c.name for c in _ALL} | set(NOT_CALLED)
-    assert covered == set(sg.__all__), (f"no case for {sorted(set(sg.__all__) - covered)}; "
-                                        f"stale: {sorted(covered - set(sg.__all__))}")
+    # a case of a name outside the public API tests a building block the table imports
+    stale = {n for n in covered - set(sg.__all__) if n not in vars(_bad_input)}
+    assert not set(sg.__all__) - covered and not stale, (
+        f"no case for {sorted(set(sg.__all__) - covered)}; stale: {sorted(stale)}")
 
 
 @pytest.mark.parametrize("index", range(len(_ALL)), ids=[f"{c.name}: {c.what}" for c in _ALL])

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import spikeguard as sg
+from spikeguard.checkpoint import verify_checkpoint
+from spikeguard.sinks import read_metrics
 from tests.conftest import ROOT
 from tests.faults._ckpt_run import run
 
@@ -30,7 +32,7 @@ FSIZE = 200_000  # above the metrics file and a sidecar, below a shard (~1.4 MB)
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt_ref")
     assert run(out) == 30
-    return sg.read_metrics(out / "metrics.jsonl"), torch.load(out / "final.pt", weights_only=True)
+    return read_metrics(out / "metrics.jsonl"), torch.load(out / "final.pt", weights_only=True)
 
 
 def _worker(out, env, *args):
@@ -54,7 +56,7 @@ def _unloadable(directory, steps) -> int:
     for step in steps:
         path = directory / f"step_{step:08d}"
         try:
-            sg.verify_checkpoint(path)
+            verify_checkpoint(path)
             model = sg.GPT(sg.GPTConfig.tiny())
             opt = torch.optim.AdamW(model.parameters())
             mgr = sg.CheckpointManager(directory, model=model, optimizer=opt)
@@ -73,7 +75,7 @@ def _metrics_lost(out, reference) -> int:
             json.loads(line)
         except ValueError:
             bad += 1
-    records = sg.read_metrics(out / "metrics.jsonl")
+    records = read_metrics(out / "metrics.jsonl")
     steps = [r["step"] for r in records]
     return (bad + len(set(range(30)) - set(steps)) + len(steps) - len(set(steps))
             + sum(a != b for a, b in zip(records, reference)))

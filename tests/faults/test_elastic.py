@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-import spikeguard as sg
+from spikeguard.sinks import read_metrics
 from tests.conftest import ROOT
 from tests.state_compare import same_record
 
@@ -40,7 +40,7 @@ def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("elastic_ref")
     r = _torchrun(out, env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return sg.read_metrics(out / "metrics.jsonl")
+    return read_metrics(out / "metrics.jsonl")
 
 
 def _lost(records, reference) -> int:
@@ -62,7 +62,7 @@ def test_a_rank_killed_mid_step_restarts_and_resumes_on_every_rank_alike(
         log = r.stdout[-3000:] + r.stderr[-3000:]
         assert r.returncode == 0, log
         ranks = [json.loads((tmp_path / "ranks" / f"rank{i}.json").read_text()) for i in (0, 1)]
-        records = sg.read_metrics(tmp_path / "metrics.jsonl")
+        records = read_metrics(tmp_path / "metrics.jsonl")
         run.lost = _lost(records, uninterrupted)
         checks = {
             "the agent restarted the job after the kill":

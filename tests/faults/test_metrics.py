@@ -12,6 +12,7 @@ import pytest
 
 import spikeguard as sg
 from spikeguard.cli import main
+from spikeguard.sinks import SinkDisabledWarning, read_metrics
 from tests.conftest import ROOT
 from tests.faults._guarded import Collect, guarded_loop
 from tests.state_compare import same_record
@@ -49,7 +50,7 @@ def test_a_full_disk_disables_the_jsonl_and_the_other_sinks_say_so(fault_run, fa
                          seed=fault_run)
         lines = _strict(good)
         run.lost = _lost(lines, list(range(STEPS))) + STEPS - len(collect.records)
-        said = [str(w.message) for w in caught if w.category is sg.SinkDisabledWarning]
+        said = [str(w.message) for w in caught if w.category is SinkDisabledWarning]
         noted = [r.get("sink_errors", {}).get("JsonlSink", "") for r in collect.records]
         run.held = (len(said) == 1 and "full disk" in said[0]
                     and all("No space left on device" in n for n in noted)
@@ -96,7 +97,7 @@ TRAIN = ["--model", "tiny", "--batch-size", "4", "--eval-batches", "1", "--no-pr
 def uninterrupted_train(tmp_path_factory):
     out = tmp_path_factory.mktemp("train_ref")
     assert main(["train", *TRAIN, "--out", str(out)]) == 0
-    return sg.read_metrics(out / "metrics.jsonl")
+    return read_metrics(out / "metrics.jsonl")
 
 
 @pytest.mark.fault_runs(1, 20)
@@ -118,6 +119,6 @@ def test_a_partial_line_left_by_a_kill_is_dropped_and_every_step_kept_once(
         assert main(["train", *TRAIN, "--out", str(out)]) == 0
         lines = _strict(metrics)
         run.lost = _lost(lines, list(range(30))) + sum(
-            not same_record(a, b) for a, b in zip(sg.read_metrics(metrics), uninterrupted_train))
+            not same_record(a, b) for a, b in zip(read_metrics(metrics), uninterrupted_train))
         run.held = before.count(b"\n") == crash and len(lines) == 30
     assert run.held and run.lost == 0, (crash, before.count(b"\n"), len(lines))

@@ -42,7 +42,7 @@ import torch
 from .. import _dist
 from .._crash import crash_point
 from .._validate import check_int
-from . import io
+from . import io, retention
 from .digest import DEFAULT_DIGEST, DIGESTS, Digest
 from .files import CheckpointDir, IOStats
 from .info import CheckpointError, CheckpointInfo, CheckpointWarning, rollback_target
@@ -59,7 +59,10 @@ _FORMAT = "spikeguard-checkpoint/2"
 
 class CheckpointManager:
     """Save every ``every`` steps, keep the newest ``keep`` (never deleting the newest healthy
-    one), restore the newest healthy checkpoint at or before a step.
+    one; while an incident is open, the ``keep`` newest healthy ones before it as well, counted
+    apart: checkpoint/retention.py), restore the newest healthy checkpoint at or before a step.
+    A replay after a rollback never overwrites a checkpoint: the first one of a step moves to
+    ``superseded/``.
 
     Collective under torch.distributed: every rank calls save/restore with the same step.
     With ``async_save=True`` save() copies only the buffers and param_groups; a writer thread
@@ -296,8 +299,7 @@ class CheckpointManager:
                     "format": _FORMAT, "files": {n: e.to_json() for n, e in files.items()}})
                 io.fsync_dir(job.tmp)
                 crash_point("after_manifest", job.step)
-                if job.final.exists():
-                    shutil.rmtree(job.final)
+                retention.set_aside(job.final)  # a replayed step: the first one stays
                 job.tmp.rename(job.final)
                 io.fsync_dir(self.directory)
                 crash_point("after_commit", job.step)
@@ -309,17 +311,8 @@ class CheckpointManager:
                                   f"{error or 'rank 0 failed (see its error)'}")
 
     def _rotate(self) -> None:
-        ckpts = self.list()
-        healthy = [c for c in ckpts if c.healthy]
-        protect = healthy[-1].step if healthy else None
-        excess = len(ckpts) - self.keep
-        for c in ckpts:
-            if excess <= 0:
-                break
-            if c.step == protect:
-                continue
+        for c in retention.stale(self.list(), self.keep):  # checkpoint/retention.py: the rule
             shutil.rmtree(c.path, ignore_errors=True)
-            excess -= 1
         for stale in self.directory.glob(".tmp-step_*"):  # left by a killed run
             shutil.rmtree(stale, ignore_errors=True)
 

@@ -1,7 +1,7 @@
 """A resumable token stream that can skip a poisoned range of batches.
 
 ``TokenStream`` cuts a token array (a memory-mapped uint16 ``.bin`` file, or the default corpus
-of :func:`spikeguard.load_corpus`) into non-overlapping windows of ``seq_len + 1`` tokens and
+of :func:`spikeguard.data.load_corpus`) into non-overlapping windows of ``seq_len + 1`` tokens and
 deals them out in a seeded random order, epoch after epoch. Batch ``b`` of rank ``r`` is a pure
 function of (seed, b, r, world_size): the ranks see disjoint windows, and a stream resumed from
 its state_dict yields exactly the batches it would have yielded. Rank and world size come from
@@ -131,7 +131,7 @@ class TokenStream(torch.utils.data.IterableDataset):
 
     @classmethod
     def from_corpus(cls, name: str = "pydoc", *, split: str = "train", **kwargs: Any) -> TokenStream:
-        """A stream over the default corpus of :func:`spikeguard.load_corpus` (byte tokens)."""
+        """A stream over the default corpus of :func:`spikeguard.data.load_corpus` (byte tokens)."""
         from .corpus import load_corpus
 
         if split not in ("train", "val"):

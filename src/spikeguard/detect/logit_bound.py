@@ -1,18 +1,21 @@
 """An upper bound on every attention logit from the weights alone, and QK-Clip on top of it.
 
-For a block ``x -> ln1 -> attn`` of the reference GPT (attention with a fused ``qkv`` and its
-``cfg``): with QK-norm, ``scale * hd * max|g_q| * max|g_k|`` (a normalised vector of hd channels
-has norm at most ``sqrt(hd) * max gain``); without it, ``scale * ||W_q^h||_F * ||W_k^h||_F * X^2``
-with ``X = max|g| sqrt(d) + ||b||`` for ln1's gain g and bias b (the norm of a LayerNorm's
-output) and the Frobenius norm bounding the spectral one. RoPE rotates and keeps norms; a cap
-only lowers logits. Each max is a 32-norm (``max|g| <= ||g||_32``, at most ``n^(1/32)`` above
-it): a sum, so it reduces over shards like the rest, and the bound stays an upper bound under
-any sharding. The Frobenius step makes it loose without QK-norm (several times the largest
-logit a random input reaches); with QK-norm it is the logit of two aligned, saturated vectors.
+For every attention layer ``x -> norm -> q, k`` that
+:func:`spikeguard.prevent.layout.find_attention` finds (the reference GPT's blocks, a Hugging
+Face Llama's layers, any module with an ``attention_layout()``; its AttentionLayout says where
+each head's rows are): with QK-norm, ``scale * hd * max|g_q| * max|g_k|`` (a normalised vector
+of hd channels has norm at most ``sqrt(hd) * max gain``); without it,
+``scale * ||W_q^h||_F * ||W_k^h||_F * X^2`` with ``X = max|g| sqrt(d) + ||b||`` for the norm's
+gain g and bias b (the norm of a LayerNorm's or RMSNorm's output) and the Frobenius norm
+bounding the spectral one. RoPE rotates and keeps norms; a cap only lowers logits. Each max
+is a 32-norm (``max|g| <= ||g||_32``, at most ``n^(1/32)`` above it): a sum, so it reduces
+over shards like the rest, and the bound stays an upper bound under any sharding. The
+Frobenius step makes it loose without QK-norm (several times the largest logit a random input
+reaches); with QK-norm it is the logit of two aligned, saturated vectors.
 
 :func:`qk_clip_` (QK-Clip, Kimi K2) rescales a head's query and key weights by
 ``sqrt(tau / bound)`` each when its bound passes ``tau``, so the bound of every head is at most
-``tau`` afterwards: rows of ``qkv.weight`` per head without QK-norm (a key head shared by a
+``tau`` afterwards: the head's query and key rows without QK-norm (a key head shared by a
 group of query heads takes the group's smallest factor), the QK-norm gains with it (shared by
 every head of the layer).
 
@@ -23,13 +26,14 @@ row sums placed at their global rows, ONE all-reduce of the float64 parts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .._dist import world_size
+from ..prevent.layout import AttentionLayout, find_attention
 from ._grad_layout import _dtensor_piece
 
 __all__ = ["AttentionBlock", "attention_blocks", "bound_parts", "bounds", "local_piece",
@@ -62,29 +66,22 @@ def _psum(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(_F64).abs().pow(_P).sum()
 
 
-@dataclass
-class AttentionBlock:
-    """One attention block whose logits the bound covers."""
+class AttentionBlock(Protocol):
+    """One attention layer whose logits the bound covers (what :func:`attention_blocks` finds)."""
 
-    ln: nn.Module
-    attn: nn.Module
-
-    @property
-    def width(self) -> int:
-        """Entries of this block in :func:`bound_parts`."""
-        cfg = self.attn.cfg
-        return 4 + cfg.n_head + cfg.kv_heads
+    def layout(self) -> AttentionLayout: ...
 
 
-def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
-    """Blocks ``x -> ln1 -> attn`` of the reference GPT layout (attn with ``qkv`` and ``cfg``)."""
-    found = []
-    for m in model.modules():
-        ln, attn = getattr(m, "ln1", None), getattr(m, "attn", None)
-        if (isinstance(ln, nn.LayerNorm) and attn is not None and hasattr(attn, "qkv")
-                and hasattr(attn, "cfg")):
-            found.append(AttentionBlock(ln, attn))
-    return found
+def _width(lay: AttentionLayout) -> int:
+    """Entries of one layer in :func:`bound_parts`."""
+    return 4 + lay.n_head + lay.n_kv_head
+
+
+def attention_blocks(model: nn.Module, *, required: bool = False) -> list[AttentionBlock]:
+    """The attention layers of ``model`` (:func:`spikeguard.prevent.layout.find_attention`;
+    with ``required``, for QK-Clip, none found warns once naming the model's class)."""
+    return find_attention(model, what="QK-Clip" if required else "the attention-logit bound",
+                          required=required)
 
 
 def bound_parts(blocks: list[AttentionBlock], world: int, device: torch.device) -> torch.Tensor:
@@ -92,46 +89,52 @@ def bound_parts(blocks: list[AttentionBlock], world: int, device: torch.device) 
     q rows' sums of squares per head, k rows' per kv head], float64 on ``device``."""
     parts = []
     for blk in blocks:
-        cfg = blk.attn.cfg
-        h, h_kv, hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
-        vec = torch.zeros(blk.width, dtype=_F64, device=device)
-        g, c, _ = local_piece(blk.ln.weight.detach(), world)
+        lay = blk.layout()
+        h, h_kv, hd = lay.n_head, lay.n_kv_head, lay.head_dim
+        vec = torch.zeros(_width(lay), dtype=_F64, device=device)
+        g, c, _ = local_piece(lay.norm_weight.detach(), world)
         vec[0] += _psum(g).to(device) / c
-        if blk.ln.bias is not None:
-            b, c, _ = local_piece(blk.ln.bias.detach(), world)
+        if lay.norm_bias is not None:
+            b, c, _ = local_piece(lay.norm_bias.detach(), world)
             vec[1] += sumsq(b).to(device) / c
-        qk = blk.attn.qk_norm
-        if qk is not None:
-            for slot, w in ((2, qk.q_weight), (3, qk.k_weight)):
+        if lay.qk_norm is not None:
+            for slot, w in zip((2, 3), lay.qk_norm):
                 w, c, _ = local_piece(w.detach(), world)
                 vec[slot] += _psum(w).to(device) / c
         else:
-            w, c, offset = local_piece(blk.attn.qkv.weight.detach(), world)
-            rows = torch.zeros(h * hd + 2 * h_kv * hd, dtype=_F64, device=device)
-            if w.numel():
-                rows[offset:offset + w.shape[0]] = torch.linalg.vector_norm(
-                    w, dim=1, dtype=_F64 if w.dtype == _F64 else torch.float32
-                ).to(device, _F64).square() / c
-            vec[4:4 + h] = rows[:h * hd].view(h, hd).sum(1)
-            vec[4 + h:] = rows[h * hd:h * hd + h_kv * hd].view(h_kv, hd).sum(1)
+            vec[4:4 + h] = _head_sumsq(lay.q_weight, lay.q_row, h, hd, world, device)
+            vec[4 + h:] = _head_sumsq(lay.k_weight, lay.k_row, h_kv, hd, world, device)
         parts.append(vec)
     return torch.cat(parts)
+
+
+def _head_sumsq(weight: torch.Tensor, row: int, heads: int, hd: int, world: int,
+                device: torch.device) -> torch.Tensor:
+    """This rank's share of each head's sum of squares over its rows ``row + i * hd`` onward
+    of ``weight`` (a local piece holds global rows from its offset on), [heads] float64."""
+    w, c, offset = local_piece(weight.detach(), world)
+    rows = torch.zeros(row + heads * hd, dtype=_F64, device=device)
+    end = min(offset + w.shape[0], row + heads * hd) if w.numel() else offset
+    if end > offset:
+        rows[offset:end] = torch.linalg.vector_norm(
+            w[:end - offset], dim=1, dtype=_F64 if w.dtype == _F64 else torch.float32
+        ).to(device, _F64).square() / c
+    return rows[row:].view(heads, hd).sum(1)
 
 
 def bounds(blocks: list[AttentionBlock], sums: torch.Tensor) -> torch.Tensor:
     """[blocks * heads] float64 bounds from the all-reduced :func:`bound_parts`."""
     out, at = [], 0
     for blk in blocks:
-        cfg = blk.attn.cfg
-        h, h_kv, hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
-        vec = sums[at:at + blk.width]
-        at += blk.width
-        scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(hd)
-        if blk.attn.qk_norm is not None:
+        lay = blk.layout()
+        h, h_kv, hd, scale = lay.n_head, lay.n_kv_head, lay.head_dim, lay.scale
+        vec = sums[at:at + _width(lay)]
+        at += _width(lay)
+        if lay.qk_norm is not None:
             b = scale * hd * vec[2].pow(1 / _P) * vec[3].pow(1 / _P)
             out.append(b.expand(h))
         else:
-            x = vec[0].pow(1 / _P) * math.sqrt(cfg.d_model) + vec[1].sqrt()
+            x = vec[0].pow(1 / _P) * math.sqrt(lay.d_model) + vec[1].sqrt()
             q, k = vec[4:4 + h].sqrt(), vec[4 + h:].sqrt()
             out.append(scale * q * k.repeat_interleave(h // h_kv) * x.square())
     return torch.cat(out)
@@ -149,23 +152,30 @@ def qk_clip_(blocks: list[AttentionBlock], tau: float, device: torch.device) -> 
     gamma = (tau / before.clamp(min=1e-30)).clamp(max=1.0)  # 1 where the bound holds
     at = 0
     for blk in blocks:
-        cfg = blk.attn.cfg
-        h, h_kv, hd = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        lay = blk.layout()
+        h, h_kv, hd = lay.n_head, lay.n_kv_head, lay.head_dim
         g = gamma[at:at + h]
         at += h
-        qk = blk.attn.qk_norm
-        if qk is not None:  # gains shared by the heads: every head has the layer's bound
-            for w in (qk.q_weight, qk.k_weight):
+        if lay.qk_norm is not None:  # gains shared by the heads: every head has the layer's bound
+            for w in lay.qk_norm:
                 local = local_piece(w.detach(), world)[0]
                 local.mul_(g[0].sqrt().to(local.device, local.dtype))
             continue
-        w, _, offset = local_piece(blk.attn.qkv.weight.detach(), world)
-        if not w.numel():
-            continue
         kv = g.view(h_kv, h // h_kv).amin(dim=1)  # a shared key head: its group's least factor
-        # per-row factors: a q head's rows at sqrt(gamma), its k head's at sqrt(the group's
-        # least gamma) (the product is at most gamma), the v rows at 1
-        rows = torch.cat([g.sqrt().repeat_interleave(hd), kv.sqrt().repeat_interleave(hd),
-                          torch.ones(h_kv * hd, dtype=_F64, device=g.device)])
-        w.mul_(rows[offset:offset + w.shape[0]].to(w.device, w.dtype).unsqueeze(1))
+        # a q head's rows at sqrt(gamma), its k head's at sqrt(the group's least gamma) (the
+        # product is at most gamma), every other row (v in a fused qkv) at 1
+        _scale_rows_(lay.q_weight, lay.q_row, g.sqrt(), hd, world)
+        _scale_rows_(lay.k_weight, lay.k_row, kv.sqrt(), hd, world)
     return before
+
+
+def _scale_rows_(weight: torch.Tensor, row: int, factors: torch.Tensor, hd: int,
+                 world: int) -> None:
+    """Multiply rows ``row + i * hd`` onward of ``weight`` by ``factors[i]`` (this rank's piece)."""
+    w, _, offset = local_piece(weight.detach(), world)
+    if not w.numel():
+        return
+    per_row = torch.ones(max(offset + w.shape[0], row + factors.numel() * hd), dtype=_F64,
+                         device=factors.device)
+    per_row[row:row + factors.numel() * hd] = factors.repeat_interleave(hd)
+    w.mul_(per_row[offset:offset + w.shape[0]].to(w.device, w.dtype).unsqueeze(1))

@@ -204,7 +204,7 @@ class Signals:
         for i, (name, _) in enumerate(self.named):
             groups[layer_of(name)].append(i)
         self.groups = dict(groups)
-        self.blocks = attention_blocks(model)
+        self.blocks = attention_blocks(model, required=cfg.qk_clip is not None)
         self._step = 0
         self._snapshot: list[torch.Tensor] | None = None
         self._update: torch.Tensor | None = None
@@ -350,7 +350,7 @@ class Signals:
         spike = self._spike is not None or (self._due(self._step, cfg.spike_share_every)
                                             and self.optimizer is not None)
         bound = bool(self.blocks) and self._due(self._step, cfg.logit_bound_every)
-        n_heads = self.blocks[0].attn.cfg.n_head if self.blocks else 0
+        n_heads = self.blocks[0].layout().n_head if bound else 0
         if not (ratio or spike or bound):
             return SignalValues(None, [], False, None)
         dev, n_groups = self._device(), len(self.groups)

@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("log", help="metrics.jsonl, trainer_state.json, metrics.csv, a CSV, a W&B "
                    "history CSV, a TensorBoard event file, or a run directory holding one")
     p.add_argument("--format", dest="fmt", default="auto", choices=FORMATS,
-                   help="the log's format (default: from the name)")
+                   help="the log's format (default: from the name, or a console log's content)")
     p.add_argument("--map", action="append", default=[], metavar="COL=METRIC",
                    help="read column COL as METRIC (loss, grad_norm, log_z, nan_frac, lr, "
                    "loss_ema_ratio, grad_scale, step); repeat or comma-separate")

@@ -11,17 +11,25 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["METRICS", "Column", "assemble", "canonical", "choose", "column_len", "parse_map",
+__all__ = ["METRICS", "PRECISION", "Column", "assemble", "canonical", "choose", "column_len", "parse_map",
            "read_column", "to_floats"]
 
 METRICS = ("loss", "grad_norm", "log_z", "nan_frac", "lr", "loss_ema_ratio", "grad_scale",
-           "update_ratio", "spike_share", "attn_logit_bound", "attn_logit_p99")
-"""The metrics diagnose reads, named as in the metrics record (the last four are the
-early-warning signals and the attention probe, recorded every few steps: missing between)."""
+           "update_ratio", "spike_share", "attn_logit_bound", "attn_logit_p99", "skipped",
+           "nan_iters", "scale_tried")
+"""The metrics diagnose reads, named as in the metrics record (update_ratio .. attn_logit_p99
+are the early-warning signals and the attention probe, recorded every few steps: missing
+between); ``skipped`` and ``nan_iters`` are the updates a trainer's loss scaler skipped and the
+NaN iterations it counted in the record's interval (Megatron's counters, DeepSpeed's OVERFLOW
+lines); ``scale_tried`` the loss scale an overflow was attempted at (DeepSpeed's 'Attempted loss
+scale')."""
+PRECISION = ("grad_scale", "skipped", "nan_iters", "scale_tried")
+"""Metrics that keep a row of their own: a record of skipped updates carries no loss."""
 
 _TARGETS = ("step", *METRICS)
 
@@ -37,6 +45,9 @@ _EXACT = {
     "nan_frac": ("nan_frac", 0), "loss_ema_ratio": ("loss_ema_ratio", 0),
     "grad_scale": ("grad_scale", 0), "loss_scale": ("grad_scale", 1),
     "update_ratio": ("update_ratio", 0), "spike_share": ("spike_share", 0),
+    "skipped_iters": ("skipped", 0), "scaler_skips": ("skipped", 1),
+    "nan_iters": ("nan_iters", 0), "nan_iterations": ("nan_iters", 0),
+    "scale_tried": ("scale_tried", 0),
     "attn_logit_bound": ("attn_logit_bound", 0), "attn_logit_p99": ("attn_logit_p99", 0),
 }
 _PREFIXES = ("train/", "training/", "trainer/", "train_", "training_")
@@ -199,7 +210,7 @@ def assemble(raw: dict[str, Column], *, mapping: dict[str, str], where: str,
         if bad:
             warnings.append(f"{col}: {bad} cell(s) are not numbers; read as missing")
         cols[metric] = (vals, miss)
-    if "loss" not in cols and "grad_norm" not in cols:
+    if "loss" not in cols and "grad_norm" not in cols and not (set(PRECISION) & set(cols)):
         raise ValueError(f"{where}: no loss or grad norm column among {names or '(none)'}; "
                          "name them with --map COLUMN=loss --map COLUMN=grad_norm")
     if "step" in cols:
@@ -240,7 +251,8 @@ def assemble(raw: dict[str, Column], *, mapping: dict[str, str], where: str,
         merged[metric] = np.where(rows >= 0, vals[np.maximum(rows, 0)], np.nan)
     s = s[starts]
     core = [m for m in ("loss", "grad_norm") if m in merged]
-    row_ok = np.logical_or.reduce([present[m] for m in core])
+    keepers = core + [m for m in PRECISION if m in merged]
+    row_ok = np.logical_or.reduce([present[m] for m in keepers])
     if not row_ok.all():
         dropped = int((~row_ok).sum())
         if dropped and row_ok.any():
@@ -249,6 +261,9 @@ def assemble(raw: dict[str, Column], *, mapping: dict[str, str], where: str,
         s = s[row_ok]
         merged = {m: v[row_ok] for m, v in merged.items()}
         present = {m: p[row_ok] for m, p in present.items()}
+    if not core and keepers:
+        warnings.append(f"{Path(where).name}: no loss or grad norm in this log, only the loss "
+                        "scaler's records: the precision findings are all diagnose can give")
     if len(s) == 0:
         raise ValueError(f"{where}: no rows with a loss or a grad norm")
     for m in core:

@@ -54,8 +54,10 @@ def _shade(ax: Any, spikes: list[Any], lo: float | None = None, hi: float | None
             ax.axvline(s.rollback_step, color=TIER_COLORS[s.tier], ls="--", lw=1)
 
 
-def _nonfinite(ax: Any, steps: np.ndarray, y: np.ndarray) -> None:
-    bad = ~np.isfinite(y)
+def _nonfinite(ax: Any, steps: np.ndarray, y: np.ndarray,
+               missing: np.ndarray | None = None) -> None:
+    """Cross the logged NaN / inf values (a missing cell is no value: never crossed)."""
+    bad = ~np.isfinite(y) if missing is None else ~np.isfinite(y) & ~missing
     if bad.any():
         ax.plot(steps[bad], np.full(int(bad.sum()), 0.97), "x", color=TIER_COLORS[3], ms=8,
                 transform=ax.get_xaxis_transform(), label="NaN / inf")
@@ -77,6 +79,8 @@ def _figure(title: str, rows: int = 1, height: float = 3.0) -> tuple[Any, Any]:
 
 def _series(ax: Any, steps: np.ndarray, y: np.ndarray, label: str, **kw: Any) -> None:
     x, yy = _envelope(steps, y)
+    if np.isfinite(yy).sum() < 50:  # a few records, or values between gaps: each one shows
+        kw = {"marker": "o", "ms": 3, **kw}
     ax.plot(x, yy, lw=0.8, label=label, **kw)
 
 
@@ -91,14 +95,16 @@ def _panel(ax: Any, name: str, diag: Any, sl: slice) -> None:
         ax.fill_between(x, m, cfg.grad_k * m, color="#34a853", alpha=0.15,
                         label=f"running median .. {cfg.grad_k:g}x (skip above)")
         ax.plot(x, m, color="#34a853", lw=1, label="running median")
-        if np.nanmin(np.where(np.isfinite(y) & (y > 0), y, np.nan), initial=np.inf) > 0:
+        fin = y[np.isfinite(y)]
+        if len(fin) and (fin > 0).all():  # a log axis needs a positive value to show
             ax.set_yscale("log")
     if name == "log_z" and "log_z_median" in trace:
         x, m = _envelope(steps, trace["log_z_median"][sl])
         ax.plot(x, m, color="#34a853", lw=1, label="running median")
         ax.plot(x, m + cfg.log_z_drift, color="#e8710a", lw=0.8, ls=":",
                 label=f"median + {cfg.log_z_drift:g} (drift rule)")
-    _nonfinite(ax, steps, y)
+    miss = log.missing.get(name)
+    _nonfinite(ax, steps, y, None if miss is None else miss[sl])
     ax.set_ylabel(name)
     ax.grid(alpha=0.3)
     if ax.get_yscale() == "log":  # plain numbers at 1, 2, 5 x 10^k
@@ -133,6 +139,16 @@ def zoom_window(start: int, end: int, band: int, span: int) -> tuple[int, int]:
     width = end - start + 1
     pad = max(10, min(band, 4 * width, span // 8))
     return start - pad, end + max(5, pad // 2)
+
+
+def _fired(spike: Any, log: Any) -> list[str]:
+    """The logged signals a spike's rules fired on that the zoom would not show otherwise (the
+    update ratio of the signals' UpdateJump rule; the loss scale of a precision finding)."""
+    out = [m for m in ("update_ratio",)
+           if m in log.columns and any(r.startswith(m) for r in spike.reasons)]
+    if "precision" in spike.kinds and "grad_scale" in log.columns:
+        out.append("grad_scale")  # the loss scale a precision finding is about
+    return out
 
 
 def figures(diag: Any, *, zooms: int = 6) -> dict[str, tuple[str, bytes]]:
@@ -173,9 +189,12 @@ def draw(diag: Any, *, zooms: int = 6) -> dict[str, tuple[str, Any]]:
         s = spikes[k]
         lo, hi = zoom_window(s.start, s.end, band, int(log.steps[-1] - log.steps[0]))
         sl = slice(int(np.searchsorted(log.steps, lo)), int(np.searchsorted(log.steps, hi, "right")))
+        shown = [*names, *_fired(s, log)]
+        if not shown:
+            continue
         fig, axes = _figure(f"spike {k + 1}: steps {s.start:,}-{s.end:,}, Tier {s.tier} "
-                            f"({s.action})", rows=len(names), height=2.2)
-        for ax, name in zip(axes, names):
+                            f"({s.action})", rows=len(shown), height=2.2)
+        for ax, name in zip(axes, shown):
             _panel(ax, name, diag, sl)
             _shade(ax, [s], lo, hi)
             moved = s.evidence.get("exits", {}).get(name)

@@ -12,12 +12,17 @@ to follow the earlier ones, and a warning says so.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["EVENT_KEYS", "is_drop", "read_run_config", "recorded_summary", "run_order"]
+__all__ = ["EVENT_KEYS", "checkpoint_steps", "is_drop", "read_run_config", "recorded_summary",
+           "run_order"]
+
+_CKPT = re.compile(r"^(?:step|checkpoint|ckpt|iter|global_step|epoch=\d+-step=)[-_=]?(\d+)"
+                   r"(?:\.(?:pt|pth|ckpt|safetensors|distcp))?$", re.I)
 
 EVENT_KEYS = ("step", "action", "tier", "reasons", "skipped", "rollback_to", "skip_range",
               "rollbacks", "kept_rows", "dropped_sequences", "quarantined", "cause")
@@ -81,6 +86,25 @@ def run_order(steps: np.ndarray, missing: np.ndarray, events: list[tuple[int, di
     return keep, out, replays
 
 
+def checkpoint_steps(folder: Path) -> list[int]:
+    """The steps of the checkpoints a run left beside its log: entries named ``step-125``,
+    ``step125``, ``checkpoint-500`` (HF), ``iter_0001000`` (Megatron), ``ckpt_300`` ..., in the
+    log's folder or its ``checkpoints`` / ``ckpt`` subfolder; [] when there are none."""
+    steps: set[int] = set()
+    for where in (folder, folder / "checkpoints", folder / "ckpt", folder / "checkpoint"):
+        if not where.is_dir():
+            continue
+        try:
+            names = [p.name for p in where.iterdir()]
+        except OSError:
+            continue
+        for name in names:
+            m = _CKPT.match(name)
+            if m:
+                steps.add(int(m.group(1)))
+    return sorted(steps)
+
+
 def read_run_config(folder: Path) -> dict[str, Any] | None:
     """What diagnose uses of the ``config.json`` that ``spikeguard train`` writes beside its log:
     ``ckpt_every``, ``precision`` (as resolved), ``tier2``, ``vocab_size``, ``detector`` (the
@@ -95,6 +119,7 @@ def read_run_config(folder: Path) -> dict[str, Any] | None:
         return {"ckpt_every": cfg.get("ckpt_every"),
                 "precision": doc.get("precision", cfg.get("precision")),
                 "tier2": guard.get("tier2"), "vocab_size": (cfg.get("gpt") or {}).get("vocab_size"),
+                "z_loss": (cfg.get("gpt") or {}).get("z_loss", cfg.get("z_loss")),
                 "detector": dict(guard.get("detector") or {}), "path": str(p)}
     except (ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -15,7 +15,6 @@ import math
 import time
 from array import array
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -29,7 +28,7 @@ __all__ = ["Event", "Replay", "events", "recorded_whatif", "replay", "replay_con
            "rollback_step", "whatif"]
 
 
-def rollback_step(onset: int, every: int | None) -> int | None:
+def rollback_step(onset: int, every: int | list[int] | None) -> int | None:
     """The step to roll back to for an anomaly that began at step ``onset``.
 
     With checkpoints every ``every`` steps: the Guard's rule,
@@ -39,6 +38,8 @@ def rollback_step(onset: int, every: int | None) -> int | None:
     """
     if every is None:
         return onset - 2 if onset >= 2 else None
+    if isinstance(every, list):  # the steps of the run's own checkpoints
+        return rollback_target(onset, every)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"--ckpt-every={every!r} must be an integer >= 1 (the checkpoint "
                          "interval in steps, e.g. 1000)")
@@ -53,8 +54,7 @@ def _window_fields() -> tuple[str, ...]:
                  if (getattr(a, f.name), getattr(b, f.name)) == (1, 2))
 
 
-_MIN_EMA_RECORDS = 5
-_FOREIGN_LOSS_RISE = 0.5  # a loss EMA over fewer records of a sparse log is one batch's loss
+_MIN_EMA_RECORDS = 5  # a loss EMA over fewer records of a sparse log is one batch's loss
 
 
 def replay_config(log: MetricsLog, **overrides: Any) -> DetectorConfig:
@@ -64,7 +64,8 @@ def replay_config(log: MetricsLog, **overrides: Any) -> DetectorConfig:
     ``DetectorConfig.for_run`` over the steps the log covers, each window (which counts updates,
     one per record here) divided by the stride of a sparse log, the loss EMAs kept at 5 records
     at least. Where the log's record-to-record noise would make the short loss EMA move by more
-    than a sixth of ``spike_nats`` (single-batch losses a few hundred steps apart), ``spike_nats``
+    than a sixth of ``spike_nats`` (single-batch losses a few hundred steps apart; the noise
+    measured before the first jump or non-finite value, ``spikes.quiet_noise``), ``spike_nats``
     and ``loss_onset_nats`` are raised to 6 standard errors of that EMA: a rise smaller than that
     cannot be told from noise in such a log (``Diagnosis.notes`` says so). Then ``overrides``
     (explicit flags) are applied.
@@ -83,17 +84,13 @@ def replay_config(log: MetricsLog, **overrides: Any) -> DetectorConfig:
                 cfg[name] = max(1, min(round(getattr(full, name) / log.stride), n // 4))
             for name in ("loss_ema_steps", "recovery_ema_steps"):
                 cfg[name] = max(cfg[name], min(_MIN_EMA_RECORDS, n // 4 or 1))
-        # a log from another trainer: a one-step blip of 1.4x, back the next step, is the
-        # ordinary noise of such logs (hand-labelled real logs, tests/data/reallogs), not a
-        # batch a person would have skipped: the loss-outlier rule needs half the level there
-        cfg["loss_min_rise"] = max(cfg["loss_min_rise"], _FOREIGN_LOSS_RISE)
         if run.get("vocab_size"):
             cfg["vocab_size"] = run["vocab_size"]
         if "loss" in log.columns and "spike_nats" not in overrides:
-            from .spikes import noise
+            from .spikes import quiet_noise
 
             span = cfg["recovery_ema_steps"]
-            nats = 6.0 * noise(log.columns["loss"]) / math.sqrt(2 * span - 1)
+            nats = 6.0 * quiet_noise(log) / math.sqrt(2 * span - 1)
             if nats > cfg["spike_nats"]:
                 scale = nats / cfg["spike_nats"]
                 cfg["spike_nats"] = round(nats, 3)
@@ -138,7 +135,9 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
     A missing loss or grad norm column is fed as a constant 1.0 (its rules stay silent), a
     missing log Z as NaN and a missing nan_frac as 0; a missing cell of the loss or grad norm
     as the last finite value before it (never a logged NaN or inf: a blank is not a fault). An
-    ``update_ratio`` column (the signals' reading) goes to the update-ratio rule.
+    ``update_ratio`` column (the signals' reading) goes to the update-ratio rule. The loss scale
+    is not fed: the records whose update the scaler skipped are left out before the replay
+    (``precision.analyse``), so a non-finite value here is never a scaler's overflow.
     """
     n = len(log)
     cols = log.columns
@@ -147,14 +146,12 @@ def replay(log: MetricsLog, config: DetectorConfig, *, trace: bool = False) -> R
     grad = _fed(log, "grad_norm").tolist() if "grad_norm" in cols else ones
     log_z = cols["log_z"].tolist() if "log_z" in cols else [math.nan] * n
     nf = np.nan_to_num(cols["nan_frac"], nan=0.0).tolist() if "nan_frac" in cols else [0.0] * n
-    scale = ([None if math.isnan(v) else v for v in cols["grad_scale"].tolist()]
-             if "grad_scale" in cols else None)
     update = SpikeDetector(config).update
     make = _step_metrics()
     cont = Action.CONTINUE
+    # no grad_scale: the scaler's skips are judged by ``precision`` and left out of the log
+    # replayed, so every non-finite value the detector sees is a failure (a NaN loss above all)
     columns: list[Any] = [log.steps.tolist(), loss, grad, log_z, nf]
-    if "grad_scale" in cols:
-        columns += [repeat(None), repeat(None), scale]
     metrics = map(make, *columns)  # C-level loops: no per-step unpacking
     if "update_ratio" in cols:  # the signals' reading (spikeguard's own logs): UpdateJump
         ratios = cols["update_ratio"].tolist()

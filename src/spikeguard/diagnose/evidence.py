@@ -6,12 +6,13 @@
   the walk may go back into the band's own window, as a slow drift starts there): where that
   excursion began is where the metric moved.
   An excursion counts only when it is large (2 x band_mads MADs) or lasts 5 records, so noise
-  touching a 3-MAD band does not. Equal steps are reported as a tie.
+  touching a 3-MAD band does not. Equal steps are reported as a tie. Only a move at or before
+  the event's first record is "moved first" (a metric that left its band later followed).
 * grad norm over its median, the log Z trend (least-squares slope per 1,000 steps over the window,
-  and the rise above the band's median), whether the loss rose (its peak more than
-  ``spike_nats`` above the level just before), the recovery time (steps until the smoothed loss
-  is back within ``spike_nats`` of that level; ``recovered`` is None when the loss never rose),
-  and the first non-finite value.
+  and the rise above the band's median), whether the loss rose (its peak above the median of the
+  logged values just before by more than max(spike_nats, 3 x their spread)), the recovery time
+  (steps until a logged value is back within that margin; ``recovered`` is None when the loss
+  never rose), and the first non-finite value.
 
 Only logged values are evidence: a missing cell is neither a move nor a NaN.
 """
@@ -25,7 +26,7 @@ import numpy as np
 
 from ._detector import DetectorConfig
 from .readers import MetricsLog
-from .spikes import FindConfig, level_records, records_for, smooth
+from .spikes import FindConfig, level_records, noise, records_for
 
 __all__ = ["MOVERS", "band", "evidence", "first_move"]
 
@@ -87,12 +88,55 @@ def _num(x: Any) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: DetectorConfig,
-             cfg: FindConfig, ratio: np.ndarray | None = None) -> dict[str, Any]:
+def _loss_evidence(log: MetricsLog, loss: np.ndarray, i0: int, i1: int, det: DetectorConfig,
+                   cfg: FindConfig) -> dict[str, Any]:
+    """The loss's part of the evidence, from logged values only.
+
+    The level before is the median of the logged finite losses of the records just before the
+    event (``level_records`` of them, the records of the event excluded); the noise is the robust
+    spread of those same records; the loss rose when its peak inside the event stands above that
+    level by more than max(spike_nats, 3 x noise); it is back at the first logged value after
+    the peak within that margin of the level (never a smoothed value).
+    """
+    ok = np.isfinite(loss) & ~log.missing.get("loss", np.zeros(len(loss), dtype=bool))
+    inside = np.flatnonzero(ok[i0: i1 + 1]) + i0
+    out: dict[str, Any] = {"loss_peak": float(loss[inside].max()) if len(inside) else None}
+    prior = np.flatnonzero(ok[:i0])[-level_records(cfg, log.stride):]
+    pre = float(np.median(loss[prior])) if len(prior) else math.nan
+    vals = loss[prior]
+    sigma = noise(vals) if len(vals) >= 5 else (
+        1.4826 * float(np.median(np.abs(vals - np.median(vals)))) if len(vals) >= 3 else 0.0)
+    margin = max(det.spike_nats, 3.0 * sigma)
+    out["pre_spike_loss"] = _num(pre)
+    out["pre_spike_loss_from"] = (
+        f"median of the {len(prior)} logged loss value(s) at steps {int(log.steps[prior[0]]):,}-"
+        f"{int(log.steps[prior[-1]]):,}" if len(prior) else "no logged loss before the event")
+    out["loss_noise"] = sigma
+    out["loss_noise_from"] = ("robust spread of those values" if len(vals) >= 3 else
+                              "fewer than 3 values before the event: not measured")
+    out["loss_margin"] = margin
+    rose = out["loss_peak"] is not None and math.isfinite(pre) and out["loss_peak"] > pre + margin
+    out["loss_rose"] = bool(rose)
+    rec = None
+    if rose:
+        peak = int(inside[int(np.argmax(loss[inside]))])
+        after = np.flatnonzero(ok[peak + 1:] & (loss[peak + 1:] <= pre + margin)) + peak + 1
+        if len(after):
+            rec = int(log.steps[after[0]] - log.steps[i0])
+    out["recovery_steps"] = rec
+    out["recovered"] = (rec is not None) if rose else None
+    return out
+
+
+def evidence(log: MetricsLog, i0: int, i1: int, *, det: DetectorConfig,
+             cfg: FindConfig, ratio: np.ndarray | None = None,
+             grad_median: np.ndarray | None = None) -> dict[str, Any]:
     """The evidence dict for the spike spanning records ``i0..i1`` (inclusive).
 
     ``ratio`` is the detector's own loss / EMA per record (from the replay), when known: its
-    peak in the spike is reported.
+    peak in the spike is reported; ``grad_median`` the detector's running grad-norm median per
+    record: the grad ratio is taken against it, so it agrees with the rule that fired. Every number is a logged value or names how it was derived
+    (``pre_spike_loss_from``, ``loss_noise_from``).
     """
     w = max(10, records_for(cfg.band_steps, log.stride))  # a band of 10 records at least
     s0 = max(0, i0 - w)            # the band: the band_steps before the spike's start; the
@@ -112,7 +156,8 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: Detect
         bands[m] = [_num(med), _num(mad)]
         k = first_move(x[s0: i1 + 1], i0 - s0, i1 - s0, med, mad, cfg.band_mads)
         exits[m] = None if k is None else int(steps[s0 + k])
-    moved = [m for m, s in exits.items() if s is not None]
+    # "moved first" dates what started the event: a move at or before its first record
+    moved = [m for m, s in exits.items() if s is not None and s <= int(steps[i0])]
     first = min((exits[m] for m in moved), default=None)
     ev: dict[str, Any] = {
         "moved_first": [m for m in moved if exits[m] == first],
@@ -126,10 +171,20 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: Detect
     g = log.columns.get("grad_norm")
     if g is not None:
         med = bands["grad_norm"][0]
-        peak = float(np.nanmax(np.where(np.isfinite(g[i0: i1 + 1]), g[i0: i1 + 1], np.nan))) \
-            if np.isfinite(g[i0: i1 + 1]).any() else math.nan
+        gw = np.where(np.isfinite(g[i0: i1 + 1]), g[i0: i1 + 1], np.nan)
+        at = i0 + int(np.nanargmax(gw)) if np.isfinite(gw).any() else None
+        peak = float(g[at]) if at is not None else math.nan
         ev["grad_norm_peak"] = _num(peak)
         ev["grad_median"] = med
+        ev["grad_median_from"] = "median of the band before the event"
+        # the detector's own running median at the peak, when the replay kept it: the ratio a
+        # "grad_norm > 3x median" reason was judged on
+        dmed = float(grad_median[at]) if grad_median is not None and at is not None else math.nan
+        if math.isfinite(dmed) and dmed > 0:
+            med = dmed
+            ev["grad_median"] = dmed
+            ev["grad_median_from"] = (f"the detector's running median at step "
+                                      f"{int(steps[at]):,} (the one its rule compared)")
         ev["grad_ratio"] = _num(peak / med) if med else None
     z = log.columns.get("log_z")
     if z is not None:
@@ -141,26 +196,7 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: Detect
         ev["log_z_rise"] = _num(zpeak - zmed) if zmed is not None else None
     loss = log.columns.get("loss")
     if loss is not None:
-        ok = np.isfinite(loss) & ~log.missing.get("loss", np.zeros(len(loss), dtype=bool))
-        inside = np.flatnonzero(ok[i0: i1 + 1]) + i0
-        ev["loss_peak"] = float(loss[inside].max()) if len(inside) else None
-        if not math.isfinite(pre_level):  # the level just before: it follows an early drop
-            prior = np.flatnonzero(ok[:i0])[-level_records(cfg, log.stride):]
-            pre_level = float(np.median(loss[prior])) if len(prior) else math.nan
-        ev["pre_spike_loss"] = _num(pre_level)
-        moved = (ev["loss_peak"] is not None and math.isfinite(pre_level)
-                 and ev["loss_peak"] > pre_level + det.spike_nats)
-        ev["loss_rose"] = bool(moved)
-        rec = None
-        if moved:  # steps from the start until the (smoothed, logged) loss is back near its level
-            after = np.flatnonzero(ok[i0:]) + i0
-            sm = smooth(loss[after])
-            peak = int(np.argmax(sm[: len(inside)])) if len(inside) else 0
-            back = np.flatnonzero(sm[peak:] <= pre_level + det.spike_nats)
-            if len(back):
-                rec = int(steps[after[peak + int(back[0])]] - steps[i0])
-        ev["recovery_steps"] = rec
-        ev["recovered"] = (rec is not None) if moved else None
+        ev.update(_loss_evidence(log, loss, i0, i1, det, cfg))
     bad = np.zeros(i1 - i0 + 1, dtype=bool)
     for m in ("loss", "grad_norm"):
         if m in log.columns:
@@ -168,6 +204,8 @@ def evidence(log: MetricsLog, i0: int, i1: int, *, pre_level: float, det: Detect
             bad |= ~np.isfinite(log.columns[m][i0: i1 + 1]) & logged
     if "nan_frac" in log.columns:
         bad |= log.columns["nan_frac"][i0: i1 + 1] > 0
+    if "nan_iters" in log.columns:
+        bad |= log.columns["nan_iters"][i0: i1 + 1] > 0
     ev["nan"] = bool(bad.any())
     ev["first_nonfinite_step"] = int(steps[i0 + int(np.argmax(bad))]) if bad.any() else None
     return ev

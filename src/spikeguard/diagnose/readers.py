@@ -18,6 +18,7 @@ import csv
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -29,11 +30,14 @@ import numpy as np
 from ._columns import METRICS, Column, assemble, choose, column_len, read_column
 from ._jsonl import read_jsonl as _read_jsonl
 from ._runlog import read_run_config, run_order
+from ._textlogs import TEXT_FORMATS, accepted_formats, read_text, sniff
 
-__all__ = ["FORMATS", "MetricsLog", "read_log", "read_quarantine"]
+__all__ = ["FORMATS", "MetricsLog", "read_log", "read_quarantine", "relaunch_chain", "subset"]
 
-FORMATS = ("auto", "jsonl", "hf", "lightning", "csv", "wandb", "tensorboard")
-"""Values of ``--format``."""
+FORMATS = ("auto", "jsonl", "hf", "lightning", "csv", "wandb", "tensorboard", *TEXT_FORMATS)
+"""Values of ``--format`` (the console formats of ``_textlogs`` are told by content)."""
+
+_SNIFF_LINES = 400  # a console log's format is told from this many leading lines
 
 
 
@@ -78,6 +82,68 @@ class MetricsLog:
         if len(self.steps) < 2:
             return 1
         return max(1, int(np.median(np.diff(self.steps))))
+
+
+_RELAUNCH = re.compile(r"^relaunch[-_]?(\d+)$")
+
+
+def relaunch_chain(path: Path) -> list[Path]:
+    """The metrics files of a run and its relaunches, oldest first: a rollback by relaunch
+    (OLMo-core's ``relaunch_config``) saves to ``relaunch1``, ``relaunch2``, ... beside or
+    inside the first run's folder, each with its own ``metrics.jsonl``. Given any one of them,
+    the whole chain up to the newest; ``[path]`` when there is none."""
+    folder = path.parent
+    base = folder.parent if _RELAUNCH.match(folder.name) else folder
+    first = base / path.name
+    if not first.is_file():
+        return [path]
+    found = []
+    for where in (base, base.parent):
+        for d in where.iterdir() if where.is_dir() else []:
+            m = _RELAUNCH.match(d.name)
+            if m and (d / path.name).is_file() and d != base:
+                found.append((int(m.group(1)), d / path.name))
+    if not found:
+        return [path]
+    return [first, *(p for _, p in sorted(set(found)))]
+
+
+def _read_history(found: Path, mapping: dict[str, str], warnings: list[str], json_loads: Any,
+                  events: list[tuple[int, dict[str, Any]]]) -> tuple[dict[str, Column], Path]:
+    """A spikeguard log's raw columns, its relaunches joined (``relaunch_chain``), and the
+    path of the first run's file."""
+    chain = relaunch_chain(found)
+    if len(chain) == 1:
+        return _read_jsonl(found, mapping, warnings, loads=json_loads, events=events), found
+    joined = _joined(chain, warnings)
+    try:
+        return _read_jsonl(joined, mapping, warnings, loads=json_loads, events=events), chain[0]
+    finally:
+        joined.unlink()
+
+
+def _joined(chain: list[Path], warnings: list[str]) -> Path:
+    """One temporary file holding the records of ``chain`` in order (the caller removes it; a
+    relaunch's records of the steps it replays win, as a resumed run's do)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=".joined-", suffix=".jsonl")
+    with os.fdopen(fd, "wb") as out:
+        for p in chain:
+            data = p.read_bytes()
+            out.write(data if data.endswith(b"\n") or not data else data + b"\n")
+    warnings.append("joined a run and its relaunches into one history: " + ", ".join(
+        str(p.parent.name or p) for p in chain))
+    return Path(tmp)
+
+
+def subset(log: MetricsLog, keep: np.ndarray) -> MetricsLog:
+    """The records of ``log`` where ``keep`` is True (the warnings list is shared)."""
+    return MetricsLog(log.path, log.format, log.steps[keep],
+                      {k: v[keep] for k, v in log.columns.items()}, log.warnings,
+                      {k: v[keep] for k, v in log.recorded.items()},
+                      {k: v[keep] for k, v in log.missing.items()}, log.events, log.replays,
+                      log.run_config)
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes, bool]]:
@@ -176,8 +242,13 @@ def _find(path: Path) -> tuple[Path, str]:
         if "epoch" in head and "step" in head:
             return path, "lightning"
         return path, "csv"
-    raise ValueError(f"{path}: cannot tell the format from the name; pass --format one of "
-                     f"{', '.join(FORMATS[1:])}")
+    with open(path, errors="replace") as f:
+        lines = [line for _, line in zip(range(_SNIFF_LINES), f)]
+    fmt = sniff(lines)
+    if fmt is None:
+        raise ValueError(f"{path}: not a format diagnose reads (it reads {accepted_formats()}); "
+                         "pass --format, or export the metrics as a CSV")
+    return path, fmt
 
 
 def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
@@ -200,7 +271,7 @@ def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
     events: list[tuple[int, dict[str, Any]]] = []
     replays: list[dict[str, Any]] = []
     if fmt == "jsonl":
-        raw = _read_jsonl(found, mapping, warnings, loads=json_loads, events=events)
+        raw, found = _read_history(found, mapping, warnings, json_loads, events)
         for k in ("tier", "action"):
             col = raw.pop(k)
             if not col[1].all():
@@ -213,6 +284,8 @@ def read_log(path: str | os.PathLike[str], *, fmt: str = "auto",
         raw = _read_hf(found)
     elif fmt == "tensorboard":
         raw = _read_tensorboard(found)
+    elif fmt in TEXT_FORMATS:
+        raw = read_text(found, fmt, warnings)
     else:
         raw = _read_csv(found, warnings)
     if not raw or not column_len(next(iter(raw.values()))):

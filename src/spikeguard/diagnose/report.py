@@ -73,7 +73,10 @@ def whatif_rows(diag: Diagnosis) -> tuple[list[str], list[list[str]]]:
                                                for _, w in cols]],
             ["rolled back (step -> checkpoint)", *[_rollbacks(w["rollback"]) for _, w in cols]],
             ["halted", *[_steps(w["halt"]) for _, w in cols]],
-            ["alerts", *[str(w["alerts"]) for _, w in cols]]]
+            ["alerts", *[str(w["alerts"]) for _, w in cols]],
+            ["updates the fp16 loss scaler skipped",
+             *["-" if w.get("scaler_skips") is None else f"{w['scaler_skips']:,}"
+               for _, w in cols]]]
     return header, rows
 
 
@@ -238,6 +241,8 @@ def write_report(diag: Diagnosis, path: str | os.PathLike[str]) -> Path:
     if suffix not in (".html", ".htm", ".md"):
         raise ValueError(f"--report {p}: the name must end in .html or .md")
     try:
+        import matplotlib  # noqa: F401  (the plot extra; _plots imports it only when drawing)
+
         from ._plots import figures
     except ImportError as exc:
         raise ImportError("the report's plots need matplotlib: pip install "

@@ -34,7 +34,7 @@ from ._detector import DetectorConfig
 from .readers import MetricsLog
 
 __all__ = ["FindConfig", "Found", "find_spikes", "level_records", "levels", "noise", "prior_median",
-           "prior_min", "records_for", "smooth", "spike_threshold"]
+           "prior_min", "quiet_noise", "records_for", "smooth", "spike_threshold"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -109,14 +109,6 @@ def smooth(x: np.ndarray, k: int = 2) -> np.ndarray:
     return np.median(sliding_window_view(np.pad(x, k, mode="edge"), 2 * k + 1), axis=1)
 
 
-def trailing_mean(x: np.ndarray, w: int) -> np.ndarray:
-    """Mean of x[max(0, t-w+1) .. t] for every t."""
-    c = np.cumsum(np.r_[0.0, x])
-    t = np.arange(1, len(x) + 1)
-    lo = np.maximum(0, t - w)
-    return (c[t] - c[lo]) / (t - lo)
-
-
 def prior_min(x: np.ndarray, w: int) -> np.ndarray:
     """min(x[max(0, t-w) .. t-1]) for every t (+inf at t = 0): O(n), van Herk / Gil-Werman."""
     n = len(x)
@@ -170,6 +162,33 @@ def noise(x: np.ndarray, ok: np.ndarray | None = None) -> float:
     return 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
 
 
+def quiet_noise(log: MetricsLog, cfg: FindConfig | None = None) -> float:
+    """``noise`` of the loss measured outside the events: over the records before the first
+    jump, blow-up or non-finite value (a first pass of ``_jumps`` with the default detector),
+    when at least 6 records precede it; else over the whole log. Kept on the log: the replay's
+    configuration and the search both ask."""
+    cached = log.__dict__.get("_quiet_noise")
+    if cached is not None:
+        return cached
+    value = _quiet_noise(log, cfg)
+    log.__dict__["_quiet_noise"] = value
+    return value
+
+
+def _quiet_noise(log: MetricsLog, cfg: FindConfig | None) -> float:
+    s = _series(log)
+    if s is None:
+        return noise(log.columns["loss"]) if "loss" in log.columns else 0.0
+    lf, sm, ok = s
+    sigma = noise(lf, ok)
+    found = _jumps(log, DetectorConfig(), cfg or FindConfig(), (lf, sm, ok, sigma))
+    logged_bad = ~np.isfinite(log.columns["loss"]) & ~log.missing.get(
+        "loss", np.zeros(len(lf), dtype=bool))
+    first = min([f.i0 for f in found] + [int(np.argmax(logged_bad)) if logged_bad.any()
+                                         else len(lf)])
+    return noise(lf[:first], ok[:first]) if first >= 6 and first < len(lf) else sigma
+
+
 def level_records(cfg: FindConfig, stride: int) -> int:
     """Records in a level (the median-like mean before or after a step): ``persist_steps`` of
     them, at least 3 (on a sparse log a level of one record is one batch)."""
@@ -177,7 +196,14 @@ def level_records(cfg: FindConfig, stride: int) -> int:
 
 
 def _series(log: MetricsLog) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(finite-filled loss, its 5-record median, the present-and-finite mask), or None."""
+    """(finite-filled loss, its 5-record median, the present-and-finite mask), or None; kept on
+    the log after the first call."""
+    if "_series" not in log.__dict__:
+        log.__dict__["_series"] = _make_series(log)
+    return log.__dict__["_series"]
+
+
+def _make_series(log: MetricsLog) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     loss = log.columns.get("loss")
     if loss is None or len(loss) < 4:
         return None
@@ -191,20 +217,23 @@ def _series(log: MetricsLog) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None
 def levels(lf: np.ndarray, sm: np.ndarray, n: int, sigma: float, ok: np.ndarray
            ) -> tuple[np.ndarray, np.ndarray]:
     """(level before t, level from t on): means over the logged finite values among the ``n``
-    records before t and from t (NaN where fewer than half of them are), of the loss with
+    records before t and from t (NaN where fewer than half of them are; before t, an eighth of
+    the log's records suffice on a short log), of the loss with
     single-record highs capped at its 5-record median + 3 sigma (so one bad batch moves
     neither; a real rise moves the median, and so the cap, with it)."""
     xw = np.where(ok, np.minimum(lf, sm + 3.0 * sigma), 0.0)
     c = np.r_[0.0, np.cumsum(xw)]
     k = np.r_[0, np.cumsum(ok)]
     idx = np.arange(len(xw))
-    need = max(1, n // 2)
+    # a log shorter than two levels (a handful of pasted rows) takes what it has: the shift
+    # must then be confirmed by the records after it (``_jumps``: the median of those ahead)
+    need = max(1, min(n // 2, int(k[-1]) // 8))
     lo = np.maximum(0, idx - n)
     cnt = k[idx] - k[lo]
     before = np.where(cnt >= need, (c[idx] - c[lo]) / np.maximum(1, cnt), np.nan)
     hi = np.minimum(len(xw), idx + n)
     cnt = k[hi] - k[idx]
-    after = np.where(cnt >= need, (c[hi] - c[idx]) / np.maximum(1, cnt), np.nan)
+    after = np.where(cnt >= max(1, n // 2), (c[hi] - c[idx]) / np.maximum(1, cnt), np.nan)
     return before, after
 
 
@@ -306,6 +335,8 @@ def _outliers(log: MetricsLog, det: DetectorConfig, cfg: FindConfig,
             bad |= ~np.isfinite(log.columns[m]) & logged
     if "nan_frac" in log.columns:
         bad |= log.columns["nan_frac"] > 0  # NaN (a missing cell) compares False
+    if "nan_iters" in log.columns:  # the trainer's own count of NaN iterations (Megatron)
+        bad |= log.columns["nan_iters"] > 0
     flags["nonfinite"] = bad
     g = log.columns.get("grad_norm")
     if g is not None:
@@ -333,7 +364,7 @@ def find_spikes(log: MetricsLog, detector: DetectorConfig | None = None,
     det = detector or DetectorConfig()
     cfg = config or FindConfig()
     s = _series(log)
-    series = None if s is None else (*s, noise(s[0], s[2]))
+    series = None if s is None else (*s, quiet_noise(log, cfg))
     found = sorted(_persistent(log, det, cfg, series) + _jumps(log, det, cfg, series)
                    + _outliers(log, det, cfg, series), key=lambda f: f.i0)
     merged: list[Found] = []

@@ -5,6 +5,7 @@ on its way to the framework's logger, and the halt report on disk."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from ..guard import Guard, GuardConfig, GuardedOptimizer, TrainingHalted
 from ..sinks import JsonlSink, encode_record
 
 __all__ = ["METRICS", "GuardParts", "HeldScheduler", "RecordSink", "build_guard",
-           "logger_metrics", "write_report"]
+           "logger_metrics", "write_report", "write_run_config"]
 
 METRICS = ("loss", "grad_norm", "log_z", "loss_ema_ratio", "nan_frac")
 """The five health metrics that reach the framework's logger, as ``spikeguard/<name>``."""
@@ -148,3 +149,21 @@ def write_report(halt: TrainingHalted, folder: str | Path) -> Path | None:
     path.write_text(encode_record(halt.report.to_dict()) + "\n")
     (folder / "report.txt").write_text(str(halt.report) + "\n")
     return path
+
+
+def write_run_config(folder: str | Path, guard: GuardConfig, *, framework: str,
+                     extra: dict[str, Any]) -> None:
+    """``config.json`` in ``folder`` (rank 0), in the shape ``spikeguard train`` writes, so that
+    ``spikeguard diagnose`` replays the thresholds the run used: ``config.guard`` (the whole
+    GuardConfig), ``config.framework``, the run's settings in ``extra`` (``precision``,
+    ``z_loss``, ``vocab_size``, ``ckpt_every``, ``steps``...) under ``config`` (z-loss and
+    vocabulary also where ``spikeguard train`` puts them, ``config.gpt``) and ``precision`` at
+    the top."""
+    if _dist.rank() != 0:
+        return
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {**extra, "guard": dataclasses.asdict(guard), "framework": framework,
+           "gpt": {"z_loss": extra.get("z_loss"), "vocab_size": extra.get("vocab_size")}}
+    doc = {"config": cfg, "precision": extra.get("precision"), "framework": framework}
+    (folder / "config.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")

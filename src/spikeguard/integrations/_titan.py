@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointInfo
+from ..checkpoint import CheckpointInfo, retention
+from ._incidents import Incident
 
 __all__ = ["JsonState", "OptimizersView", "TitanBatches", "TitanCheckpoints", "scaled_lr"]
 
@@ -218,6 +219,9 @@ class TitanCheckpoints:
     written exactly where torchtitan would write it, by torchtitan. The guard's state, the data
     position and which checkpoints saw an alert go into the same checkpoint as Statefuls.
     ``on_restore(step)`` runs after each load (the trainer starts a new data iterator).
+    Retention is spikeguard's rule at torchtitan's ``keep_latest_k`` (0 keeps all): the healthy
+    checkpoints before an open incident are kept apart; a replay's checkpoint of a step written
+    before moves the first one into ``superseded/`` (checkpoint/retention.py).
     """
 
     def __init__(self, checkpointer: Any, config: Any, *, steps: int, defer: bool,
@@ -227,8 +231,14 @@ class TitanCheckpoints:
         self.folder = Path(checkpointer.folder)
         self.alerts: dict[int, list[str]] = {}
         """The guard's step of each checkpoint saved -> the alerts raised in its window."""
+        self.incidents: list[Incident] = []
+        """The rollbacks so far (the recurring-fault rule; kept across restores)."""
         self.pending: int | None = None
         """The guard's step of a checkpoint asked for and not yet written (``commit``)."""
+        # retention is spikeguard's (checkpoint/retention.py): torchtitan's keep_latest_k would
+        # delete the healthy checkpoints before an incident while its own ones pile up
+        self.keep = int(getattr(checkpointer, "keep_latest_k", 0) or 0)
+        checkpointer.keep_latest_k = 0
         self.register(checkpoints=self)
 
     def register(self, **states: Any) -> None:
@@ -264,7 +274,7 @@ class TitanCheckpoints:
             return
         data = snapshot.get("data") if snapshot else None
         if data is None or "loader" not in data:
-            self.checkpointer.save(step + 1, last_step=step + 1 == self.steps)
+            self._write(step)
             return
         states = self.checkpointer.states
         frozen = {"dataloader": pickle.loads(base64.b64decode(data["loader"])),
@@ -273,9 +283,32 @@ class TitanCheckpoints:
         live = {name: states[name] for name in frozen}
         states.update({name: _Frozen(state) for name, state in frozen.items()})
         try:
-            self.checkpointer.save(step + 1, last_step=step + 1 == self.steps)
+            self._write(step)
         finally:
             states.update(live)
+
+    def _write(self, step: int) -> None:
+        """torchtitan writes the checkpoint of the guard's ``step``; one of that step written
+        before a rollback is set aside first (``superseded/``), never overwritten; then
+        retention."""
+        import torch.distributed as dist
+
+        path = self.folder / f"step-{step + 1}"
+        exists = path.exists()
+        if dist.is_initialized():
+            dist.barrier()  # every rank has looked before rank 0 moves it
+        if exists:
+            self.checkpointer.maybe_wait_for_saving()
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                retention.set_aside(path)
+            if dist.is_initialized():
+                dist.barrier()  # moved before any rank writes into the folder
+        self.checkpointer.save(step + 1, last_step=step + 1 == self.steps)
+        if self.keep and (not dist.is_initialized() or dist.get_rank() == 0):
+            import shutil
+
+            for c in retention.stale(self.list(), self.keep):
+                shutil.rmtree(c.path, ignore_errors=True)
 
     def commit(self) -> None:
         """Write the checkpoint ``save`` asked for, now that the trainer applied (or withheld)
@@ -284,7 +317,7 @@ class TitanCheckpoints:
         if self.pending is None:
             return
         step, self.pending = self.pending, None
-        self.checkpointer.save(step + 1, last_step=step + 1 == self.steps)
+        self._write(step)
 
     def list(self) -> list[CheckpointInfo]:
         """The committed checkpoints in torchtitan's folder (a DCP ``.metadata`` present),
@@ -323,9 +356,13 @@ class TitanCheckpoints:
         self.checkpointer.maybe_wait_for_saving()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"alerts": {str(k): v for k, v in self.alerts.items()}}
+        return {"alerts": {str(k): v for k, v in self.alerts.items()},
+                "incidents": [i.to_dict() for i in self.incidents]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         loaded = {int(k): list(v) for k, v in state["alerts"].items()}
         # a rollback loads an older list: what this run learned since stays
         self.alerts = {**loaded, **self.alerts}
+        incidents = [Incident.from_dict(i) for i in state.get("incidents", [])]
+        if len(incidents) > len(self.incidents):  # a resume; a rollback's list is older
+            self.incidents = incidents

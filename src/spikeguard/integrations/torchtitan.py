@@ -26,6 +26,7 @@ torchtitan is imported with this module (its classes are subclassed here), not w
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -46,10 +47,33 @@ from torchtitan.trainer import Trainer
 from ..guard import Guard, GuardConfig, TrainingHalted
 from ..prevent.losses import LossOutput, cross_entropy
 from ..sinks import JsonlSink
-from ._common import RecordSink, write_report
+from ._common import RecordSink, write_report, write_run_config
+from ._incidents import Incident, recurring, recurring_report
 from ._titan import OptimizersView, TitanBatches, TitanCheckpoints, scaled_lr
 
-__all__ = ["GuardedTrainer", "SpikeguardLoss", "guarded"]
+__all__ = ["GuardedTrainer", "SpikeguardLoss", "TitanSteps", "guarded"]
+
+log = logging.getLogger("spikeguard")
+
+
+class TitanSteps:
+    """A sink in front of another: each record also says torchtitan's step (1-based, its
+    console's and its checkpoint folders' numbering) beside the guard's 0-based ``step``:
+    ``titan_step``, and on a rollback ``titan_rollback_to`` (the folder ``step-N`` restored)."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        record = dict(record, titan_step=int(record["step"]) + 1)
+        if record.get("rollback_to") is not None:
+            record["titan_rollback_to"] = int(record["rollback_to"]) + 1
+        self.sink.log(record, step)
+
+    def __getattr__(self, name: str) -> Any:  # resume, resume_at_step, close, disabled...
+        if name == "sink":
+            raise AttributeError(name)
+        return getattr(self.sink, name)
 
 
 class SpikeguardLoss(BaseLoss):
@@ -147,9 +171,16 @@ class GuardedTrainer(Trainer):
                            scheduler=self.lr_schedulers if self.read_lag else None,
                            checkpoints=checkpoints, data=self.batches,
                            sinks=[self.guard_records,
-                                  JsonlSink(Path(config.dump_folder) / "metrics.jsonl"),
+                                  TitanSteps(JsonlSink(Path(config.dump_folder) /
+                                                       "metrics.jsonl")),
                                   *(sinks or [])],
                            pp_group=pp_mesh.get_group() if pp_mesh is not None else None)
+        self._rollbacks_seen = 0
+        write_run_config(config.dump_folder, guard_cfg, framework="torchtitan", extra={
+            "precision": config.training.mixed_precision_param,
+            "z_loss": config.loss.z_loss, "ckpt_every": config.checkpoint.interval
+            if config.checkpoint.enable else None, "steps": config.training.steps,
+            "step_numbering": "guard step s is torchtitan's step s + 1 (folder step-{s + 1})"})
 
     def _restored(self, step: int) -> None:
         """After a checkpoint load: torchtitan's step is the guard's (1-based)."""
@@ -220,6 +251,30 @@ class GuardedTrainer(Trainer):
             if self.guard.checkpoints is not None:  # the save decide() asked for, now
                 self.guard.checkpoints.commit()
         self._log(lr_metrics)
+        self._check_recurring()
+
+    def _check_recurring(self) -> None:
+        """After a rollback: a Tier 2 that came back before the replay was back where the last
+        one was detected is not the data; halt (``TrainingHalted``) instead of rolling back
+        again (integrations/_incidents.py)."""
+        ck = self.guard.checkpoints
+        if ck is None or self.guard.rollbacks == self._rollbacks_seen:
+            return
+        self._rollbacks_seen = self.guard.rollbacks
+        record = self.guard_records.last or {}
+        if record.get("action") != "rollback":
+            return
+        detection, restored = int(record["step"]), int(record["rollback_to"])
+        summary = record.get("summary") or {}
+        onset = int(summary.get("onset_step", detection))
+        log.warning("spikeguard: rolled back to torchtitan's step-%d (the guard's step %d) at "
+                    "torchtitan's step %d", restored + 1, restored, detection + 1)
+        last = recurring(ck.incidents, onset)
+        if last is not None:
+            raise TrainingHalted(recurring_report(
+                detection, onset, last, record.get("reasons") or (), summary=summary,
+                numbering=f" (torchtitan's step {onset + 1})"))
+        ck.incidents.append(Incident(onset=onset, detection=detection, restored=restored))
 
     def _log(self, lr_metrics: dict[str, Any]) -> None:
         """The newest record to torchtitan's metrics (its loggers), at torchtitan's step."""
@@ -264,6 +319,9 @@ class GuardedTrainer(Trainer):
                             parallel_dims=self.parallel_dims)
             except TrainingHalted as halt:
                 write_report(halt, config.dump_folder)
+                log.error("spikeguard: halted at torchtitan's step %d (the guard's step %d); "
+                          "report.txt in %s", halt.report.step + 1, halt.report.step,
+                          config.dump_folder)
                 raise
             finally:
                 self.guard.close()

@@ -54,47 +54,75 @@ default: the hidden gradients shrink with width, so at very large widths it shou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from .._validate import check_int, check_positive
-
-if TYPE_CHECKING:  # prevent/ sits below model.py in the package's layers: no run-time import
-    from ..model import GPT
+from .layout import find_attention
 
 __all__ = ["mup_param_groups", "mup_roles"]
 
 
-def _unwrap(model: nn.Module) -> GPT:
-    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-    # the reference GPT by its shape (model.py imports prevent/, not the other way round)
-    if not all(hasattr(inner, a) for a in ("cfg", "blocks", "wte", "wpe", "lm_head")) \
-            or not hasattr(inner.cfg, "mup_base_width"):
-        raise ValueError(f"mup_param_groups needs the reference GPT, got {type(model).__name__}; "
-                         "build it with GPT(GPTConfig(init='mup', tie_embeddings=False))")
-    if inner.cfg.init != "mup":
-        raise ValueError(f"mup_param_groups needs a GPT built with GPTConfig.init='mup', got "
-                         f"init={inner.cfg.init!r}: muP's init and output multiplier are half of "
-                         "it; set init='mup' and tie_embeddings=False")
-    return inner
+def _width_and_base(model: nn.Module, base_width: int | None) -> tuple[int, int]:
+    """(d_model, base width) of ``model``: the reference GPT's config (built with init='mup'),
+    or, for any other model, the width its attention layout gives (spikeguard.prevent.layout)
+    and the ``base_width`` the caller passes."""
+    cfg = getattr(model, "cfg", None)
+    if hasattr(cfg, "mup_base_width"):  # the reference GPT (model.py sits above prevent/)
+        if cfg.init != "mup":
+            raise ValueError(f"mup_param_groups needs a GPT built with GPTConfig.init='mup', got "
+                             f"init={cfg.init!r}: muP's init and output multiplier are half of "
+                             "it; set init='mup' and tie_embeddings=False")
+        if base_width is not None:
+            check_int(base_width, "mup_param_groups base_width")
+            if base_width != cfg.mup_base_width:
+                raise ValueError(f"mup_param_groups base_width={base_width} differs from the "
+                                 f"model's GPTConfig.mup_base_width={cfg.mup_base_width}, which "
+                                 "set its init and output multiplier; set "
+                                 "GPTConfig.mup_base_width and omit base_width")
+        return cfg.d_model, cfg.mup_base_width
+    name = type(model).__name__
+    widths = {f.layout().d_model for f in find_attention(model)}
+    if len(widths) != 1:
+        found = f"widths {sorted(widths)}" if widths else "no attention"
+        raise ValueError(f"mup_param_groups found {found} in {name}, so it cannot tell the "
+                         "model's width: use the reference GPT (GPT(GPTConfig(init='mup', "
+                         "tie_embeddings=False))) or give the model's layers an "
+                         "attention_layout() (spikeguard.prevent.layout)")
+    if base_width is None:
+        raise ValueError(f"mup_param_groups on {name} needs base_width= (the width the learning "
+                         "rate was tuned at); the model's own init and output multiplier must "
+                         "follow muP too (module docstring)")
+    check_int(base_width, "mup_param_groups base_width")
+    return widths.pop(), base_width
+
+
+def _output_weight(model: nn.Module) -> nn.Parameter | None:
+    """The untied output layer's weight: Hugging Face's get_output_embeddings(), else lm_head."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else getattr(model, "lm_head", None)
+    return getattr(head, "weight", None)
 
 
 def mup_roles(model: nn.Module) -> dict[str, str]:
     """Each parameter's muP role by name: ``input``, ``hidden``, ``output`` or ``vector``.
 
-    ``hidden`` is every matrix inside the blocks (both dims grow with the width); ``input`` the
-    embeddings; ``output`` the untied output layer; ``vector`` the rest (norm gains, biases)."""
-    gpt = _unwrap(model)
-    hidden = {id(m.weight) for m in gpt.blocks.modules() if isinstance(m, nn.Linear)}
-    inputs = {id(e.weight) for e in (gpt.wte, gpt.wpe) if e is not None}
-    output = {id(gpt.lm_head.weight)} if gpt.lm_head is not None else set()
+    ``input`` the embeddings (every ``nn.Embedding``); ``output`` the untied output layer;
+    ``hidden`` every other matrix (both dims grow with the width); ``vector`` the rest (norm
+    gains, biases)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    inputs = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    out = _output_weight(model)
+    output = set() if out is None else {id(out)}
+    if output & inputs:
+        raise ValueError(f"mup_param_groups needs an untied output layer; {type(model).__name__} "
+                         "shares it with the input embedding (tie_embeddings=False)")
     roles = {}
-    for name, p in gpt.named_parameters():
+    for name, p in model.named_parameters():
         key = id(p)
-        roles[name] = ("hidden" if key in hidden else "input" if key in inputs
-                       else "output" if key in output else "vector")
-        assert roles[name] != "vector" or p.dim() < 2, f"unclassified matrix {name}"
+        roles[name] = ("input" if key in inputs else "output" if key in output
+                       else "hidden" if p.dim() >= 2 else "vector")
     return roles
 
 
@@ -102,30 +130,28 @@ def mup_param_groups(model: nn.Module, *, lr: float, weight_decay: float,
                      base_width: int | None = None) -> list[dict[str, Any]]:
     """AdamW parameter groups with muP's per-layer learning rates (table in the module doc).
 
-    ``model`` is a GPT built with ``init="mup"``. Returns one group per role present, each a dict
-    with ``params``, ``lr``, ``weight_decay`` and ``name`` (the role): hidden matrices get
+    ``model`` is a GPT built with ``init="mup"``, or any model whose attention
+    :func:`spikeguard.prevent.layout.find_attention` reads (its width, ``d_model``, comes from
+    there; its init and output multiplier must follow the table above, which only the reference
+    GPT does for you). Returns one group per role present (:func:`mup_roles`), each a dict with
+    ``params``, ``lr``, ``weight_decay`` and ``name`` (the role): hidden matrices get
     ``lr * base_width / d_model``, every other parameter ``lr``. ``base_width`` defaults to the
-    model's ``cfg.mup_base_width``, which also set its init and output multiplier; passing a
-    different one is an error. Use as ``torch.optim.AdamW(mup_param_groups(model, lr=3e-3,
-    weight_decay=0.1))``; a LambdaLR schedule scales every group by the same factor."""
-    gpt = _unwrap(model)
+    GPT's ``cfg.mup_base_width``, which also set its init and output multiplier (passing a
+    different one is an error); any other model must pass it. Use as
+    ``torch.optim.AdamW(mup_param_groups(model, lr=3e-3, weight_decay=0.1))``; a LambdaLR
+    schedule scales every group by the same factor."""
+    model = getattr(model, "_orig_mod", model)
+    width, base = _width_and_base(model, base_width)
     check_positive(lr, "mup_param_groups lr", hint="the learning rate tuned at the base width")
     if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) \
             or not 0.0 <= weight_decay < float("inf"):
         raise ValueError(f"mup_param_groups weight_decay={weight_decay!r} must be a finite "
                          "number >= 0 (0.1 is usual)")
-    cfg_base = gpt.cfg.mup_base_width
-    if base_width is not None:
-        check_int(base_width, "mup_param_groups base_width")
-        if base_width != cfg_base:
-            raise ValueError(f"mup_param_groups base_width={base_width} differs from the model's "
-                             f"GPTConfig.mup_base_width={cfg_base}, which set its init and output "
-                             "multiplier; set GPTConfig.mup_base_width and omit base_width")
-    lrs = {"input": lr, "hidden": lr * cfg_base / gpt.cfg.d_model, "output": lr, "vector": lr}
-    roles = mup_roles(gpt)
+    lrs = {"input": lr, "hidden": lr * base / width, "output": lr, "vector": lr}
+    roles = mup_roles(model)
     groups = []
     for role, role_lr in lrs.items():
-        params = [p for name, p in gpt.named_parameters() if roles[name] == role]
+        params = [p for name, p in model.named_parameters() if roles[name] == role]
         if params:
             groups.append({"params": params, "lr": role_lr, "weight_decay": float(weight_decay),
                            "name": role})
