@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-import spikeguard as sg
 from spikeguard import cli
 from spikeguard.guard.summary import History, tier2_summary
 from spikeguard.oncall import OnCallConfig, Pager
 from spikeguard.oncall.pager import PageEvent
 from spikeguard.oncall.settings import parse_setting
+from spikeguard.sinks import read_metrics
 from tests._oncall_hook import closed_port, hook
 from tests.conftest import ROOT
 
@@ -51,7 +51,7 @@ def _stop_when(proc, out, done, timeout=300.0):
     end = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < end:
         try:
-            if done(sg.read_metrics(out / "metrics.jsonl")):
+            if done(read_metrics(out / "metrics.jsonl")):
                 proc.send_signal(signal.SIGINT)
                 break
         except (OSError, ValueError):
@@ -172,7 +172,7 @@ def test_the_drift_scenario_paged_refused_answered_rolled_back_with_z_loss(tmp_p
     resolve = posts[1]["body"]
     assert resolve == {"routing_key": SECRET, "event_action": "resolve",
                        "dedup_key": body["dedup_key"]}
-    records = sg.read_metrics(out / "metrics.jsonl")
+    records = read_metrics(out / "metrics.jsonl")
     noted = [r for r in records if "oncall" in r]
     assert len(noted) == 1  # the refused answers never reached the run
     note = noted[0]["oncall"]
@@ -229,7 +229,7 @@ def test_the_server_down_for_the_whole_run_and_no_answer_the_default_applies(tmp
     incident = json.loads((out / "oncall" / "incident.json").read_text())
     assert incident["pages"]["unsent"] >= 1
     assert incident["decision"]["by"] == "timeout" and incident["decision"]["decision"] == "rollback"
-    noted = [r for r in sg.read_metrics(out / "metrics.jsonl") if "oncall" in r]
+    noted = [r for r in read_metrics(out / "metrics.jsonl") if "oncall" in r]
     assert [r["oncall"]["by"] for r in noted] == ["timeout"]
     assert noted[0]["oncall"]["rollback_to"] == trigger["page"]["summary"]["rollback_checkpoint"]
     assert noted[0]["oncall"]["waited_s"] >= 1.0

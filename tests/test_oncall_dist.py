@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import spikeguard as sg
 from spikeguard import cli
+from spikeguard.sinks import read_metrics
 from tests._oncall_hook import hook
 from tests.conftest import ROOT
 from tests.test_oncall import DRIFT, TINY
@@ -43,6 +43,6 @@ def test_two_ranks_apply_one_answer_alike(tmp_path, sub_env, capsys):
     assert ranks[0]["rollbacks"] == ranks[1]["rollbacks"] == 1  # only an answer rolls back here
     for key in ("steps", "applied", "skipped", "made_up"):
         assert ranks[0][key] == ranks[1][key], key
-    noted = [r for r in sg.read_metrics(out / "metrics.jsonl") if "oncall" in r]
+    noted = [r for r in read_metrics(out / "metrics.jsonl") if "oncall" in r]
     assert [r["oncall"]["rollback_to"] for r in noted] == [to]
     assert json.loads((out / "config.json").read_text())["config"]["gpt"]["z_loss"] == 1e-4
