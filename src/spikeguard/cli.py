@@ -226,7 +226,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_sandbox)
 
     _add_diagnose(sub)
+    _add_oncall(sub)
     return parser
+
+
+def _add_oncall(sub: argparse._SubParsersAction) -> None:
+    from .oncall import respond, watch
+
+    p = sub.add_parser("respond", help="answer a running job's Tier 2 page: rollback, continue, "
+                       "halt", description="Answer the open incident of a run started with "
+                       "--tier2 ask: the run applies the answer at its next step boundary, the same "
+                       "on every rank. A bad answer is refused (exit status 2), nothing written.")
+    respond.add_arguments(p)
+    p.set_defaults(func=respond.run)
+    p = sub.add_parser("watch", help="a run's live state and its incident, with the answers as "
+                       "buttons, on 127.0.0.1 only")
+    watch.add_arguments(p)
+    p.set_defaults(func=watch.run)
 
 
 def main(argv: list[str] | None = None) -> int:

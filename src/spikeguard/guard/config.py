@@ -26,8 +26,9 @@ class GuardConfig:
     """Clip the global gradient norm to this value; None turns clipping off (never 0 or < 0)."""
     clipping: ClipConfig = field(default_factory=ClipConfig)
     """The adaptive clipping rule (--clip-mode) beside the fixed threshold, which stays a ceiling."""
-    tier2: Literal["alert", "rollback"] = "alert"
-    """Tier 2: alert (page with a summary and go on) or rollback (needs checkpoints)."""
+    tier2: Literal["alert", "rollback", "ask"] = "alert"
+    """Tier 2: alert (page with a summary and go on), rollback (needs checkpoints) or ask (page a
+    person and apply their answer: Guard(oncall=...), docs/on-call.md)."""
     max_rollbacks: int = 3
     """Rollbacks (and reconfigured resumes) allowed in one run; the next one halts instead."""
     rollback_lr_scale: float = 0.5
@@ -61,8 +62,9 @@ class GuardConfig:
         if self.clip is not None:
             check_positive(self.clip, "GuardConfig.clip", default=1.0,
                            hint="None turns clipping off; a negative value would ascend")
-        if self.tier2 not in ("alert", "rollback"):
-            raise ValueError(f"GuardConfig.tier2={self.tier2!r} must be 'alert' or 'rollback'")
+        if self.tier2 not in ("alert", "rollback", "ask"):
+            raise ValueError(f"GuardConfig.tier2={self.tier2!r} must be 'alert', 'rollback' or "
+                             "'ask'")
         check_int(self.max_rollbacks, "GuardConfig.max_rollbacks", minimum=0, default=3)
         check_int(self.reference_age, "GuardConfig.reference_age", minimum=1, default=16)
         check_positive(self.rollback_lr_scale, "GuardConfig.rollback_lr_scale", default=0.5)

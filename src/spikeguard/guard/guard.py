@@ -52,6 +52,7 @@ from .outcome import StepOutcome, Update
 from .reading import Pending, StepReading
 from .recorder import Recorder
 from .responses import Incident, Policy, Reply
+from .responses.ask import answer, check_oncall
 from .responses.control import RunControl
 from .stateful import STATE_VERSION, GuardState, upgrade
 from .step import ScalerState, Updater
@@ -77,6 +78,8 @@ class Guard:
     checkpoint. ``extra_state``: more objects to checkpoint (``state_dict``/``load_state_dict``);
     those in ``keep_on_rollback`` are restored on ``resume`` only, never by a rollback (state
     outside the run's timeline, such as a fault injector). ``pp_group``/``tp_group``: grad_stats.
+    ``oncall``: the on-call loop (``spikeguard.oncall.OnCall``) that a Tier 2 pages; under
+    ``tier2="ask"`` the guard applies the answer it returns at a step boundary (``_answer``).
     """
 
     _step, _ran = 0, 0  # _ran: steps taken in this process (0: a restore is a resume)
@@ -100,8 +103,10 @@ class Guard:
                  reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None = None,
                  extra_state: Mapping[str, Any] | None = None,
                  keep_on_rollback: Iterable[str] = (),
-                 pp_group: Any = None, tp_group: Any = None) -> None:
+                 pp_group: Any = None, tp_group: Any = None, oncall: Any = None) -> None:
         self.config = cfg = config if config is not None else GuardConfig()
+        self.oncall = check_oncall(cfg, oncall)
+        on_alert = on_alert or (oncall.page if oncall is not None else None)
         check_pair(model, optimizer)
         self.keep_on_rollback = tuple(keep_on_rollback)
         check_states(cfg, checkpoints, extra_state, self.keep_on_rollback)
@@ -443,6 +448,37 @@ class Guard:
             raise TrainingHalted(reply.halt)
         return out
 
+    def _answer(self) -> None:
+        """tier2="ask": at the step boundary, a person's decision (the same on every rank:
+        ``OnCall.poll``), applied as a reply (``responses/ask.py``); the next record says so."""
+        if self.oncall is None or self.config.tier2 != "ask" or not self.config.respond:
+            return
+        decision = self.oncall.poll(self._step)
+        if decision is None:  # a refused answer is said in the next record too
+            self.recorder.noted = self.oncall.take_note() or self.recorder.noted
+            return
+        sched = self.scheduler
+        peak = float(sched.base_lrs[0]) if getattr(sched, "base_lrs", None) else \
+            self.updater.current_lr()
+        reply = answer(decision, self.control, self._step, model=self.model,
+                       updater=self.updater, probes=self.probes, peak=peak)
+        if reply.lr is not None:
+            self.updater.lr.add(reply.lr)
+        self.oncall.applied(decision, self._step, reply.record)
+        self.recorder.noted = self.oncall.take_note()
+        if reply.action is Action.ROLLBACK:  # restored: nothing held of the old timeline stays
+            t = self._step
+            self._pending = None
+            self.micro.clear()
+            self.optimizer.zero_grad(set_to_none=True)
+            self._continue_at(self._step)
+            self.watch.rolled_back(t, self._step)
+        if reply.halt is not None:
+            self.recorder.flush()
+            if self.checkpoints is not None:
+                self.checkpoints.wait()
+            raise TrainingHalted(reply.halt)
+
     def _record(self, p: Pending, out: StepOutcome) -> Verdict:
         """The record, what the loop must follow, and the checkpoint at its interval."""
         action, verdict = out.action, out.verdict
@@ -460,6 +496,7 @@ class Guard:
         self.recorder.record(out)
         if action not in (Action.ROLLBACK, Action.HALT):
             self._maybe_save(p)
+        self._answer()
         return verdict
 
     def _maybe_save(self, p: Pending) -> None:

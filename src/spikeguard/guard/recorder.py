@@ -19,6 +19,8 @@ class Recorder:
     def __init__(self, sinks: Any) -> None:
         self.sinks = sinks
         self.records = 0
+        self.noted: dict[str, Any] | None = None
+        """An on-call decision taken at the step boundary: the next record carries it."""
 
     def record(self, out: StepOutcome) -> None:
         """The record of one resolved step: ``metrics_record``'s keys, then the outcome's."""
@@ -28,6 +30,8 @@ class Recorder:
         m, verdict = out.metrics, out.verdict
         rec = metrics_record(m, tier=verdict.tier, action=out.action, reasons=verdict.reasons)
         rec.update(out.record_keys())
+        if self.noted is not None:  # what happened between the last step and this one
+            rec["oncall"], self.noted = self.noted, None
         self.sinks.log(rec, m.step)
 
     def state_dict(self) -> dict[str, Any]:

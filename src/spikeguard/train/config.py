@@ -19,6 +19,7 @@ from .._validate import check_int, check_positive
 from ..detector.config import DetectorConfig
 from ..guard import GuardConfig
 from ..model import GPTConfig
+from ..oncall.config import OnCallConfig
 from .faults import parse_fault
 
 __all__ = ["NO_DEFENSES", "SHAPE_FIELDS", "TrainConfig"]
@@ -34,7 +35,8 @@ arms of a comparison differ only in the defenses."""
 
 # fields that may differ between a run and its resume (they do not change what is computed)
 # (threads: how many CPU threads compute it, which changes float rounding at most)
-_RESUMABLE = ("out", "fresh", "progress", "plot", "eval_batches", "print_every", "threads")
+_RESUMABLE = ("out", "fresh", "progress", "plot", "eval_batches", "print_every", "threads",
+              "oncall")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -76,6 +78,8 @@ class TrainConfig:
     """auto: bf16-mixed on a GPU with bf16, fp32 on CPU."""
     guard: GuardConfig = field(default_factory=GuardConfig)
     """Clipping, the Tier 2 policy and every detector threshold (windows sized to the run)."""
+    oncall: OnCallConfig = field(default_factory=OnCallConfig)
+    """Where a Tier 2 page goes and, under --tier2 ask, how a person's answer reaches the run."""
     defenses: Literal["all", "none"] = "all"
     """none: a baseline without z-loss, QK-norm, clipping and guard responses."""
     ckpt_every: int = 50

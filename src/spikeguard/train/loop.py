@@ -34,7 +34,11 @@ from ..data import TokenStream
 from ..detect.precision import PrecisionPolicy
 from ..guard import Guard
 from ..guard.forensics import HaltReport, TrainingHalted
+from ..guard.responses.ask import lr_stretch
 from ..model import GPT
+from ..oncall import OnCall
+from ..oncall.apply import apply_settings
+from ..oncall.settings import config_with
 from ..prevent.mup import mup_param_groups
 from ..prevent.schedules import warmup_cosine, wsd
 from ..sinks import JsonlSink, read_metrics
@@ -160,6 +164,59 @@ def _wrap(model: GPT, parallel: str, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def _answered(out: Path) -> dict[str, Any] | None:
+    """config.json's on-call section (answers, their settings and skip ranges), if any."""
+    try:
+        return json.loads((out / "config.json").read_text()).get("oncall")
+    except (OSError, ValueError):
+        return None
+
+
+def _keep_answers(section: dict[str, Any] | None, guard: Guard, model: GPT,
+                  stream: TokenStream) -> dict[str, Any]:
+    """A resumed run keeps what on-call answers changed (config.json's ``oncall``): their
+    skip ranges and settings again; an LR change is the guard's stretch, restored with its
+    state unless the checkpoint predates the answer."""
+    if not section:
+        return {}
+    for lo, hi in section.get("skip_data", []):
+        if (lo, hi) not in {tuple(r) for r in stream.skip_ranges}:
+            stream.skip(lo, hi)
+    settings = dict(section.get("overrides", {}))
+    lr = settings.pop("lr", None)
+    kept = apply_settings(model, settings, updater=guard.updater, probes=guard.probes)
+    if lr is not None:
+        if not any(s.kind == "answer" for s in guard.updater.lr.stretches):
+            stretch, _ = lr_stretch({"lr": lr}, first=guard.step_index,
+                                    peak=float(guard.scheduler.base_lrs[0]))
+            guard.updater.lr.add(stretch)
+        kept["lr"] = lr
+    return kept
+
+
+def _oncall(cfg: TrainConfig, out: Path, run_hash: str, model: GPT, *, resume: bool,
+            checkpoints: Any) -> OnCall | None:
+    """The run's on-call loop (pages, and answers under --tier2 ask), or None when not configured."""
+    oc, ask = cfg.oncall, cfg.guard.tier2 == "ask"
+    if not (oc.pages or ask):
+        return None
+    if ask and not cfg.guard.respond:
+        raise ValueError("--tier2 ask applies a person's answer; it needs the guard's "
+                         "responses on (not --defenses none or --no-respond)")
+    if _dist.rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        OnCall.start(out, resume=resume)
+    title = f"spikeguard train: {cfg.model}, seed {cfg.seed} (last window)"
+
+    def plot(path: Path) -> Any:
+        records = read_metrics(out / "metrics.jsonl")[-500:]
+        return plot_run(records, path, title=title, skip_ratio=cfg.guard.detector.skip_ratio)
+
+    return OnCall(oc, out, run_id=run_hash, layers=[n for n, _ in model.named_modules() if n],
+                  plot=plot if cfg.plot else None, checkpoints=checkpoints,
+                  max_rollbacks=cfg.guard.max_rollbacks, ask=ask)
+
+
 def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
     """Run ``cfg``: returns what it measured; a halt is reported in ``result.halted`` (the CLI
     turns it into exit status 3); Ctrl-C raises :class:`TrainInterrupted`. torch's CPU thread
@@ -184,6 +241,7 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
     gcfg = cfg.gpt_config(data.vocab_size)
     run_hash = cfg.run_hash(data.sha256)
     resume = prepare_out(cfg, out, run_hash, console)
+    answered = _answered(out) if resume else None  # on-call answers a resume keeps
     resumed_at: int | None = None
     torch.manual_seed(cfg.seed)
     model = GPT(gcfg).to(device)
@@ -202,13 +260,17 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(
-            {"config": cfg.to_dict(), "model": gcfg.__dict__, "data": data.describe,
-             "data_sha256": data.sha256, "run_hash": run_hash, "world_size": world,
-             "precision": policy.kind, "params": model.num_params()}, indent=2, default=str))
+            {"config": config_with(cfg.to_dict(), answered["overrides"] if answered else {}),
+             "model": gcfg.__dict__, "data": data.describe, "data_sha256": data.sha256,
+             "run_hash": run_hash, "world_size": world, "precision": policy.kind,
+             "params": model.num_params(),
+             **({"oncall": answered} if answered else {})}, indent=2, default=str))
     progress = ProgressSink(console, total=cfg.steps, start=0,
                             tokens_per_step=cfg.batch_size * gcfg.seq_len * world,
                             bar=cfg.progress, print_every=cfg.print_every)
     sinks = [JsonlSink(out / "metrics.jsonl"), progress] if rank == 0 else []
+    oncall = _oncall(cfg, out, run_hash, model, resume=resume,
+                     checkpoints=lambda: [c.step for c in guard.checkpoints.list() if c.healthy])
     def target() -> int:  # steps to run: --steps plus the withheld updates made up
         return cfg.steps + min(guard.withheld, cfg.make_up_skips)
 
@@ -216,7 +278,7 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
                   checkpoints=RunCheckpoints(out / "checkpoints", every=cfg.ckpt_every,
                                              keep=cfg.keep, last_step=lambda: target() - 1),
                   data=stream, sinks=sinks, probes=True, extra_state={"faults": injector},
-                  keep_on_rollback=("faults",))
+                  keep_on_rollback=("faults",), oncall=oncall)
     threads = (f"--threads {cfg.threads}; torch's default here: {torch_threads}" if cfg.threads
                else "torch's default, --threads 0")
     console.print(f"{data.describe}; model {cfg.model}: {model.num_params():,} params on "
@@ -244,6 +306,9 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
                               f"--out runs beside it)")
                 return result
             console.print(f"resumed from the checkpoint at step {info.step}")
+            kept = _keep_answers(answered, guard, model, stream)
+            if kept:
+                console.print(f"kept the on-call answers' settings: {kept}")
     start = time.perf_counter()
     skipped: list[int] = []
     try:
@@ -286,6 +351,11 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
     finally:
         guard.close()
         progress.close()
+        if oncall is not None:
+            sent, unsent = oncall.close(halted=result.halted is not None)
+            if unsent:
+                console.print(f"on-call: {unsent} page(s) could not be sent ({sent} sent); "
+                              f"they are kept in {out / 'pages.jsonl'}")
     result.seconds = time.perf_counter() - start
     result.applied, result.rollbacks = guard.applied, guard.rollbacks
     result.made_up = target() - cfg.steps

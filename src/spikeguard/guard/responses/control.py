@@ -64,9 +64,14 @@ class RunControl:
         if target is None:
             raise CheckpointError(f"no healthy checkpoint at or before step {onset - 2} "
                                   f"(the update before the onset at {onset} may be the cause)")
+        return self.restore(target)
+
+    def restore(self, step: int) -> Any:
+        """Restore the newest healthy checkpoint at or before ``step`` (CheckpointError when
+        there is none); the states in ``keep_on_rollback`` keep their present state."""
         # state that lives outside the run's timeline (a fault injector: the world does not rewind)
         kept = {k: obj.state_dict() for k, obj in self.keep_on_rollback.items()}
-        info = self.checkpoints.restore(at_or_before=target)
+        info = self.checkpoints.restore(at_or_before=step)
         for k, state in kept.items():
             self.keep_on_rollback[k].load_state_dict(state)
         return info

@@ -1,7 +1,7 @@
 """Which responses a verdict's tier gets: the detector says the tier and the reasons, the policy
 says what is done about them.
 
-Tier 2: ``GuardConfig.tier2``'s response (``alert``, the default, or ``rollback``), then every
+Tier 2: ``GuardConfig.tier2``'s response (``alert``, the default, ``rollback`` or ``ask``), then every
 response switched on by a ``ResponseConfig`` field of the GuardConfig for tier 2 (``lower_lr``).
 Tier 3: the halt (with the reconfigure hook), then those for tier 3. The first Reply that is not
 an alert (a rollback, a halt) ends the chain: the run it leaves is not the one the others were
@@ -17,6 +17,7 @@ from typing import Any
 from ...record import Action
 from ..forensics import HaltReport
 from .alert import Alert
+from .ask import Ask
 from .base import Incident, Reply, Response, ResponseConfig
 from .halt import Halt
 from .rollback import Rollback
@@ -31,8 +32,8 @@ class Policy:
                  reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None = None
                  ) -> None:
         halt = Halt(reconfigure)
-        first: Response = Rollback(config.rollback_lr_scale, halt) if config.tier2 == "rollback" \
-            else Alert()
+        first: Response = (Rollback(config.rollback_lr_scale, halt) if config.tier2 == "rollback"
+                           else Ask() if config.tier2 == "ask" else Alert())
         self.tiers: dict[int, list[Response]] = {2: [first], 3: [halt]}
         for f in fields(config):
             value = getattr(config, f.name)
