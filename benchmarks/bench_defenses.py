@@ -23,7 +23,7 @@ import time
 import torch
 
 import spikeguard as sg
-from spikeguard.detect.probes import Probes
+from spikeguard.measure.probes import Probes
 
 __all__ = ["main"]
 

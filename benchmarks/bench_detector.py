@@ -14,8 +14,8 @@ import argparse
 import statistics
 import time
 
-from spikeguard.detect.stats import RunningMedian
 from spikeguard.detector.detector import Action, SpikeDetector
+from spikeguard.measure.stats import RunningMedian
 from spikeguard.testing.scenarios import clean_run, data_anomaly, logit_drift
 
 __all__ = ["main"]

@@ -20,7 +20,7 @@ import time
 import torch
 
 import spikeguard as sg
-from spikeguard.detect.probes import ProbeConfig, Probes, layer_grad_norms
+from spikeguard.measure.probes import ProbeConfig, Probes, layer_grad_norms
 
 
 def run_arm(config: ProbeConfig | None, *, steps: int, batch: int, model_cfg: sg.GPTConfig) -> float:

@@ -23,8 +23,8 @@ import time
 import torch
 
 import spikeguard as sg
-from spikeguard.detect.probes import ProbeConfig, Probes
-from spikeguard.detect.signals import SignalConfig, Signals
+from spikeguard.measure.probes import ProbeConfig, Probes
+from spikeguard.measure.signals import SignalConfig, Signals
 
 __all__ = ["main"]
 

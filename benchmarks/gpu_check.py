@@ -111,7 +111,7 @@ CHECKS: dict[str, Callable[[bool], tuple[bool, str]]] = {
 def stats_and_sinks(smoke: bool = False) -> tuple[bool, str]:
     """Device running median / EMA equal the host versions bit for bit on CUDA, and the gate's
     calls plus a JsonlSink.log of CUDA tensors run under ``set_sync_debug_mode("error")``."""
-    from spikeguard.detect.stats import EMA, DeviceEMA, DeviceRunningMedian, RunningMedian
+    from spikeguard.measure.stats import EMA, DeviceEMA, DeviceRunningMedian, RunningMedian
     from spikeguard.record import StepMetrics, metrics_record
     from spikeguard.sinks import JsonlSink, read_metrics
 
@@ -174,7 +174,7 @@ def torchao_fp8_step(smoke: bool = False) -> tuple[bool, str]:
         from torchao.float8 import convert_to_float8_training
     except ImportError:
         return False, "torchao is not installed (pip install 'spikeguard[fp8]'); fp8 step not run"
-    from spikeguard.detect.fp8 import AmaxMonitor, fp8_eligible
+    from spikeguard.measure.fp8 import AmaxMonitor, fp8_eligible
 
     torch.manual_seed(0)
     cfg = sg.GPTConfig.tiny() if smoke else sg.GPTConfig.bench()

@@ -88,9 +88,9 @@ def run_series(job: dict[str, Any]) -> dict[str, Any]:
     """Train ``job`` with every signal at every step; its line carries the per-step series."""
     import torch
 
-    from spikeguard.detect.probes import ProbeConfig
-    from spikeguard.detect.signals import SignalConfig
     from spikeguard.guard import GuardConfig
+    from spikeguard.measure.probes import ProbeConfig
+    from spikeguard.measure.signals import SignalConfig
     from spikeguard.train import TrainConfig, train
 
     torch.set_num_threads(1)

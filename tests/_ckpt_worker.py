@@ -19,7 +19,7 @@ import torch
 
 from spikeguard.checkpoint.manager import CheckpointManager
 from spikeguard.data import TokenStream
-from spikeguard.detect.stats import EMA, RunningMedian
+from spikeguard.measure.stats import EMA, RunningMedian
 from spikeguard.model import GPT, GPTConfig
 
 

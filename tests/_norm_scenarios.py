@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import spikeguard as sg
-from spikeguard.detect.probes import ProbeConfig, Probes
+from spikeguard.measure.probes import ProbeConfig, Probes
 from tests._gradnorm_common import Toy, _full, _gather, _locals, _reference, _step, _tp_plan
 
 NORM_TYPES = [1.0, 3.0, 0.5, math.inf, -math.inf, 0.0, -1.0]

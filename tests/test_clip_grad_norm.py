@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import spikeguard as sg
-from spikeguard.detect.gradnorm import nonfinite_params
+from spikeguard.measure.gradnorm import nonfinite_params
 
 NORM_TYPES = [2.0, 1.0, 3.5, 0.5, math.inf, -math.inf, 0.0, -1.0, -2.0, "inf"]
 INF, NAN = math.inf, math.nan

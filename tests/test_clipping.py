@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import spikeguard as sg
-from spikeguard.detect.gradnorm import grad_stats
+from spikeguard.measure.gradnorm import grad_stats
 from spikeguard.prevent.clipping import ClipConfig, Clipper
 
 

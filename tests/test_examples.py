@@ -79,9 +79,9 @@ def test_every_field_of_the_configs_a_loop_builds_has_a_docstring():
     import dataclasses
 
     from spikeguard._config_cli import field_docs
-    from spikeguard.detect.precision import PrecisionPolicy
-    from spikeguard.detect.probes import ProbeConfig
     from spikeguard.guard.attribution import AttributionConfig
+    from spikeguard.measure.precision import PrecisionPolicy
+    from spikeguard.measure.probes import ProbeConfig
     from spikeguard.prevent.clipping import ClipConfig
 
     for cls in (sg.GuardConfig, AttributionConfig, ClipConfig, sg.DetectorConfig, ProbeConfig,

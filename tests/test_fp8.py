@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from spikeguard.detect.fp8 import AmaxMonitor, Fp8HeadroomWarning
+from spikeguard.measure.fp8 import AmaxMonitor, Fp8HeadroomWarning
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 from torch.distributed.tensor.parallel import parallelize_module
 
 import spikeguard as sg
-from spikeguard.detect.gradnorm import nonfinite_params
+from spikeguard.measure.gradnorm import nonfinite_params
 from tests._gradnorm_common import (
     Toy,
     _full,

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import spikeguard as sg
-from spikeguard.detect.precision import PrecisionPolicy
 from spikeguard.detector.gate import DeviceGate
 from spikeguard.guard import Guard, GuardConfig, TrainingHalted
 from spikeguard.guard.step import apply_update
+from spikeguard.measure.precision import PrecisionPolicy
 from spikeguard.sinks import read_metrics
 from spikeguard.testing import scenarios as sc
 

@@ -447,7 +447,7 @@ def test_a_fresh_trainer_run_into_the_same_output_dir_starts_its_metrics_anew(tm
 def test_per_layer_signals_follow_the_blocks_of_hf_models(tmp_path):
     """The update ratio per layer groups by the model's blocks (model.layers.N in a Llama,
     transformer.h.N in GPT-2), not by the top-level child (``model`` and ``lm_head``)."""
-    from spikeguard.detect.signals import layer_of
+    from spikeguard.measure.signals import layer_of
 
     assert layer_of("model.layers.3.self_attn.q_proj.weight") == "model.layers.3"
     assert layer_of("module.model.layers.0.mlp.experts.7.w1") == "module.model.layers.0"

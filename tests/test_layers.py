@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "src" / "spikeguard"
 LAYERS = {
     "_validate": 0, "_dist": 0, "record": 0, "readback": 0, "_config_cli": 0, "_crash": 0,
     "prevent": 1, "data": 1, "testing": 1, "sinks": 1,
-    "detect": 2, "model": 2, "schedules": 2,
+    "measure": 2, "model": 2, "schedules": 2,
     "detector": 3, "checkpoint": 3, "oncall": 3.5,
     "guard": 4,
     "train": 5, "diagnose": 5, "integrations": 5,

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import spikeguard as sg
-from spikeguard.detect.logit_bound import attention_blocks, bound_parts, bounds
-from spikeguard.detect.signals import Signals
+from spikeguard.measure.logit_bound import attention_blocks, bound_parts, bounds
+from spikeguard.measure.signals import Signals
 from spikeguard.prevent.layout import AttentionNotFoundWarning, find_attention
 
 transformers = pytest.importorskip("transformers")
@@ -35,7 +35,7 @@ def _llama(seed: int = 0) -> nn.Module:
 
 
 def _llama_bounds_f64(model: nn.Module) -> torch.Tensor:
-    """Every head's bound from the weights (detect/logit_bound.py's formula), float64."""
+    """Every head's bound from the weights (measure/logit_bound.py's formula), float64."""
     hd = D // H
     out = []
     for layer in model.model.layers:

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import spikeguard as sg
-from spikeguard.detect.fp8 import AmaxMonitor, Fp8HeadroomWarning, fp8_eligible
-from spikeguard.detect.precision import PrecisionPolicy
 from spikeguard.guard.step import apply_update
+from spikeguard.measure.fp8 import AmaxMonitor, Fp8HeadroomWarning, fp8_eligible
+from spikeguard.measure.precision import PrecisionPolicy
 
 
 # ---------------------------------------------------------------- fp8 amax monitor

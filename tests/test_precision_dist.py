@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from spikeguard.detect.precision import PrecisionPolicy
+from spikeguard.measure.precision import PrecisionPolicy
 from tests.dist import run_distributed
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import spikeguard as sg
-from spikeguard.detect.probes import ProbeConfig, Probes, layer_grad_norms
+from spikeguard.measure.probes import ProbeConfig, Probes, layer_grad_norms
 
 
 def _batch(seed=0):

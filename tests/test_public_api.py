@@ -56,7 +56,7 @@ def test_the_one_list_is_what_sg_gives_and_each_name_is_its_modules_object():
 
 
 def test_a_building_block_is_not_top_level_and_the_error_says_where_it_is():
-    from spikeguard.detect.stats import RunningMedian  # noqa: F401
+    from spikeguard.measure.stats import RunningMedian  # noqa: F401
     from spikeguard.prevent.attention import QKNorm  # noqa: F401
     from spikeguard.sinks import read_metrics  # noqa: F401
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from spikeguard.sandbox import ClipConfig, SimConfig, clipping_picture
+from spikeguard.sandbox import ClipPictureConfig, SimConfig, clipping_picture
 from spikeguard.sandbox import simulate as _simulate
 from spikeguard.sandbox.clipping import OUTLIER_RATE, step_norm
 from spikeguard.sandbox.simulation import FLOAT32_MAX, MODEL
@@ -167,8 +167,8 @@ def test_bad_config_names_the_field(kwargs, name):
 # ---- widget 2: clipping as a collective ----
 
 def test_outliers_come_from_the_step_index():
-    a = clipping_picture(ClipConfig(start=0, steps=100))
-    b = clipping_picture(ClipConfig(start=40, steps=100, c=3.0, ranks=7))
+    a = clipping_picture(ClipPictureConfig(start=0, steps=100))
+    b = clipping_picture(ClipPictureConfig(start=40, steps=100, c=3.0, ranks=7))
     assert a["norm"][40:] == b["norm"][:60]
     share = sum(step_norm(i) > 0.8 for i in range(20_000)) / 20_000
     assert abs(share - OUTLIER_RATE) < 0.01
@@ -176,7 +176,7 @@ def test_outliers_come_from_the_step_index():
 
 
 def test_bars_above_c_are_capped_and_below_pass():
-    p = clipping_picture(ClipConfig(c=1.0))
+    p = clipping_picture(ClipPictureConfig(c=1.0))
     above = [i for i, n in enumerate(p["norm"]) if n > 1.0]
     assert above and p["clipped"] == len(above)
     for i, n in enumerate(p["norm"]):
@@ -188,7 +188,7 @@ def test_bars_above_c_are_capped_and_below_pass():
 @pytest.mark.parametrize("local", [False, True])
 def test_scales_match_torch_clip_grad_norm(local):
     """Global: one clip_grad_norm_ over every shard. Local (the bug): one call per shard."""
-    cfg = ClipConfig(c=1.0, ranks=4, steps=60, local=local)
+    cfg = ClipPictureConfig(c=1.0, ranks=4, steps=60, local=local)
     p = clipping_picture(cfg)
     gen = torch.Generator().manual_seed(0)
     for i in range(cfg.steps):
@@ -219,4 +219,4 @@ def test_bad_clip_config_names_the_field():
     for kwargs, name in [({"c": 0}, "c"), ({"ranks": 1}, "ranks"), ({"ranks": 64}, "ranks"),
                          ({"steps": 5000}, "steps"), ({"local": 1}, "local")]:
         with pytest.raises(ValueError, match=rf"^{name}="):
-            ClipConfig(**kwargs)
+            ClipPictureConfig(**kwargs)

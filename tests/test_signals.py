@@ -1,4 +1,4 @@
-"""The early-warning signals (detect/signals.py) against float64 references, and sharded."""
+"""The early-warning signals (measure/signals.py) against float64 references, and sharded."""
 
 import dataclasses
 import math
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import spikeguard as sg
-from spikeguard.detect.gradnorm import grad_stats
-from spikeguard.detect.probes import ProbeConfig, Probes
-from spikeguard.detect.signals import SignalConfig, layer_of, sample_stride
+from spikeguard.measure.gradnorm import grad_stats
+from spikeguard.measure.probes import ProbeConfig, Probes
+from spikeguard.measure.signals import SignalConfig, layer_of, sample_stride
 from spikeguard.prevent.clipping import ClipConfig, Clipper
 from tests.dist import run_distributed
 
@@ -451,7 +451,7 @@ def test_a_guarded_run_records_the_signals_and_diagnose_reads_them(tmp_path):
 
 @torch.no_grad()
 def _bound64(model):
-    """Every head's bound from the weights, float64 (the formula of detect/logit_bound.py)."""
+    """Every head's bound from the weights, float64 (the formula of measure/logit_bound.py)."""
     cfg, out = model.cfg, []
     hd, kv = cfg.head_dim, cfg.n_head // cfg.kv_heads
     for blk in model.blocks:

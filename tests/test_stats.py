@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spikeguard.detect.stats import (
+from spikeguard.measure.stats import (
     EMA,
     DeviceEMA,
     DeviceRunningMedian,

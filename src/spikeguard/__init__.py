@@ -26,12 +26,12 @@ if TYPE_CHECKING:  # grouped by role, in the order a loop meets them
     from .prevent.losses import linear_cross_entropy as linear_cross_entropy
     from . import schedules as schedules
     from .prevent.clipping import ClipConfig as ClipConfig
-    from .detect.precision import PrecisionPolicy as PrecisionPolicy
+    from .measure.precision import PrecisionPolicy as PrecisionPolicy
     # detect: the gradient norm and clip without a guard, the probes and the early signals
-    from .detect.gradnorm import clip_grad_norm_ as clip_grad_norm_
-    from .detect.gradnorm import grad_stats as grad_stats
-    from .detect.probes import ProbeConfig as ProbeConfig
-    from .detect.signals import SignalConfig as SignalConfig
+    from .measure.gradnorm import clip_grad_norm_ as clip_grad_norm_
+    from .measure.gradnorm import grad_stats as grad_stats
+    from .measure.probes import ProbeConfig as ProbeConfig
+    from .measure.signals import SignalConfig as SignalConfig
     # respond: the Guard with every config it takes, and the detector on its own
     from .guard import Guard as Guard
     from .guard import GuardConfig as GuardConfig

@@ -21,8 +21,8 @@ import torch
 import spikeguard as sg
 from spikeguard.checkpoint import CheckpointError, CheckpointWarning, verify_checkpoint
 from spikeguard.data import load_corpus
-from spikeguard.detect.fp8 import AmaxMonitor
-from spikeguard.detect.probes import Probes
+from spikeguard.measure.fp8 import AmaxMonitor
+from spikeguard.measure.probes import Probes
 from spikeguard.prevent.attention import QKNorm, attention, softcap
 from spikeguard.prevent.budget import memory_budget
 from spikeguard.prevent.init import fan_in_init_, gpt2_residual_init_

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..detect.spread import DeviceSpread
-from ..detect.stats import DeviceEMA, DeviceRunningMedian
+from ..measure.spread import DeviceSpread
+from ..measure.stats import DeviceEMA, DeviceRunningMedian
 from .config import DetectorConfig
 from .rules import grad_spike, joint_spike, loss_spike, ratio_spike
 

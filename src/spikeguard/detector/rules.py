@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from ..detect.spread import Spread, log_value
-from ..detect.stats import EMA, RunningMedian
+from ..measure.spread import Spread, log_value
+from ..measure.stats import EMA, RunningMedian
 from ..record import StepMetrics
 from .config import DetectorConfig
 
@@ -159,7 +159,7 @@ class GradSpike(Rule):
     """Tier 1 SKIP: grad_norm above ``grad_limit``: grad_k x the running median of the kept grad
     norms, widened to exp(grad_z x spread) x median where the run's log grad norm is noisy
     (``spread``: the robust spread of log grad norm from one kept step to the next,
-    ``detect.spread.Spread``). It arms with the other rules (``arm_after``) and, when
+    ``measure.spread.Spread``). It arms with the other rules (``arm_after``) and, when
     ``grad_arm_after`` is larger, only after that many kept updates: right after warmup the grad
     norm spikes 5-160x on healthy runs (see DetectorConfig.grad_arm_after).
 

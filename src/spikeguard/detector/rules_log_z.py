@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ..detect.stats import RunningMedian, SlidingMin
+from ..measure.stats import RunningMedian, SlidingMin
 from .config import DetectorConfig
 from .rules import Event, Rule, StepInput
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from ..detect.stats import EMA, EventWindow, RunningMedian, SlidingMin
+from ..measure.stats import EMA, EventWindow, RunningMedian, SlidingMin
 from .config import DetectorConfig
 from .rules import Event, Rule, StepInput
 

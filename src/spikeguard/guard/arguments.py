@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..detect.probes import ProbeConfig
 from ..detector.config import DetectorConfig
+from ..measure.probes import ProbeConfig
 from ..prevent.clipping import ClipConfig
 
 __all__ = ["check_grads", "check_loss", "check_nested", "check_pair", "check_start_at",

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .._validate import check_int, check_positive
-from ..detect.probes import ProbeConfig
 from ..detector.config import DetectorConfig
+from ..measure.probes import ProbeConfig
 from ..prevent.clipping import ClipConfig
 from .arguments import check_nested
 from .attribution import AttributionConfig

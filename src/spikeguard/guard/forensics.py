@@ -89,7 +89,7 @@ def gather_names(local: list[str], named_parameters: list[tuple[str, nn.Paramete
 def nonfinite_params(named_parameters: list[tuple[str, nn.Parameter]]) -> list[str]:
     """Names of parameters whose (local) gradient holds a NaN or Inf, over every rank, in the
     given order. A host read per parameter: for the halt path, not the step."""
-    from ..detect.gradnorm import nonfinite_params as local_nonfinite
+    from ..measure.gradnorm import nonfinite_params as local_nonfinite
 
     return gather_names(local_nonfinite(named_parameters), named_parameters)
 

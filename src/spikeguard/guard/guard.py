@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..detect.precision import PrecisionPolicy, PrecisionRuntime
-from ..detect.probes import Probes, guard_probes
 from ..detector.detector import SpikeDetector, Verdict
 from ..detector.gate import DeviceGate
+from ..measure.precision import PrecisionPolicy, PrecisionRuntime
+from ..measure.probes import Probes, guard_probes
 from ..readback import Readback
 from ..record import Action
 from ..sinks import Sinks

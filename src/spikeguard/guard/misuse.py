@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..detect.precision import PrecisionRuntime
+from ..measure.precision import PrecisionRuntime
 from .adapter import GuardMisuseWarning
 
 __all__ = ["MisuseWatch", "foreign_scaler"]

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from ..detect.gradnorm import GradStats, grad_stats
-from ..detect.precision import PrecisionRuntime
 from ..detector.gate import DeviceGate
+from ..measure.gradnorm import GradStats, grad_stats
+from ..measure.precision import PrecisionRuntime
 from ..prevent.clipping import ClipConfig, Clipper
 from .adapter import GuardMisuseWarning
 from .grads_aside import GradsAside
@@ -79,7 +79,7 @@ def gated_step(optimizer: torch.optim.Optimizer, gate: torch.Tensor | bool) -> N
 def apply_update(precision: PrecisionRuntime, optimizer: torch.optim.Optimizer, *,
                  skip: torch.Tensor | bool = False) -> None:
     """Apply the update unless ``skip``; under fp16 the scaler also skips on its own overflow,
-    and its scale is updated from the overflow alone (spikeguard.detect.precision)."""
+    and its scale is updated from the overflow alone (spikeguard.measure.precision)."""
     scaler = precision.scaler
     if scaler is None:
         gated_step(optimizer, skip)

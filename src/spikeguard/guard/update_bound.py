@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .._dist import collective_device, world_size
-from ..detect.gradnorm import group_by_device_dtype, local_pieces, tensor_norms
+from ..measure.gradnorm import group_by_device_dtype, local_pieces, tensor_norms
 
 __all__ = ["UpdateBound"]
 

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..detect.precision import PrecisionPolicy
 from ..guard import Guard, GuardConfig
+from ..measure.precision import PrecisionPolicy
 from ..sinks import JsonlSink
 
 __all__ = ["guard_accelerator"]

@@ -2,7 +2,7 @@
 
 - ``simulate(SimConfig(...))``: the loss-spike sandbox, plain SGD on one noisy parameter whose
   curvature grows with distance from the optimum (``simulation`` states the whole model);
-- ``clipping_picture(ClipConfig(...))``: global-norm clipping as a collective, with the
+- ``clipping_picture(ClipPictureConfig(...))``: global-norm clipping as a collective, with the
   local-norm bug;
 - ``RealConfig``: real mode, ``spikeguard train`` on ``GPTConfig.tiny()`` with the page's
   toggles, run by the server in a child process and streamed to the page (``real``).
@@ -11,8 +11,9 @@ The web server lives in ``spikeguard.sandbox.server`` and needs the ``web`` extr
 uvicorn); importing this package does not import it.
 """
 
-from .clipping import ClipConfig, clipping_picture
+from .clipping import ClipPictureConfig, clipping_picture
 from .real import RealConfig
 from .simulation import SimConfig, SimResult, simulate
 
-__all__ = ["ClipConfig", "RealConfig", "SimConfig", "SimResult", "clipping_picture", "simulate"]
+__all__ = ["ClipPictureConfig", "RealConfig", "SimConfig", "SimResult", "clipping_picture",
+           "simulate"]

@@ -21,7 +21,7 @@ from typing import Any
 
 from .._validate import check_int, check_positive
 
-__all__ = ["OUTLIER_RATE", "ClipConfig", "clipping_picture", "step_norm"]
+__all__ = ["OUTLIER_RATE", "ClipPictureConfig", "clipping_picture", "step_norm"]
 
 OUTLIER_RATE = 0.08
 """Share of steps that are outliers."""
@@ -59,7 +59,7 @@ def _shares(step: int, ranks: int) -> list[float]:
 
 
 @dataclass(kw_only=True, frozen=True)
-class ClipConfig:
+class ClipPictureConfig:
     """The second widget's controls."""
 
     c: float = 1.0
@@ -90,7 +90,7 @@ class ClipConfig:
             raise ValueError(f"local={self.local!r} must be true or false")
 
 
-def clipping_picture(cfg: ClipConfig | None = None) -> dict[str, Any]:
+def clipping_picture(cfg: ClipPictureConfig | None = None) -> dict[str, Any]:
     """The window's bars and per-rank scale factors, as plain JSON types.
 
     Keys: ``step``, ``norm`` (``||g||``), ``kept`` (``min(||g||, c)``), ``shaved``
@@ -99,7 +99,7 @@ def clipping_picture(cfg: ClipConfig | None = None) -> dict[str, Any]:
     ``kept`` under global clipping, larger under the bug), ``selected`` (index of the window's
     largest norm), ``clipped`` (how many bars exceed c).
     """
-    cfg = cfg or ClipConfig()
+    cfg = cfg or ClipPictureConfig()
     c = cfg.c
     steps = list(range(cfg.start, cfg.start + cfg.steps))
     norm = [step_norm(s) for s in steps]

@@ -6,7 +6,7 @@ Routes:
   A path with ``..``, an empty segment, a backslash or a ``%`` left after the server's one
   decoding (a double-encoded path) is refused with 400 before the file system is touched.
 - ``GET /api/simulate?<SimConfig fields>``: a simulated run (``simulation.simulate``).
-- ``GET /api/clipping?<ClipConfig fields>``: the clipping widget's bars.
+- ``GET /api/clipping?<ClipPictureConfig fields>``: the clipping widget's bars.
 - ``POST /api/real?<RealConfig fields>``: start a real run (``real.RealRuns``): the Guard
   training ``GPTConfig.tiny()`` in a child process. 202 with the run's id and its events URL; 409
   with a message while another run is running. ``GET /api/real``: the current run, if any.
@@ -36,7 +36,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ._params import config_from_query
-from .clipping import ClipConfig, clipping_picture
+from .clipping import ClipPictureConfig, clipping_picture
 from .real import RealBusy, RealConfig, RealRuns
 from .simulation import SimConfig, simulate
 
@@ -180,7 +180,7 @@ def create_app() -> FastAPI:
     @app.get("/api/clipping")
     async def api_clipping(request: Request) -> JSONResponse:
         try:
-            cfg = config_from_query(ClipConfig, request.query_params.multi_items())
+            cfg = config_from_query(ClipPictureConfig, request.query_params.multi_items())
         except ValueError as exc:
             return _error(400, str(exc))
         return JSONResponse(clipping_picture(cfg))

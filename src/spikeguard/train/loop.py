@@ -31,10 +31,10 @@ from .. import _dist
 from .._crash import crash_point
 from ..checkpoint import CheckpointError
 from ..data import TokenStream
-from ..detect.precision import PrecisionPolicy
 from ..guard import Guard
 from ..guard.forensics import HaltReport, TrainingHalted
 from ..guard.responses.ask import lr_stretch
+from ..measure.precision import PrecisionPolicy
 from ..model import GPT
 from ..oncall import OnCall
 from ..oncall.apply import apply_settings

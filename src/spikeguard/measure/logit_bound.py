@@ -19,7 +19,7 @@ reaches); with QK-norm it is the logit of two aligned, saturated vectors.
 group of query heads takes the group's smallest factor), the QK-norm gains with it (shared by
 every head of the layer).
 
-Sharding as in ``detect/signals.py``: local pieces weighted by their copy counts, the per-head
+Sharding as in ``measure/signals.py``: local pieces weighted by their copy counts, the per-head
 row sums placed at their global rows, ONE all-reduce of the float64 parts.
 """
 

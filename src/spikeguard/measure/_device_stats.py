@@ -1,5 +1,5 @@
 """The device twins of the running statistics (``DeviceRunningMedian``, ``DeviceEMA``): float64
-tensor state, the flag taken as a tensor, no host sync; re-exported by ``detect.stats``."""
+tensor state, the flag taken as a tensor, no host sync; re-exported by ``measure.stats``."""
 
 from __future__ import annotations
 

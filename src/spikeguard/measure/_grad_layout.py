@@ -1,6 +1,6 @@
 """Where each gradient element lives, and the local arithmetic on it.
 
-Private helper of ``detect/gradnorm.py`` and ``detect/probes.py``: :func:`collect` walks the
+Private helper of ``measure/gradnorm.py`` and ``measure/probes.py``: :func:`collect` walks the
 parameters once and returns a :class:`GradLayout`, whose methods give this rank's share of a
 global quantity (summed by the caller with ONE all-reduce over the default group) and scale the
 gradients in place. The caller never touches the pieces itself.

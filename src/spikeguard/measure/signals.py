@@ -17,7 +17,7 @@ ride in the guard's read-back vector, like the probes'):
   sample.
 - ``attn_logit_bound``: an upper bound on every attention logit of the next forward, from the
   weights alone (no attention pass), with its layer and the [layer][head] table
-  (``detect/logit_bound.py`` derives it). With ``qk_clip`` set, QK-Clip (Kimi K2) rescales the
+  (``measure/logit_bound.py`` derives it). With ``qk_clip`` set, QK-Clip (Kimi K2) rescales the
   query and key weights of each head whose bound passes it after every update (an all-reduce a
   step), so the bound holds after each step.
 

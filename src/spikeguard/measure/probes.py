@@ -9,7 +9,7 @@ full [layer][head] table ``attn_logit_p99_heads``, and
 ``layer_grad_norm/<layer>`` for each block (``signals.layer_of``; the norm of the unsharded
 gradient under FSDP2, TP or DDP: one all-reduce of a vector at the probe interval, so every rank must collect
 at the same steps). Given the optimizer, the probes also carry the early-warning signals of
-``detect/signals.py`` (update ratio, spike share, attention-logit bound; ``ProbeConfig.signals``).
+``measure/signals.py`` (update ratio, spike share, attention-logit bound; ``ProbeConfig.signals``).
 """
 
 from __future__ import annotations
