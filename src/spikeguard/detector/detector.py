@@ -61,11 +61,25 @@ from .rules_tier2 import (
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
-_STATE_VERSION = 5
+_STATE_VERSION = 6
 _NEWER_RULES = frozenset({"log_z_jump"})
 """Rules a version-5 state saved before them may lack: they start fresh on load."""
-"""5: adds the update-ratio rule; 4: the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the
-spreads; 2: one entry per rule; 1: one flat dict."""
+"""6: the log Z rules keep their quiet count (``arm_quiet``); 5: adds the update-ratio rule; 4:
+the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the spreads; 2: one
+entry per rule; 1: one flat dict. A version-5 state still loads (``_from_v5``)."""
+_QUIET_RULES = ("log_z_drift", "log_z_rise", "log_z_jump")
+
+
+def _from_v5(state: dict[str, Any], config: DetectorConfig) -> dict[str, Any]:
+    """A version-5 state as version 6: its log Z rules were on once ``arm_after`` and
+    ``grad_arm_after`` kept updates had passed, so they stay on (a resumed run keeps its rules)."""
+    on = int(state["updates"]["kept"]) >= max(config.arm_after, config.grad_arm_after)
+    rules = {name: dict(rule) for name, rule in state["rules"].items()}
+    for name in _QUIET_RULES:
+        if name in rules:
+            rules[name].setdefault("quiet", 0)
+            rules[name].setdefault("on", on)
+    return {**state, "version": _STATE_VERSION, "rules": rules}
 
 
 class Verdict(NamedTuple):
@@ -330,6 +344,9 @@ class SpikeDetector:
         """Restore a ``state_dict``; the config must match this detector's. On an error the
         detector is left as it was."""
         version = state.get("version")
+        if version == 5:
+            state = _from_v5(state, self.config)
+            version = _STATE_VERSION
         if version != _STATE_VERSION:
             raise ValueError(
                 f"detector state version {version!r} cannot be loaded: this spikeguard reads "
