@@ -159,6 +159,18 @@ def _check_host(m: StepMetrics) -> None:
         h.add(type(value))
 
 
+def _phase(calls: list, x: StepInput, events: tuple[list[Event], ...]) -> None:
+    """Run one phase's rules (bound ``update`` methods with their tiers) in declared order,
+    filing their events by tier."""
+    for call, tier in calls:
+        e = call(x)
+        if e is not None:
+            if type(e) is list:
+                events[tier].extend(e)
+            else:
+                events[tier].append(e)
+
+
 def _metric(reason: str) -> str:
     return reason.split(" ", 1)[0]
 
@@ -260,16 +272,9 @@ class SpikeDetector:
         kept out of every history (and watched for recovery, as a skip is). ``blind``: released
         without a test of the weights (no reference batch): it counts towards a storm as a skip
         would, since nothing showed the weights at fault. ``update_ratio``: the signals' reading
-        of this step's update (``UpdateJump``), None without one.
-
-        ``released`` None (the default: a loop that only acts on the verdict): the detector
-        decides itself, as the guard's weights check would without a reference batch. In a skip
-        storm (``max_consecutive_skips`` flagged steps in a row) the weights, not the batches,
-        are the suspect, and skipping cannot repair weights: from then on a flagged step is an
-        ALERT with ``skip`` False (counted towards the storm as a blind release), until
-        ``arm_quiet`` updates in a row are not flagged. The storm itself is Tier 2
-        (``Verdict.advice`` says what to do). Scattered skips (the fraction rule) page but do
-        not release: each is a bad batch that a skip repairs."""
+        of this step's update (``UpdateJump``), None without one. ``released`` None (the
+        default): the detector decides, releasing flagged steps after a skip storm (class
+        docstring; the fraction rule pages without releasing)."""
         if type(m) is not StepMetrics and not isinstance(m, StepMetrics):
             raise TypeError(f"SpikeDetector.update takes a StepMetrics, got {type(m).__name__}")
         step, loss, g, lz, nf, given = (m.step, m.loss, m.grad_norm, m.log_z, m.nan_frac,
@@ -299,14 +304,7 @@ class SpikeDetector:
         x.armed = x.j >= self._arm_after
         self._n_seen += 1
         events: tuple[list[Event], ...] = ([], [], [], [])  # by tier
-        # each phase's rules in declared order, their events filed by tier
-        for call, tier in self._judge_calls:
-            e = call(x)
-            if e is not None:
-                if type(e) is list:
-                    events[tier].extend(e)
-                else:
-                    events[tier].append(e)
+        _phase(self._judge_calls, x, events)
         # a flagged step stays out of every history: the next steps are judged against the
         # run as it was, not against a level the anomaly itself has moved
         x.kept = not (x.skip or events[3])
@@ -315,13 +313,7 @@ class SpikeDetector:
                 fold(x)
             self._n_clean += 1
         x.t1_onset = events[1][0][0] if x.skip else None
-        for call, tier in self._after_calls:
-            e = call(x)
-            if e is not None:
-                if type(e) is list:
-                    events[tier].extend(e)
-                else:
-                    events[tier].append(e)
+        _phase(self._after_calls, x, events)
         return self._decide(x, events)
 
     def _decide(self, x: StepInput, events: tuple[list[Event], ...]) -> Verdict:
