@@ -230,7 +230,12 @@ def test_ratio_above_2_5_for_10_steps_is_tier2():
     t2 = [v for v in verdicts if v.tier == 2]
     ratio = [v for v in t2 if "loss_ema_ratio > 2.5 for 10 steps" in v.reasons]
     assert [v.step for v in ratio] == [209] and ratio[0].onset_step == 200
-    assert all(v.skip for v in verdicts[200:230])
+    # six skips, the storm's Tier 2 at the sixth; then the level is the weights' doing, not a
+    # batch's, and the detector (left to decide) recommends no more skips, only alerts
+    assert all(v.skip for v in verdicts[200:206]) and "skips > 5 consecutive" in \
+        verdicts[205].reasons
+    assert not any(v.skip for v in verdicts[206:230])
+    assert all(v.action in (Action.ALERT, Action.ROLLBACK) for v in verdicts[206:230])
 
 
 def test_unrecovered_tier1_escalates_after_200_updates():
@@ -409,7 +414,7 @@ def test_loss_ema_is_what_the_next_ratio_divides_by():
 
 def test_version_1_state_is_refused_with_what_to_do():
     old = {"version": 1, "config": DetectorConfig().to_dict(), "scalars": {}, "pending": None}
-    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 5.*fresh "
+    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 6.*fresh "
                                          r"SpikeDetector.*arm_after=50"):
         SpikeDetector().load_state_dict(old)
 
@@ -526,10 +531,15 @@ def test_log_z_jump_fires_where_a_float64_median_of_the_last_32_says():
     healthy = [sg.StepMetrics(step=t, loss=2.4, grad_norm=1.0, log_z=log_z[t]) for t in range(400)]
     d = SpikeDetector(cfg)
     assert not [v for v in (d.update(m) for m in healthy) if v.tier == 2]
-    # it arms with the grad rule: not before grad_arm_after kept updates
-    late = SpikeDetector(DetectorConfig.for_run(1000, arm_after=50, grad_arm_after=first + 5))
-    late_steps = [v.step for v in (late.update(m) for m in _fresh(metrics)) if reason in v.reasons]
-    assert late_steps[:1] == [first + 5]
+    # it turns on once arm_quiet updates in a row after grad_arm_after stayed inside its bar:
+    # counted from 25 before the crossing, it is on in time; from 10 before, the excursion
+    # starts before log Z has shown itself in control, and it stays off
+    quiet = DetectorConfig().arm_quiet
+    on = SpikeDetector(DetectorConfig.for_run(1000, arm_after=50, grad_arm_after=first - quiet - 5))
+    assert [v.step for v in (on.update(m) for m in _fresh(metrics)) if reason in v.reasons][:1] \
+        == [first]
+    late = SpikeDetector(DetectorConfig.for_run(1000, arm_after=50, grad_arm_after=first - 10))
+    assert not [v for v in (late.update(m) for m in _fresh(metrics)) if reason in v.reasons]
     off = SpikeDetector(DetectorConfig.for_run(1000, arm_after=50, log_z_jump=0))
     assert not [v for v in (off.update(sg.StepMetrics(step=t, loss=2.4, grad_norm=1.0,
                                                       log_z=log_z[t])) for t in range(n))

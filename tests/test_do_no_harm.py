@@ -38,7 +38,7 @@ def _judge(config, metrics):
     for m in metrics:
         bit = bool(gate(torch.tensor(m.grad_norm, dtype=torch.float64),
                         torch.tensor(m.loss, dtype=torch.float64)))
-        v = detector.update(m)
+        v = detector.update(m, released=False)  # as the Guard calls it
         assert bit == v.skip, m.step
         verdicts.append(v)
     return verdicts

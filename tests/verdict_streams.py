@@ -97,3 +97,25 @@ def verdict_rows(verdicts) -> list[list]:
     """The non-CONTINUE verdicts as JSON rows [step, tier, action, reasons, onset, skip]."""
     return [[v.step, v.tier, v.action.value, list(v.reasons), v.onset_step, v.skip]
             for v in verdicts if v.action.value != "continue" or v.skip]
+
+
+def record(path: str) -> None:
+    """Write every stream's verdict rows to ``path`` (gzip JSON), the format test_recorded reads.
+    Re-record only on purpose, and say in the commit which verdicts moved and why."""
+    import gzip
+    import json
+
+    from spikeguard.detector.detector import SpikeDetector
+
+    out = {}
+    for name, (metrics, config) in sorted(streams().items()):
+        detector = SpikeDetector(config)
+        out[name] = {"n": len(metrics), "rows": verdict_rows(detector.update(m) for m in metrics)}
+    with gzip.open(path, "wt") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":  # PYTHONPATH=src:. python -m tests.verdict_streams
+    from pathlib import Path
+
+    record(str(Path(__file__).parent / "data" / "verdicts.json.gz"))

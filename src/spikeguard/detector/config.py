@@ -49,6 +49,11 @@ class DetectorConfig:
     dozen updates after, the grad norm of a healthy run spikes 5-160x its median on batches that
     are fine, and plain AdamW + clipping rides it out. On the tiny model at peak LR 1e-3 to
     1e-2 such spikes came at steps 15-62 for warmups of 10, 20 and 40 (docs/design.md)."""
+    arm_quiet: int = 20
+    """The log Z rules turn on once this many judged updates in a row (after ``arm_after`` and
+    ``grad_arm_after``) stayed inside their bar (the rise rule: its whole window): log Z is in
+    control, whatever the warmup and the optimizer made of the first steps. Under SGD with
+    momentum log Z climbs 2-3 nats in the first 50 steps of a healthy run (docs/design.md)."""
     median_window: int = 5000
     """Updates in the running medians of grad norm and log Z, and in the loss floor."""
     grad_k: float = 3.0

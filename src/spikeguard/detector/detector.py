@@ -61,11 +61,29 @@ from .rules_tier2 import (
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
-_STATE_VERSION = 5
+_STATE_VERSION = 6
 _NEWER_RULES = frozenset({"log_z_jump"})
 """Rules a version-5 state saved before them may lack: they start fresh on load."""
-"""5: adds the update-ratio rule; 4: the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the
-spreads; 2: one entry per rule; 1: one flat dict."""
+"""6: the log Z rules keep their quiet count (``arm_quiet``), the skip storm its suspicion of
+the weights; 5: adds the update-ratio rule; 4:
+the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the spreads; 2: one
+entry per rule; 1: one flat dict. A version-5 state still loads (``_from_v5``)."""
+_QUIET_RULES = ("log_z_drift", "log_z_rise", "log_z_jump")
+
+
+def _from_v5(state: dict[str, Any], config: DetectorConfig) -> dict[str, Any]:
+    """A version-5 state as version 6: its log Z rules were on once ``arm_after`` and
+    ``grad_arm_after`` kept updates had passed, so they stay on (a resumed run keeps its rules)."""
+    on = int(state["updates"]["kept"]) >= max(config.arm_after, config.grad_arm_after)
+    rules = {name: dict(rule) for name, rule in state["rules"].items()}
+    for name in _QUIET_RULES:
+        if name in rules:
+            rules[name].setdefault("quiet", 0)
+            rules[name].setdefault("on", on)
+    if "skip_storm" in rules:
+        rules["skip_storm"].setdefault("suspect", False)
+        rules["skip_storm"].setdefault("calm", 0)
+    return {**state, "version": _STATE_VERSION, "rules": rules}
 
 
 class Verdict(NamedTuple):
@@ -90,6 +108,23 @@ class Verdict(NamedTuple):
     """The numbers behind the decision (NaN where not yet known)."""
     skip: bool
     """Discard this step's update."""
+
+    @property
+    def advice(self) -> str:
+        """What a loop that holds only the detector (no Guard, perhaps no checkpoints) should do
+        with this verdict, in one sentence."""
+        if self.action is Action.HALT:
+            return "stop: the numbers are not finite (or the loss is far past any batch's)"
+        if self.action is Action.ROLLBACK:
+            target = "" if self.onset_step is None else f" at or before step {self.onset_step - 2}"
+            return (f"restore the newest checkpoint{target} and skip the data since; without "
+                    "one, keep training with the clipped update at a lower learning rate (e.g. "
+                    "half) and watch the loss")
+        if self.skip:
+            return "skip this step's optimizer and LR-schedule step (the next batch is fresh)"
+        if self.action is Action.ALERT:
+            return "apply the update (clipped); nothing to do but watch"
+        return "apply the update"
 
 
 _isfinite = math.isfinite
@@ -124,6 +159,18 @@ def _check_host(m: StepMetrics) -> None:
         h.add(type(value))
 
 
+def _phase(calls: list, x: StepInput, events: tuple[list[Event], ...]) -> None:
+    """Run one phase's rules (bound ``update`` methods with their tiers) in declared order,
+    filing their events by tier."""
+    for call, tier in calls:
+        e = call(x)
+        if e is not None:
+            if type(e) is list:
+                events[tier].extend(e)
+            else:
+                events[tier].append(e)
+
+
 def _metric(reason: str) -> str:
     return reason.split(" ", 1)[0]
 
@@ -133,6 +180,28 @@ class SpikeDetector:
 
     Windows count updates, not step indices. State (each rule's medians, EMAs, windows, runs)
     round-trips through ``state_dict`` / ``load_state_dict`` as JSON-ready plain data.
+
+    On its own, in a loop without the Guard (``verdict.advice`` says the same in words)::
+
+        detector = sg.SpikeDetector(sg.DetectorConfig.for_run(steps))
+        for step in range(steps):
+            out = model.loss(model(x), y)
+            out.loss.backward()
+            norm = sg.clip_grad_norm_(model.parameters(), 1.0)
+            v = detector.update(sg.StepMetrics(step=step, loss=float(out.ce),
+                                               grad_norm=float(norm), log_z=float(out.log_z)))
+            if v.action is sg.Action.HALT:
+                break                      # non-finite numbers: stop and look
+            if not v.skip:                 # SKIP: a bad batch; drop its update
+                optimizer.step()
+                scheduler.step()
+            optimizer.zero_grad()
+            # ROLLBACK (Tier 2): restore a checkpoint if you keep them, else lower the LR
+
+    A loop that acts only on ``skip`` and HALT is never left skipping: after
+    ``max_consecutive_skips`` skips in a row the weights, not the batches, are the suspect
+    (skipping cannot repair weights), so the detector pages (Tier 2) and recommends no more
+    skips until ``arm_quiet`` steps in a row look healthy again.
     """
 
     def __init__(self, config: DetectorConfig | None = None) -> None:
@@ -157,6 +226,11 @@ class SpikeDetector:
         self._rules = rules
         self._judge = [r for r in rules.values() if r.phase == "judge"]
         self._after = [r for r in rules.values() if r.phase == "after"]
+        # the hot path's view of them: bound methods with their tiers, and only the folds that
+        # do something (the loop over rules is most of an update's cost)
+        self._judge_calls = [(r.update, r.tier) for r in self._judge]
+        self._after_calls = [(r.update, r.tier) for r in self._after]
+        self._folds = [r.fold for r in self._judge if type(r).fold is not Rule.fold]
         # the rules whose numbers the verdict quotes (evidence and context)
         self._grad, self._ratio = rules["grad_spike"], rules["loss_ratio"]
         self._storm, self._loss = rules["skip_storm"], rules["loss_elevated"]
@@ -187,7 +261,7 @@ class SpikeDetector:
         by. NaN before any history."""
         return self._ratio.ema.value
 
-    def update(self, m: StepMetrics, *, released: bool = False, blind: bool = False,
+    def update(self, m: StepMetrics, *, released: bool | None = None, blind: bool = False,
                update_ratio: float | None = None) -> Verdict:
         """Judge one step. Call once per step, in order, with host floats (a torch.Tensor field
         raises TypeError: convert it with ``float(...)`` where a sync is acceptable).
@@ -198,7 +272,9 @@ class SpikeDetector:
         kept out of every history (and watched for recovery, as a skip is). ``blind``: released
         without a test of the weights (no reference batch): it counts towards a storm as a skip
         would, since nothing showed the weights at fault. ``update_ratio``: the signals' reading
-        of this step's update (``UpdateJump``), None without one."""
+        of this step's update (``UpdateJump``), None without one. ``released`` None (the
+        default): the detector decides, releasing flagged steps after a skip storm (class
+        docstring; the fraction rule pages without releasing)."""
         if type(m) is not StepMetrics and not isinstance(m, StepMetrics):
             raise TypeError(f"SpikeDetector.update takes a StepMetrics, got {type(m).__name__}")
         step, loss, g, lz, nf, given = (m.step, m.loss, m.grad_norm, m.log_z, m.nan_frac,
@@ -220,35 +296,25 @@ class SpikeDetector:
         x.step, x.loss, x.grad_norm, x.log_z, x.given_ratio = (
             step, loss, g, _nan if lz is None else lz, given)
         x.skip = x.spike = x.loss_flag = False
+        if released is None:  # the caller leaves it to the detector: release in a storm
+            released = blind = self._storm.suspect
         x.released, x.blind = released, released and blind
         x.update_ratio = _nan if update_ratio is None else update_ratio
         x.i, x.j = self._n_seen, self._n_clean
         x.armed = x.j >= self._arm_after
         self._n_seen += 1
         events: tuple[list[Event], ...] = ([], [], [], [])  # by tier
-        self._phase(self._judge, x, events)
+        _phase(self._judge_calls, x, events)
         # a flagged step stays out of every history: the next steps are judged against the
         # run as it was, not against a level the anomaly itself has moved
         x.kept = not (x.skip or events[3])
         if x.kept:
-            for rule in self._judge:
-                rule.fold(x)
+            for fold in self._folds:
+                fold(x)
             self._n_clean += 1
         x.t1_onset = events[1][0][0] if x.skip else None
-        self._phase(self._after, x, events)
+        _phase(self._after_calls, x, events)
         return self._decide(x, events)
-
-    @staticmethod
-    def _phase(rules: list[Rule], x: StepInput, events: tuple[list[Event], ...]) -> None:
-        """Run one phase's rules in declared order, filing their events by tier."""
-        for rule in rules:
-            e = rule.update(x)
-            if e is None:
-                continue
-            if type(e) is list:
-                events[rule.tier].extend(e)
-            else:
-                events[rule.tier].append(e)
 
     def _decide(self, x: StepInput, events: tuple[list[Event], ...]) -> Verdict:
         """The tier and action from the events, with the evidence behind them."""
@@ -330,6 +396,9 @@ class SpikeDetector:
         """Restore a ``state_dict``; the config must match this detector's. On an error the
         detector is left as it was."""
         version = state.get("version")
+        if version == 5:
+            state = _from_v5(state, self.config)
+            version = _STATE_VERSION
         if version != _STATE_VERSION:
             raise ValueError(
                 f"detector state version {version!r} cannot be loaded: this spikeguard reads "

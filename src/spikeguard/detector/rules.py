@@ -25,7 +25,7 @@ from .config import DetectorConfig
 
 __all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "LossSpike", "NonFinite", "Rule",
            "ScalerOverflow", "StepInput", "grad_limit", "grad_spike", "joint_spike", "loss_limit",
-           "loss_spike", "ratio_spike"]
+           "loss_spike", "quiet_arm", "ratio_spike"]
 
 Event = tuple[int, str]
 """(onset step, reason): where the anomaly a rule saw began, and a short text naming its metric."""
@@ -64,6 +64,15 @@ def joint_spike(grad_norm: Any, grad_half: Any, loss: Any, level: Any, limit: An
     spreads, and 3-4x the median grad norm, under a 4x bar), while a healthy batch is rarely
     far out on both at once: none of 12,352 armed steps of 80 clean tiny runs was."""
     return (loss > level + 0.5 * (limit - level)) & (grad_norm > grad_half)
+
+
+def quiet_arm(quiet: int, need: int, outside: bool) -> tuple[int, bool]:
+    """One judged update of a rule that is not yet on: (the new quiet count, whether the rule is
+    on now). A statistic past the rule's bar restarts the count; ``need`` (``arm_quiet``) in a
+    row inside it turn the rule on for good: its statistic is in control, whatever the warmup
+    or the optimizer made of the run's first steps."""
+    quiet = 0 if outside else quiet + 1
+    return quiet, quiet >= need
 
 
 def loss_spike(loss: Any, limit: Any) -> Any:

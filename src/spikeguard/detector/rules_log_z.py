@@ -13,7 +13,7 @@ import math
 
 from ..measure.stats import RunningMedian, SlidingMin
 from .config import DetectorConfig
-from .rules import Event, Rule, StepInput
+from .rules import Event, Rule, StepInput, quiet_arm
 
 __all__ = ["LogZDrift", "LogZJump", "LogZRise"]
 
@@ -33,12 +33,14 @@ class LogZDrift(Rule):
     log Z leaves the rule and its history untouched.
     """
 
-    __slots__ = ("advice", "advice_at", "context", "drift", "fired", "med", "median", "onset",
-                 "onset_dev", "reason")
-    _scalars = ("onset", "fired")
+    __slots__ = ("advice", "advice_at", "arm", "context", "drift", "fired", "med", "median",
+                 "need", "on", "onset", "onset_dev", "quiet", "reason")
+    _scalars = ("onset", "fired", "quiet", "on")
     _stats = ("median",)
 
     def __init__(self, c: DetectorConfig) -> None:
+        self.arm = c.grad_arm_after
+        self.need, self.quiet, self.on = c.arm_quiet, 0, False
         self.median = RunningMedian(c.median_window)
         self.onset_dev = c.log_z_onset
         self.drift = c.log_z_drift
@@ -68,11 +70,13 @@ class LogZDrift(Rule):
             self.onset = None
             self.fired = False
         event = None
-        if armed:
+        if self.on:
             if dev > self.drift and not self.fired:
                 event = (self.onset, self.reason)
                 self.fired = True
             self.advice = lz > self.advice_at and dev > self.onset_dev
+        elif armed and x.j >= self.arm and dev == dev:
+            self.quiet, self.on = quiet_arm(self.quiet, self.need, dev > self.drift)
         if x.kept:
             self.median.update(lz)
         x.log_z_onset = self.onset
@@ -87,11 +91,14 @@ class LogZRise(Rule):
     would otherwise fire again each time the window slides past its foot.
     """
 
-    __slots__ = ("fired", "limit", "reason", "rise", "window")
-    _scalars = ("fired",)
+    __slots__ = ("arm", "fired", "limit", "need", "on", "quiet", "reason", "rise", "window")
+    _scalars = ("fired", "quiet", "on")
     _stats = ("window",)
 
     def __init__(self, c: DetectorConfig) -> None:
+        self.arm = c.grad_arm_after
+        # in control over its whole window: a rise still building up stays inside the bar
+        self.need, self.quiet, self.on = max(c.arm_quiet, c.log_z_rise_steps), 0, False
         self.window = SlidingMin(c.log_z_rise_steps)
         self.limit = c.log_z_rise
         self.fired = False
@@ -107,13 +114,15 @@ class LogZRise(Rule):
         low, low_step = self.window.min_before(j)
         rise = self.rise = lz - low
         event = None
-        if armed:
+        if self.on:
             if rise > self.limit:
                 if not self.fired:
                     event = (onset if onset is not None else low_step, self.reason)
                     self.fired = True
             elif onset is None:
                 self.fired = False
+        elif armed and j >= self.arm and rise == rise:
+            self.quiet, self.on = quiet_arm(self.quiet, self.need, rise > self.limit)
         if x.kept:
             self.window.push(j, lz, step)
         return event
@@ -132,14 +141,15 @@ class LogZJump(Rule):
     fast as the grad norm does (the clean runs stood up to 0.92 above their median at step 32,
     at most 0.78 from step 40 on). A missing log Z leaves it untouched. 0: off."""
 
-    __slots__ = ("arm", "dev", "fired", "jump", "median", "onset", "onset_dev", "reason",
-                 "window")
-    _scalars = ("onset", "fired")
+    __slots__ = ("arm", "dev", "fired", "jump", "median", "need", "on", "onset", "onset_dev",
+                 "quiet", "reason", "window")
+    _scalars = ("onset", "fired", "quiet", "on")
     _stats = ("median",)
 
     def __init__(self, c: DetectorConfig) -> None:
         self.jump = c.log_z_jump
         self.arm = c.grad_arm_after
+        self.need, self.quiet, self.on = c.arm_quiet, 0, False
         self.window = c.log_z_jump_window
         self.median = RunningMedian(c.log_z_jump_window)
         self.onset_dev = min(c.log_z_onset, c.log_z_jump)
@@ -162,9 +172,12 @@ class LogZJump(Rule):
             self.onset = None
             self.fired = False
         event = None
-        if x.armed and x.j >= self.arm and dev > self.jump and not self.fired:
-            self.fired = True
-            event = (self.onset, self.reason)
+        if self.on:
+            if dev > self.jump and not self.fired:
+                self.fired = True
+                event = (self.onset, self.reason)
+        elif x.armed and x.j >= self.arm and dev == dev:
+            self.quiet, self.on = quiet_arm(self.quiet, self.need, dev > self.jump)
         if x.kept:
             median.update(lz)
         return event

@@ -63,14 +63,21 @@ class SkipStorm(Rule):
     rule counts only skips, and is dated by the oldest skip still in the window.
     """
 
-    __slots__ = ("count", "frac_reason", "latched", "limit", "max_run", "released", "run",
-                 "run_onset", "run_reason", "weights_reason", "window")
-    _scalars = ("run", "run_onset", "latched", "released")
+    __slots__ = ("calm", "count", "frac_reason", "latched", "limit", "max_run", "need",
+                 "released", "run", "run_onset", "run_reason", "suspect", "weights_reason",
+                 "window")
+    _scalars = ("run", "run_onset", "latched", "released", "suspect", "calm")
     _stats = ("window",)
     phase = "judge"
 
     def __init__(self, c: DetectorConfig) -> None:
         self.max_run = c.max_consecutive_skips
+        self.need = c.arm_quiet
+        self.suspect = False
+        """A storm made the weights the suspect: the detector, left to decide (``released``
+        None), recommends no more skips until ``calm`` reaches arm_quiet."""
+        self.calm = 0
+        """Unflagged updates in a row while ``suspect``."""
         self.limit = c.max_skip_fraction * c.skip_window
         self.window = EventWindow(c.skip_window)
         self.run = 0
@@ -89,6 +96,12 @@ class SkipStorm(Rule):
         step, i, flag = x.step, x.i, x.skip
         skip = flag and not x.released
         events = None
+        if flag:
+            self.calm = 0
+        elif self.suspect:
+            self.calm += 1
+            if self.calm >= self.need:  # in control again: skips may repair batches again
+                self.suspect, self.calm = False, 0
         if flag and (skip or x.loss_flag or x.blind):
             if self.run == 0:
                 self.run_onset, self.released = step, 0
@@ -99,6 +112,8 @@ class SkipStorm(Rule):
             if self.run == self.max_run + 1:
                 reason = self.weights_reason if self.released else self.run_reason
                 events = [(self.run_onset, reason)]
+            if self.run > self.max_run:  # from the storm's Tier 2 on
+                self.suspect = True
         elif not flag:
             self.run = 0
         window = self.window

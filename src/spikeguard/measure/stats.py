@@ -12,8 +12,9 @@ in ``_device_stats`` (imported on first use: the host side needs no torch).
 
 from __future__ import annotations
 
-import heapq
 import math
+from bisect import bisect_left as _bisect_left
+from bisect import insort as _insort
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -24,100 +25,56 @@ if TYPE_CHECKING:
 
 __all__ = ["EMA", "DeviceEMA", "DeviceRunningMedian", "EventWindow", "RunningMedian", "SlidingMin"]
 
+_isfinite = math.isfinite
+
 
 class RunningMedian:
-    """Median of the last ``window`` values, O(log window) per update.
+    """Median of the last ``window`` values: a sorted copy of the window beside its FIFO.
 
-    Two heaps (a max-heap of the lower half and a min-heap of the upper half) with lazy deletion:
-    a value that leaves the window is marked dead and popped when it reaches a heap top. With an
-    even count the median is the mean of the two middle values (``statistics.median``).
+    Each update is a binary search and one insert (and, once full, one delete) in a sorted
+    list: O(log window) comparisons and an O(window) move of pointers, all in C (``bisect``,
+    ``list.insert``), which for the detector's windows (32 to 5,000) is several times faster
+    than two heaps with lazy deletion driven from Python. With an even count the median is the
+    mean of the two middle values (``statistics.median``).
     """
+
+    __slots__ = ("_fifo", "_sorted", "window")
 
     def __init__(self, window: int = 5000) -> None:
         check_int(window, "window")
         self.window = window
-        self._fifo: deque[tuple[int, float]] = deque()
-        self._low: list[tuple[float, int]] = []   # (-value, id): max-heap of the lower half
-        self._high: list[tuple[float, int]] = []  # (value, id): min-heap of the upper half
-        self._side: dict[int, bool] = {}          # id -> True when in the lower half
-        self._dead: set[int] = set()
-        self._n_low = 0
-        self._n_high = 0
-        self._next_id = 0
+        self._fifo: deque[float] = deque()
+        self._sorted: list[float] = []
 
     def __len__(self) -> int:
         return len(self._fifo)
 
-    def _prune(self, heap: list[tuple[float, int]]) -> None:
-        while heap and heap[0][1] in self._dead:
-            self._dead.discard(heapq.heappop(heap)[1])
-
-    def _rebalance(self) -> None:
-        while self._n_low > self._n_high + 1:
-            self._prune(self._low)
-            neg, i = heapq.heappop(self._low)
-            heapq.heappush(self._high, (-neg, i))
-            self._side[i] = False
-            self._n_low -= 1
-            self._n_high += 1
-        while self._n_high > self._n_low:
-            self._prune(self._high)
-            val, i = heapq.heappop(self._high)
-            heapq.heappush(self._low, (-val, i))
-            self._side[i] = True
-            self._n_high -= 1
-            self._n_low += 1
-        self._prune(self._low)
-        self._prune(self._high)
-
     def update(self, value: float) -> None:
         """Add a finite value; the oldest leaves once the window is full."""
-        value = float(value)
-        if not math.isfinite(value):
+        if type(value) is not float:
+            value = float(value)
+        if not _isfinite(value):
             raise ValueError(f"RunningMedian.update({value}): only finite values belong in the history")
-        i = self._next_id
-        self._next_id += 1
-        self._prune(self._low)
-        if self._n_low == 0 or value <= -self._low[0][0]:
-            heapq.heappush(self._low, (-value, i))
-            self._side[i] = True
-            self._n_low += 1
-        else:
-            heapq.heappush(self._high, (value, i))
-            self._side[i] = False
-            self._n_high += 1
-        self._fifo.append((i, value))
-        if len(self._fifo) > self.window:
-            old, _ = self._fifo.popleft()
-            if self._side.pop(old):
-                self._n_low -= 1
-            else:
-                self._n_high -= 1
-            self._dead.add(old)
-        self._rebalance()
-        if len(self._low) + len(self._high) > 2 * self.window + 64:
-            self._compact()
-
-    def _compact(self) -> None:
-        # dead entries buried below the tops would otherwise accumulate without bound
-        self._low = [e for e in self._low if e[1] not in self._dead]
-        self._high = [e for e in self._high if e[1] not in self._dead]
-        heapq.heapify(self._low)
-        heapq.heapify(self._high)
-        self._dead.clear()
+        srt = self._sorted
+        if len(srt) == self.window:
+            del srt[_bisect_left(srt, self._fifo.popleft())]
+        self._fifo.append(value)
+        _insort(srt, value)
 
     @property
     def value(self) -> float:
         """The median of the window; NaN while empty."""
-        if not self._fifo:
+        srt = self._sorted
+        n = len(srt)
+        if n & 1:
+            return srt[n >> 1]
+        if not n:
             return math.nan
-        if self._n_low > self._n_high:
-            return -self._low[0][0]
-        return (-self._low[0][0] + self._high[0][0]) / 2.0
+        return (srt[(n >> 1) - 1] + srt[n >> 1]) / 2.0
 
     def values(self) -> list[float]:
         """The window's values, oldest first."""
-        return [v for _, v in self._fifo]
+        return list(self._fifo)
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window, "values": self.values()}
