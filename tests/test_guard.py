@@ -134,6 +134,11 @@ def test_a_nan_gradient_halts_naming_the_parameter_and_the_halt_is_the_last_reco
     assert records[-1]["step"] == 90 and records[-1]["action"] == "halt"
     assert records[-1]["halt"]["nonfinite_params"] == ["blocks.1.attn.qkv.weight"]
     assert [r["step"] for r in records] == list(range(91))
+    # only a gradient was poisoned: the halt record keeps the forward's log Z (finite, on the
+    # run's level), not NaN
+    log_z = records[-1]["log_z"]
+    assert isinstance(log_z, float) and math.isfinite(log_z)
+    assert abs(log_z - records[-2]["log_z"]) < 1.0
 
 
 def test_with_read_lag_1_the_halt_still_names_the_parameter_after_its_grads_are_gone(tmp_path):

@@ -371,8 +371,8 @@ class SpikeDetector:
         return Verdict(step, tier, action, tuple(dict.fromkeys(reasons)), onset, evidence, skip)
 
     def _nonfinite(self, m: StepMetrics) -> Verdict:
-        evidence = {"loss": m.loss, "grad_norm": m.grad_norm, "nan_frac": m.nan_frac,
-                    "grad_median": self._grad.median.value}
+        evidence = {"loss": m.loss, "grad_norm": m.grad_norm, "log_z": m.log_z,
+                    "nan_frac": m.nan_frac, "grad_median": self._grad.median.value}
         if m.grad_scale is not None:
             e = self._scaler.update(m.step, m.grad_scale)
             evidence["grad_scale"] = m.grad_scale
