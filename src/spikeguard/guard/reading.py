@@ -88,6 +88,8 @@ class Pending:
     """``guard.decide()``: the framework applies the update; the guard applies nothing."""
     lr_factor: float = 1.0
     """The LR multiplier of this step (``Updater.lr``); a release applies it too."""
+    lr_jump: str | None = None
+    """Why the step was withheld before it was applied: its LR jumped (``lr_jump.py``)."""
 
     @property
     def grads_alive(self) -> bool:
