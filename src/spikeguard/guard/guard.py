@@ -302,6 +302,7 @@ class Guard:
         factor = up.lr.factor(t)
         lr = up.current_lr()  # before the update: the rate it used
         jumped, why = up.lr_jump.test(lr) if self.config.respond else (False, None)
+        lr_onset = up.lr_jump.onset if jumped and up.lr_jump.ceiling is not None else None
         lr = lr * factor if lr is not None else None
         stats, reading = up.device_step(batch.loss, batch.log_z, factor, apply=not framework,
                                         jumped=jumped)
@@ -322,7 +323,8 @@ class Guard:
         return Pending(t, Readback([vec]), lr, batches, data_state, batch.rerun, probes,
                        stats if keep_grads else None,
                        None if keep_grads else stats.finite_pieces(), batch.rows,
-                       self._reference, framework=framework, lr_factor=factor, lr_jump=why)
+                       self._reference, framework=framework, lr_factor=factor, lr_jump=why,
+                       lr_onset=lr_onset)
 
     # -- the host side: the stages ------------------------------------------------------------
     def _resolve(self, p: Pending) -> Verdict:
@@ -365,18 +367,20 @@ class Guard:
         step withheld for its LR is a Tier 1 skip, the first of an episode a Tier 2 dated at
         itself (a page: nothing reached the weights); an anomaly seen after the fact on an update
         whose LR had left its recent range holds the LR under that range from the next step on
-        (``LrJump.anomaly``)."""
+        (``LrJump.anomaly``), and the first step it withholds is the Tier 2, dated at the first
+        step at the risen LR (the weights were moved: a rollback's incident)."""
         v, jump = out.verdict, self.updater.lr_jump
         if p.lr_jump is not None and v.tier < 3:
             tier = 2 if jump.starts() else max(v.tier, 1)
             out.cause = "lr"
             out.verdict = v._replace(tier=max(v.tier, tier), reasons=(*v.reasons, p.lr_jump),
                                      action=Action.SKIP if tier == 1 else Action.ROLLBACK,
-                                     onset_step=p.step if tier == 2 else v.onset_step,
+                                     onset_step=(p.lr_onset or p.step) if tier == 2
+                                     else v.onset_step,
                                      skip=True)
         elif self.config.respond and p.lr_jump is None and (
                 v.tier == 2 or out.cause == "weights"):
-            jump.anomaly()
+            jump.anomaly(p.step)
         return out
 
     def _weigh(self, p: Pending, out: StepOutcome) -> StepOutcome:

@@ -55,6 +55,8 @@ class LrJump:
         self.largest = 1.0
         """The largest step-to-step ratio of the steps that passed."""
         self.ceiling: float | None = None
+        self.onset: int | None = None
+        """The first step at the risen LR of the last anomaly after the fact."""
         self.open = False
         """A jump is in progress (its first step was the incident; the rest are skips)."""
 
@@ -90,18 +92,26 @@ class LrJump:
         first, self.open = not self.open, True
         return first
 
-    def anomaly(self) -> bool:
-        """A Tier 2 or a weights-at-fault verdict on an applied update: when the LR of that
-        update (``last``) has left its recent range (above the bar times their median), the LR
-        is the suspect: hold it under that median (module docstring). Returns whether a
-        ceiling was set."""
+    def anomaly(self, step: int) -> bool:
+        """A Tier 2 or a weights-at-fault verdict on the update of ``step`` (the last that
+        passed): when its LR had left its recent range (above the bar times their median), the
+        LR is the suspect: hold it under that median (module docstring), and date the trouble
+        from the first of the steps in a row above that range (``onset``). The next withheld
+        step opens the episode: the weights were moved, so it is the incident. Returns whether
+        a ceiling was set."""
         if not self.recent or self.last is None:
             return False
         ordered = sorted(self.recent)
         median = ordered[(len(ordered) - 1) // 2]
-        if self.last <= median * self.bar:
+        high = median * self.bar
+        if self.last <= high:
             return False
-        self.ceiling, self.open = median, True
+        risen = 0
+        for lr in reversed(self.recent):
+            if lr <= high:
+                break
+            risen += 1
+        self.ceiling, self.open, self.onset = median, False, step - risen + 1
         return True
 
     def state_dict(self) -> dict[str, Any]:

@@ -90,6 +90,8 @@ class Pending:
     """The LR multiplier of this step (``Updater.lr``); a release applies it too."""
     lr_jump: str | None = None
     """Why the step was withheld before it was applied: its LR jumped (``lr_jump.py``)."""
+    lr_onset: int | None = None
+    """A jump after an anomaly at a risen LR (the weights were moved): the first step at it."""
 
     @property
     def grads_alive(self) -> bool:

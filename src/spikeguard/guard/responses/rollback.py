@@ -5,7 +5,7 @@ With nothing sound to go back to (``control.py``: healthy, or its anomaly healed
 onset) it alerts, training goes on (a halt would lose the run), and the record and the summary
 say that no checkpoint precedes the onset. An incident whose update was withheld before it was
 applied (its LR jumped: ``guard/lr_jump.py``) left the weights as they were: it pages, and
-nothing is rolled back.
+nothing is rolled back (unless the jump follows updates at a risen LR that did reach them).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class Rollback:
         if not control.budget_left:
             return self.halt.halt(incident, control, summary=summary,
                                   detail=f"rollback budget of {control.max_rollbacks} exhausted")
-        if getattr(incident.pending, "lr_jump", None) is not None:
+        pending = incident.pending
+        if getattr(pending, "lr_jump", None) is not None and pending.lr_onset is None:
             page(incident, control, summary)
             return Reply(Action.ALERT, record={
                 "summary": summary, "rollback_not_needed": "the update was withheld before it "
