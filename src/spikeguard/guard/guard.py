@@ -331,6 +331,8 @@ class Guard:
         """Step ``p``'s numbers through the stages: read, weights check, detect, attribute,
         settle the update, respond, record, checkpoint."""
         reading, tail = StepReading.read(p.readback.values())
+        if reading.lr_jumped and p.lr_jump is None:  # agreed across ranks (Updater.measure)
+            p.lr_jump = "lr jump on another rank: withheld on every rank"
         out = StepOutcome(p.step, reading, Update.WITHHELD if reading.withheld else Update.APPLIED,
                           update_bound=self.updater.bound.active, lr_factor=p.lr_factor)
         if self.weights is not None and p.lr_jump is None:  # never released: the LR is at fault
@@ -378,9 +380,10 @@ class Guard:
                                      onset_step=(p.lr_onset or p.step) if tier == 2
                                      else v.onset_step,
                                      skip=True)
-        elif self.config.respond and p.lr_jump is None and (
-                v.tier == 2 or out.cause == "weights"):
-            jump.anomaly(p.step)
+        elif p.lr_jump is None:
+            jump.passed()
+            if self.config.respond and (v.tier == 2 or out.cause == "weights"):
+                jump.anomaly(p.step)
         return out
 
     def _weigh(self, p: Pending, out: StepOutcome) -> StepOutcome:

@@ -82,7 +82,6 @@ class LrJump:
                               f"{self.last:.4g} (bar {bar:.3g}: {self.margin:g}x the largest "
                               f"step-to-step ratio of this run's schedule, {self.largest:.3g})")
             self.largest = max(self.largest, ratio)
-        self.open = False
         self.last = lr
         self.recent.append(lr)
         return False, None
@@ -91,6 +90,10 @@ class LrJump:
         """A withheld jump: True when it opens an episode (its first step: the incident)."""
         first, self.open = not self.open, True
         return first
+
+    def passed(self) -> None:
+        """A step no rank withheld for its LR: an episode is over (the host side, agreed)."""
+        self.open = False
 
     def anomaly(self, step: int) -> bool:
         """A Tier 2 or a weights-at-fault verdict on the update of ``step`` (the last that

@@ -188,10 +188,14 @@ class Updater:
         self.backwards += 1
         self.precision.scale(loss).backward()
 
-    def measure(self, loss: torch.Tensor, log_z: torch.Tensor) -> GradStats:
-        """Unscale (fp16), then one all-reduce: global norm, loss and log Z over data ranks."""
+    def measure(self, loss: torch.Tensor, log_z: torch.Tensor,
+                jumped: torch.Tensor | None = None) -> GradStats:
+        """Unscale (fp16), then one all-reduce: global norm, loss and log Z over data ranks (and
+        ``jumped``, this rank's LR-jump flag: above 0 after the mean when any rank's LR jumped,
+        so every rank withholds alike)."""
         self.precision.unscale_(self.optimizer)
-        return grad_stats(self.params, extras=torch.stack([loss, log_z]),
+        extras = [loss, log_z] if jumped is None else [loss, log_z, jumped.to(loss.dtype)]
+        return grad_stats(self.params, extras=torch.stack(extras),
                           pp_group=self.pp_group, tp_group=self.tp_group,
                           per_tensor=self.clipper.per_tensor)
 
@@ -201,8 +205,11 @@ class Updater:
         applies nothing: the framework steps its optimizer on the gradients in place;
         ``jumped`` (a host decision: the LR jumped, ``lr_jump.py``) withholds it. Returns
         the GradStats and the step's ``StepReading`` as 0-d device tensors."""
-        stats = self.measure(loss, log_z)
+        flag = torch.full((), float(jumped), device=loss.device) if self.respond else None
+        stats = self.measure(loss, log_z, flag)
         loss_g, log_z_g = stats.extras[0], stats.extras[1]
+        any_jump = stats.extras[2] > 0 if flag is not None else torch.zeros((), dtype=torch.bool,
+                                                                            device=loss.device)
         armed = self.gate.armed()
         gate = self.gate(stats.norm, loss_g)
         if not self.respond:
@@ -211,8 +218,8 @@ class Updater:
             skip = ~torch.isfinite(stats.norm) | ~torch.isfinite(loss_g)
         else:
             skip = gate
-        if jumped and self.respond:
-            skip = torch.ones_like(gate)
+        if self.respond:  # the agreed flag: a host value on one rank, the same device bool on all
+            skip = torch.logical_or(skip, any_jump.to(skip.device))
         coef = (self.clipper.clip_(stats, self.optimizer, skip) if self.clipper.active
                 else torch.ones_like(stats.norm))
         bounded = None
@@ -226,7 +233,7 @@ class Updater:
         if scale is None:
             scale = torch.full((), float("nan"), device=stats.norm.device)
         return stats, StepReading(loss_g, log_z_g, stats.norm, skip, armed, coef, scale, gate,
-                                  bounded)
+                                  bounded, any_jump)
 
     def _apply(self, step: Callable[[], None], skip: torch.Tensor | bool,
                factor: float) -> torch.Tensor | None:
