@@ -331,8 +331,10 @@ class Guard:
         """Step ``p``'s numbers through the stages: read, weights check, detect, attribute,
         settle the update, respond, record, checkpoint."""
         reading, tail = StepReading.read(p.readback.values())
-        if reading.lr_jumped and p.lr_jump is None:  # agreed across ranks (Updater.measure)
-            p.lr_jump = "lr jump on another rank: withheld on every rank"
+        if reading.lr_jumped and (p.lr_jump is None or torch.distributed.is_initialized()):
+            # agreed across ranks (Updater.measure); the reason too: every rank's the same
+            p.lr_jump = ("lr jump: the LR on some rank rose past its bar (2x the largest "
+                         "step-to-step ratio of the schedule): withheld on every rank")
         out = StepOutcome(p.step, reading, Update.WITHHELD if reading.withheld else Update.APPLIED,
                           update_bound=self.updater.bound.active, lr_factor=p.lr_factor)
         if self.weights is not None and p.lr_jump is None:  # never released: the LR is at fault
