@@ -33,8 +33,16 @@ class Fault:
     length: int = 1
     sticky: bool = False
     """Fire every time training passes the steps (else once: a rollback ends it for good)."""
+    ramp: int = 1
+    """"lr": reach ``mult`` over this many steps (``mult ** (k / ramp)`` at the fault's k-th
+    step, 1-based): each step's LR change is then ``mult ** (1 / ramp)``."""
     remaining: int | None = None
     last: int = -1
+
+    def lr_mult(self, t: int) -> float:
+        """"lr": the factor at step t, an active step of the fault."""
+        k = t - self.step + 1 if self.sticky else self.length - (self.remaining or 0)
+        return self.mult ** min(1.0, k / self.ramp)
 
     def active(self, t: int) -> bool:
         if self.sticky:
@@ -134,7 +142,7 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                     factor = scale if f.kind == "sharp" else None
             saved = None
             if any(f.kind == "lr" for f in active):
-                mult = next(f.mult for f in active if f.kind == "lr")
+                mult = next(f.lr_mult(t) for f in active if f.kind == "lr")
                 saved = [g["lr"] for g in opt.param_groups]
                 for g in opt.param_groups:
                     g["lr"] *= mult

@@ -67,7 +67,7 @@ def folders(root: Path) -> dict[int, str]:
 
 
 def test_the_guards_rollbacks_lose_no_checkpoint(tmp_path):
-    """A sticky LR fault (x50 from step 20): the guard rolls back twice and halts at its budget;
+    """A sticky LR fault (rising to x50 from step 20): the guard rolls back twice and halts at its budget;
     every checkpoint folder that existed before a rollback still exists after the run, the
     damaged ones its replay wrote again in superseded/."""
     steps, every = 40, 4
@@ -91,7 +91,9 @@ def test_the_guards_rollbacks_lose_no_checkpoint(tmp_path):
                 seen.update(now)
                 x, y = next(data)
                 for g in opt.param_groups:
-                    g["lr"] = 3e-3 * (50 if t >= 20 else 1)
+                    # x50 reached over 8 steps from 20 (each step's change under the guard's
+                    # LR-jump bar, which would withhold a jump before it is applied)
+                    g["lr"] = 3e-3 * 50 ** min(1.0, max(0, t - 19) / 8)
                 out = model.loss(model(x), y)
                 out.loss.backward()
                 guard.step(out)

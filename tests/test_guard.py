@@ -188,51 +188,62 @@ def test_a_nan_from_the_data_is_traced_to_the_first_module_forward_and_backward(
 
 @pytest.fixture(scope="module")
 def lr_fault_runs(tmp_path_factory, one_thread_module):
+    """LR x50 for 20 steps from step 150: at once ("alert", "rollback": the host sees the LR
+    jump before the step) and reached over four steps ("ramp": each step's change under the
+    jump bar, so only the update's effects show it, after the fact), under rollback."""
     root = tmp_path_factory.mktemp("lr")
-    return {policy: guarded_run(steps=STEPS, out=root / policy, tier2=policy,
+    runs = {policy: guarded_run(steps=STEPS, out=root / policy, tier2=policy,
                                 faults=[Fault("lr", 150, mult=50.0, length=20)])
             for policy in ("alert", "rollback")}
+    runs["ramp"] = guarded_run(steps=STEPS, out=root / "ramp", tier2="rollback",
+                               faults=[Fault("lr", 150, mult=50.0, length=20, ramp=4)])
+    return runs
 
 
-def test_a_transient_lr_spike_under_the_default_policy_alerts_and_goes_on(lr_fault_runs):
-    """The LR fault damages the weights: the weights check finds the reference batch failing
-    the gate too, so the updates go through (no storm of skips holding the weights where they
-    are), Tier 2 pages with its summary within 10 steps of the first anomaly, and the run
-    finishes (only Tier 3 halts under the default policy)."""
-    run = lr_fault_runs["alert"]
-    assert run.halted is None and max(run.losses) == STEPS - 1
+@pytest.mark.parametrize("policy", ["alert", "rollback"])
+def test_a_transient_lr_jump_is_withheld_paged_at_once_and_needs_no_rollback(
+        lr_fault_runs, clean, policy):
+    """The LR fault's updates never reach the weights: each of the 20 steps is withheld before
+    it is applied (cause "lr"; none let through as cause "weights"), Tier 2 pages at the first
+    one, dated at itself, and nothing is rolled back under either policy (the weights are as
+    they were); the run ends within 2% of the clean run."""
+    run = lr_fault_runs[policy]
+    assert run.halted is None and max(run.losses) == STEPS - 1 and run.guard.rollbacks == 0
     records = read_metrics(run.guard.checkpoints.directory.parent / "metrics.jsonl")
-    first = next(r for r in records if r["tier"] >= 1)
-    weights = [r for r in records if r.get("cause") == "weights"]
-    assert weights and all(not r["skipped"] and r["action"] == "alert" for r in weights)
+    faulty = [r for r in records if 150 <= r["step"] < 170]
+    assert all(r["skipped"] and r["cause"] == "lr" for r in faulty)
+    assert not any(r.get("cause") == "weights" for r in records)
     alert = next(r for r in records if r["tier"] == 2)
-    assert alert["action"] == "alert" and alert["step"] - first["step"] <= 10
+    assert alert["step"] == 150 and alert["action"] == "alert"
     assert alert["summary"]["rollback_checkpoint"] == 125
-    assert alert["summary"]["onset_step"] >= 150
+    assert alert["summary"]["onset_step"] == 150
+    assert abs(run.final_loss() / clean.final_loss() - 1) < 0.02
 
 
-def test_a_plain_guard_reads_the_update_ratio_and_pages_at_the_faulty_update(lr_fault_runs,
-                                                                            tmp_path):
-    """A guard built without probes still reads the signals: the LR fault's first update (step
-    150) reads at least 20x the median update ratio, and Tier 2 pages at that update itself.
-    Built with GuardConfig(signals=False), no record carries an update ratio, and the page comes
-    only after the loss has moved."""
-    records = read_metrics(lr_fault_runs["alert"].guard.checkpoints.directory.parent
-                              / "metrics.jsonl")
-    ratios = [r.get("update_ratio") for r in records]
+def test_the_update_ratio_is_read_and_pages_within_an_lr_ramp(lr_fault_runs, tmp_path):
+    """A guard built without probes still reads the signals: the ramp's updates read a rising
+    update ratio, and Tier 2 comes by step 153 (the x50 step is never applied). Built with
+    GuardConfig(signals=False), no record carries an update ratio."""
+    records = read_metrics(lr_fault_runs["ramp"].guard.checkpoints.directory.parent
+                           / "metrics.jsonl")
+    first: dict[int, dict] = {}  # each step's first record (a rollback replays some)
+    for r in records:
+        first.setdefault(r["step"], r)
+    ratios = [first[t].get("update_ratio") for t in range(STEPS)]
     assert sum(v is not None for v in ratios) >= STEPS - 1
-    assert ratios[150] >= 20 * sorted(ratios[118:150])[16]  # the premise, measured
+    # the ramp's updates read it, rising with the LR (x2.7, x7, x19: 15x the median by 152)
+    median = sorted(ratios[118:150])[16]
+    assert median < ratios[150] < ratios[151] < ratios[152] and ratios[152] >= 10 * median
     page = next(r for r in records if r["tier"] == 2)
-    assert page["step"] == 150 and page["reasons"][0] == "update_ratio > 20x median", page
-    off = guarded_run(steps=STEPS, out=tmp_path, signals=False,
-                      faults=[Fault("lr", 150, mult=50.0, length=20)])
+    assert 150 <= page["step"] <= 154, page
+    off = guarded_run(steps=160, out=tmp_path, signals=False,
+                      faults=[Fault("lr", 150, mult=50.0, length=5, ramp=4)])
     records = read_metrics(off.guard.checkpoints.directory.parent / "metrics.jsonl")
     assert not any("update_ratio" in r for r in records)
-    assert next(r for r in records if r["tier"] == 2)["step"] > 150
 
 
-def test_a_transient_lr_spike_with_rollback_recovers_within_2pct(lr_fault_runs, clean, tmp_path):
-    run = lr_fault_runs["rollback"]
+def test_an_lr_ramp_with_rollback_recovers_within_2pct(lr_fault_runs, clean):
+    run = lr_fault_runs["ramp"]
     assert run.halted is None
     assert ("rollback" in [a for _, a in _flagged(run)])
     assert run.guard.rollbacks == 1 and max(run.losses) == STEPS - 1
@@ -241,17 +252,15 @@ def test_a_transient_lr_spike_with_rollback_recovers_within_2pct(lr_fault_runs, 
     rb = next(r for r in records if r["action"] == "rollback")
     assert rb["rollback_to"] <= rb["summary"]["onset_step"] - 2
     lo, hi = rb["skip_range"]
-    # the range skipped holds the batch of the faulty update (the update-ratio rule pages at
-    # that update itself, so the range may be that one batch)
-    assert lo <= 150 <= hi
+    assert lo <= 153 <= hi  # the range skipped holds the batch of the x50 update
     assert [lo, hi] in [list(r) for r in run.guard.data.skip_ranges]
 
 
-def test_a_sticky_lr_fault_exhausts_the_rollback_budget_and_halts(tmp_path):
-    run = guarded_run(steps=STEPS, out=tmp_path, tier2="rollback", max_rollbacks=2,
-                      faults=[Fault("lr", 150, mult=50.0, length=20, sticky=True)])
-    assert run.halted is not None and run.guard.rollbacks == 2
-    assert "budget of 2 exhausted" in str(run.halted)
+def test_a_spent_rollback_budget_halts(tmp_path):
+    run = guarded_run(steps=STEPS, out=tmp_path, tier2="rollback", max_rollbacks=0,
+                      faults=[Fault("lr", 150, mult=50.0, length=20, ramp=4, sticky=True)])
+    assert run.halted is not None and run.guard.rollbacks == 0
+    assert "budget of 0 exhausted" in str(run.halted)
 
 
 # ---------------------------------------------------------------- gate == host verdict

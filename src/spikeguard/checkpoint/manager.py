@@ -32,7 +32,7 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -318,9 +318,11 @@ class CheckpointManager:
 
     # -- restore ------------------------------------------------------------------------------
     @io.collector_paused()
-    def restore(self, *, at_or_before: int | None = None,
-                restore_rng: bool = True) -> CheckpointInfo:
-        """Load the newest healthy checkpoint at or before ``at_or_before`` (any step if None).
+    def restore(self, *, at_or_before: int | None = None, restore_rng: bool = True,
+                also: Iterable[int] = ()) -> CheckpointInfo:
+        """Load the newest healthy checkpoint at or before ``at_or_before`` (any step if None);
+        the checkpoints at the steps ``also`` count as healthy (a rollback's: an alert in their
+        window that healed before the onset).
 
         A checkpoint that fails its integrity or safety checks is refused with a
         CheckpointWarning and the previous healthy one is tried; CheckpointError if none is
@@ -336,8 +338,10 @@ class CheckpointManager:
         model, optimizer, objects = self.model, self.optimizer, self.states
         refusals: list[str] = []
         fresh = optimizer is not None and not optimizer.state  # DCP fills it to read its keys
+        sound = set(also)
         for c in reversed(self.list()):
-            if (at_or_before is not None and c.step > at_or_before) or not c.healthy:
+            if ((at_or_before is not None and c.step > at_or_before)
+                    or not (c.healthy or c.step in sound)):
                 continue
             self.io_stats = IOStats()
             try:

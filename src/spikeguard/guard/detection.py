@@ -50,7 +50,7 @@ class Detection:
                                        blind=blind, update_ratio=out.signals.get("update_ratio"))
         m.loss_ema_ratio = verdict.evidence.get("loss_ema_ratio")
         if (self.respond and verdict.tier <= 1 and verdict.skip != skipped
-                and not self._warned_disagree):
+                and p.lr_jump is None and not self._warned_disagree):
             self._warned_disagree = True
             log.warning("spikeguard: device gate (%s) and host verdict (%s) disagree at step %d",
                         skipped, verdict.skip, p.step)

@@ -142,7 +142,8 @@ class Guard:
             max_rollbacks=cfg.max_rollbacks, checkpoints=checkpoints, ledger=self.ledger,
             history=self.history, attribution=self.attribution, model=model,
             named_params=self.named_params, optimizer=optimizer, on_alert=on_alert,
-            keep_on_rollback={k: extra[k] for k in self.keep_on_rollback})
+            keep_on_rollback={k: extra[k] for k in self.keep_on_rollback},
+            heal_steps=cfg.detector.tier2_ratio_steps)
         self.policy = Policy(cfg, reconfigure=reconfigure)
         if checkpoints is not None:
             checkpoints.register(model=model, optimizer=optimizer, scheduler=scheduler, data=data,
@@ -306,8 +307,11 @@ class Guard:
         batch = self.micro.take(rerun)
         factor = up.lr.factor(t)
         lr = up.current_lr()  # before the update: the rate it used
+        jumped, why = up.lr_jump.test(lr) if self.config.respond else (False, None)
+        lr_onset = up.lr_jump.onset if jumped and up.lr_jump.ceiling is not None else None
         lr = lr * factor if lr is not None else None
-        stats, reading = up.device_step(batch.loss, batch.log_z, factor, apply=not framework)
+        stats, reading = up.device_step(batch.loss, batch.log_z, factor, apply=not framework,
+                                        jumped=jumped)
         dev = stats.norm.device
         vec = torch.stack([x.detach().to(dev, torch.float64).reshape(()) for x in reading])
         probes = self.probes.gather() if self.probes is not None else None
@@ -325,18 +329,24 @@ class Guard:
         return Pending(t, Readback([vec]), lr, batches, data_state, batch.rerun, probes,
                        stats if keep_grads else None,
                        None if keep_grads else stats.finite_pieces(), batch.rows,
-                       self._reference, framework=framework, lr_factor=factor)
+                       self._reference, framework=framework, lr_factor=factor, lr_jump=why,
+                       lr_onset=lr_onset)
 
     # -- the host side: the stages ------------------------------------------------------------
     def _resolve(self, p: Pending) -> Verdict:
         """Step ``p``'s numbers through the stages: read, weights check, detect, attribute,
         settle the update, respond, record, checkpoint."""
         reading, tail = StepReading.read(p.readback.values())
+        if reading.lr_jumped and (p.lr_jump is None or torch.distributed.is_initialized()):
+            # agreed across ranks (Updater.measure); the reason too: every rank's the same
+            p.lr_jump = ("lr jump: the LR on some rank rose past its bar (2x the largest "
+                         "step-to-step ratio of the schedule): withheld on every rank")
         out = StepOutcome(p.step, reading, Update.WITHHELD if reading.withheld else Update.APPLIED,
                           update_bound=self.updater.bound.active, lr_factor=p.lr_factor)
-        if self.weights is not None:
+        if self.weights is not None and p.lr_jump is None:  # never released: the LR is at fault
             out = self._weigh(p, out)
         out = self.detection.judge(p, out, tail)
+        out = self._lr_judged(p, out)
         self.watch.judged(out.metrics.grad_norm)
         verdict = out.verdict
         if verdict.tier == 0 and not math.isfinite(out.metrics.grad_norm):
@@ -364,6 +374,28 @@ class Guard:
             if p.grads_alive and not p.framework:  # decide(): the framework's grads
                 self.optimizer.zero_grad(set_to_none=True)
         return self._record(p, out)
+
+    def _lr_judged(self, p: Pending, out: StepOutcome) -> StepOutcome:
+        """An update whose own size is the anomaly is never applied (``guard/lr_jump.py``): a
+        step withheld for its LR is a Tier 1 skip, the first of an episode a Tier 2 dated at
+        itself (a page: nothing reached the weights); an anomaly seen after the fact on an update
+        whose LR had left its recent range holds the LR under that range from the next step on
+        (``LrJump.anomaly``), and the first step it withholds is the Tier 2, dated at the first
+        step at the risen LR (the weights were moved: a rollback's incident)."""
+        v, jump = out.verdict, self.updater.lr_jump
+        if p.lr_jump is not None and v.tier < 3:
+            tier = 2 if jump.starts() else max(v.tier, 1)
+            out.cause = "lr"
+            out.verdict = v._replace(tier=max(v.tier, tier), reasons=(*v.reasons, p.lr_jump),
+                                     action=Action.SKIP if tier == 1 else Action.ROLLBACK,
+                                     onset_step=(p.lr_onset or p.step) if tier == 2
+                                     else v.onset_step,
+                                     skip=True)
+        elif p.lr_jump is None:
+            jump.passed()
+            if self.config.respond and (v.tier == 2 or out.cause == "weights"):
+                jump.anomaly(p.step)
+        return out
 
     def _weigh(self, p: Pending, out: StepOutcome) -> StepOutcome:
         """The weights check, and its answer handed to the updater."""
@@ -488,9 +520,13 @@ class Guard:
         if action is Action.SKIP and out.update is Update.DROPPED:
             out.action = action = Action.DROP  # the batch without its quarantined rows went in
         # a skipped update never reached the weights: only an applied anomaly taints the interval
-        if (verdict.tier >= 1 and action not in (Action.SKIP, Action.DROP)) or action is Action.ALERT:
+        # (nor one withheld before it was applied for its LR, paged or not)
+        if p.lr_jump is None and ((verdict.tier >= 1 and action not in (Action.SKIP, Action.DROP))
+                                  or action is Action.ALERT):
             self._window_alerts.append(f"{p.step}: {'; '.join(verdict.reasons)}")
         self.last_action, self.last_outcome = action, out
+        if action is not Action.ROLLBACK:
+            self.control.saw(p.step, verdict.tier >= 1)
         if self._step <= p.step:  # rolled back or resumed reconfigured: the loop must follow
             self.watch.rolled_back(p.step, self._step)
         self.recorder.record(out)

@@ -42,13 +42,15 @@ class StepReading(NamedTuple):
     """Whether the gate flagged the step (the Tier 1 test or a non-finite value)."""
     update_coef: Any
     """The update bound's coefficient (1: off or not bounded)."""
+    lr_jumped: Any
+    """Whether the LR jumped on any rank (withheld before it was applied: ``lr_jump.py``)."""
 
     @classmethod
     def read(cls, values: list[float]) -> tuple[StepReading, list[float]]:
         """The host reading from the read-back vector's floats, and the probes' numbers after it."""
-        (loss, log_z, norm, withheld, armed, coef, scale, flagged, bounded) = values[:_N]
+        (loss, log_z, norm, withheld, armed, coef, scale, flagged, bounded, jumped) = values[:_N]
         return (cls(loss, log_z, norm, withheld != 0.0, armed != 0.0, coef, scale,
-                    flagged != 0.0, bounded), values[_N:])
+                    flagged != 0.0, bounded, jumped != 0.0), values[_N:])
 
     @property
     def finite(self) -> bool:
@@ -88,6 +90,10 @@ class Pending:
     """``guard.decide()``: the framework applies the update; the guard applies nothing."""
     lr_factor: float = 1.0
     """The LR multiplier of this step (``Updater.lr``); a release applies it too."""
+    lr_jump: str | None = None
+    """Why the step was withheld before it was applied: its LR jumped (``lr_jump.py``)."""
+    lr_onset: int | None = None
+    """A jump after an anomaly at a risen LR (the weights were moved): the first step at it."""
 
     @property
     def grads_alive(self) -> bool:

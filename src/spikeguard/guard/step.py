@@ -43,6 +43,7 @@ from ..measure.precision import PrecisionRuntime
 from ..prevent.clipping import ClipConfig, Clipper
 from .adapter import GuardMisuseWarning
 from .grads_aside import GradsAside
+from .lr_jump import LrJump
 from .lr_scale import LrScale
 from .outcome import Update
 from .reading import Pending, StepReading
@@ -173,6 +174,8 @@ class Updater:
         self.loss_weight, self.backwards = 1.0, 0
         self.lr = LrScale()
         """The multipliers of the scheduled LR (a replay's ramp, a reconfigure, a response)."""
+        self.lr_jump = LrJump()
+        """The scheduled LR against its own history: a jump is withheld (``lr_jump.py``)."""
         self._warned_lr = False
         self._release_following = False
         # withhold only non-finite steps from the next step on (read_lag 1, after the weights
@@ -185,20 +188,28 @@ class Updater:
         self.backwards += 1
         self.precision.scale(loss).backward()
 
-    def measure(self, loss: torch.Tensor, log_z: torch.Tensor) -> GradStats:
-        """Unscale (fp16), then one all-reduce: global norm, loss and log Z over data ranks."""
+    def measure(self, loss: torch.Tensor, log_z: torch.Tensor,
+                jumped: torch.Tensor | None = None) -> GradStats:
+        """Unscale (fp16), then one all-reduce: global norm, loss and log Z over data ranks (and
+        ``jumped``, this rank's LR-jump flag: above 0 after the mean when any rank's LR jumped,
+        so every rank withholds alike)."""
         self.precision.unscale_(self.optimizer)
-        return grad_stats(self.params, extras=torch.stack([loss, log_z]),
+        extras = [loss, log_z] if jumped is None else [loss, log_z, jumped.to(loss.dtype)]
+        return grad_stats(self.params, extras=torch.stack(extras),
                           pp_group=self.pp_group, tp_group=self.tp_group,
                           per_tensor=self.clipper.per_tensor)
 
     def device_step(self, loss: torch.Tensor, log_z: torch.Tensor, lr_factor: float = 1.0, *,
-                    apply: bool = True) -> tuple[GradStats, StepReading]:
+                    apply: bool = True, jumped: bool = False) -> tuple[GradStats, StepReading]:
         """Measure, gate, clip, apply (module docstring); ``apply=False`` (``guard.decide()``)
-        applies nothing: the framework steps its optimizer on the gradients in place. Returns
+        applies nothing: the framework steps its optimizer on the gradients in place;
+        ``jumped`` (a host decision: the LR jumped, ``lr_jump.py``) withholds it. Returns
         the GradStats and the step's ``StepReading`` as 0-d device tensors."""
-        stats = self.measure(loss, log_z)
+        flag = torch.full((), float(jumped), device=loss.device) if self.respond else None
+        stats = self.measure(loss, log_z, flag)
         loss_g, log_z_g = stats.extras[0], stats.extras[1]
+        any_jump = stats.extras[2] > 0 if flag is not None else torch.zeros((), dtype=torch.bool,
+                                                                            device=loss.device)
         armed = self.gate.armed()
         gate = self.gate(stats.norm, loss_g)
         if not self.respond:
@@ -207,6 +218,8 @@ class Updater:
             skip = ~torch.isfinite(stats.norm) | ~torch.isfinite(loss_g)
         else:
             skip = gate
+        if self.respond:  # the agreed flag: a host value on one rank, the same device bool on all
+            skip = torch.logical_or(skip, any_jump.to(skip.device))
         coef = (self.clipper.clip_(stats, self.optimizer, skip) if self.clipper.active
                 else torch.ones_like(stats.norm))
         bounded = None
@@ -220,7 +233,7 @@ class Updater:
         if scale is None:
             scale = torch.full((), float("nan"), device=stats.norm.device)
         return stats, StepReading(loss_g, log_z_g, stats.norm, skip, armed, coef, scale, gate,
-                                  bounded)
+                                  bounded, any_jump)
 
     def _apply(self, step: Callable[[], None], skip: torch.Tensor | bool,
                factor: float) -> torch.Tensor | None:
@@ -292,13 +305,15 @@ class Updater:
         """Counters, the LR multipliers, the clipping rule's and the update bound's statistics
         (JSON-ready; a host read)."""
         return {"applied": self.applied, "withheld": self.withheld, "lr": self.lr.state_dict(),
-                "clip": self.clipper.state_dict(), "update_bound": self.bound.state_dict()}
+                "clip": self.clipper.state_dict(), "update_bound": self.bound.state_dict(),
+                "lr_jump": self.lr_jump.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.applied, self.withheld = int(state["applied"]), int(state["withheld"])
         self.lr.load_state_dict(state["lr"])
         self.clipper.load_state_dict(state.get("clip"))
         self.bound.load_state_dict(state.get("update_bound"))
+        self.lr_jump.load_state_dict(state.get("lr_jump"))
 
     def current_lr(self) -> float | None:
         """The first param group's LR (a number, or a 0-d CPU tensor: no device read); None,

@@ -71,4 +71,6 @@ def tier2_summary(history: History, *, step: int, reasons: tuple[str, ...], onse
         "loss_before_onset": sum(before[-50:]) / len(before[-50:]) if before else math.nan,
         "data_range": list(data_range) if data_range is not None else None,
         "rollback_checkpoint": rollback_to,
+        "rollback": (f"to the checkpoint of step {rollback_to}" if rollback_to is not None
+                     else "no checkpoint precedes the onset"),
     }

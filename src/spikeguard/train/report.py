@@ -35,6 +35,8 @@ class ProgressSink:
             self._task = self._progress.add_task("train", total=total, completed=start, status="")
             self._progress.start()
         self.last: dict[str, Any] = {}
+        self.no_target: list[int] = []
+        """Steps of a Tier 2 rollback that found no checkpoint before the onset (alerted)."""
 
     def tokens_per_s(self) -> float:
         if len(self._times) < 2:
@@ -46,6 +48,8 @@ class ProgressSink:
         self.last = record
         action = record.get("action", "continue")
         self.actions[action] += 1
+        if record.get("rollback_failed"):
+            self.no_target.append(step)
         if action != "continue":
             reasons = "; ".join(record.get("reasons") or [])
             extra = f" -> step {record['rollback_to']}" if record.get("rollback_to") is not None else ""
@@ -82,6 +86,11 @@ def summary_table(progress: ProgressSink, *, applied: int, made_up: int, rollbac
     for action in ("skip", "alert", "rollback", "halt"):
         table.add_row(f"{action}s", f"{progress.actions.get(action, 0):,}")
     table.add_row("rollbacks used", f"{rollbacks}")
+    if progress.no_target:
+        steps = ", ".join(str(s) for s in progress.no_target[:5])
+        more = f" (+{len(progress.no_target) - 5})" if len(progress.no_target) > 5 else ""
+        table.add_row(f"rollbacks not made: no checkpoint precedes the onset (steps {steps}{more};"
+                      " alerted, went on)", f"{len(progress.no_target)}")
     table.add_row("held-out loss (nats)", "halted" if halted else f"{val_loss:.4f}")
     table.add_row("seconds", f"{seconds:,.1f}")
     return table

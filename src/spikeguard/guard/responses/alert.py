@@ -27,6 +27,5 @@ def page(incident: Incident, control: Any, summary: dict[str, Any]) -> None:
     if control.on_alert is not None:
         control.on_alert(summary)
     else:
-        log.warning("spikeguard: Tier 2 at step %d: %s (suggested rollback to step %s)",
-                    incident.step, "; ".join(incident.verdict.reasons),
-                    summary["rollback_checkpoint"])
+        log.warning("spikeguard: Tier 2 at step %d: %s (rollback: %s)",
+                    incident.step, "; ".join(incident.verdict.reasons), summary["rollback"])

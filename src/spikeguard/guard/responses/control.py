@@ -1,10 +1,22 @@
 """What a response acts through: the checkpoints, the batch ledger, the Tier 2 summary and the
 rollback budget. ``RunControl`` owns the budget (``rollbacks`` against ``max_rollbacks``) and
-the last replay; both are outside the timeline a rollback restores (``state_dict``)."""
+the last replay; both are outside the timeline a rollback restores (``state_dict``).
+
+A checkpoint's health is judged against the onset of the trouble at hand. One saved with an
+alert in its window (``healthy`` false) is still a rollback target for an onset at ``o`` when
+that earlier anomaly healed: every step from its last alert ``a`` to ``o - 1`` was seen in this
+process, none of them was flagged (each passed every rule, the loss rules' bars against the run's
+own running median and spread included), and there are at least ``heal_steps`` of them (10:
+the detector's own count of steps that make a persistent loss rise a Tier 2). The steps after
+the checkpoint count too: the state it holds trained on without a flag up to the onset. A
+checkpoint whose anomaly did not heal before the onset is truly damaged, and the next older kept
+one is tried; with none left the response alerts and goes on, and the summary says "no
+checkpoint precedes the onset".
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..summary import tier2_summary
@@ -18,7 +30,7 @@ class RunControl:
     def __init__(self, *, max_rollbacks: int, checkpoints: Any, ledger: Any, history: Any,
                  attribution: Any, model: Any, named_params: list, optimizer: Any,
                  on_alert: Callable[[dict[str, Any]], None] | None = None,
-                 keep_on_rollback: Mapping[str, Any] | None = None) -> None:
+                 keep_on_rollback: Mapping[str, Any] | None = None, heal_steps: int = 10) -> None:
         self.max_rollbacks = max_rollbacks
         self.checkpoints, self.ledger, self.history = checkpoints, ledger, history
         self.attribution, self.on_alert = attribution, on_alert
@@ -29,6 +41,36 @@ class RunControl:
         self.replay: tuple[int, int, float] | None = None
         """(restored step, detection step, LR scale) of the last rollback."""
         self._summary: tuple[int, dict[str, Any]] | None = None
+        self.heal_steps = heal_steps
+        self.flagged: list[int] = []
+        """Steps with a Tier 1 or higher verdict seen in this process, in order."""
+        self.seen_from: int | None = None
+        """The first step this process saw (flags before it are unknown)."""
+
+    def saw(self, step: int, flagged: bool) -> None:
+        """Step ``step`` was judged (the guard's record stage); ``flagged``: tier 1 or higher."""
+        if self.seen_from is None:
+            self.seen_from = step
+        while self.flagged and self.flagged[-1] >= step:  # a replay after a rollback
+            self.flagged.pop()
+        if flagged:
+            self.flagged.append(step)
+
+    def healed(self, checkpoint: Any, onset: int) -> bool:
+        """Whether the anomalies in ``checkpoint``'s window healed before ``onset`` (module
+        docstring): judged from the steps this process saw."""
+        steps = []
+        for alert in checkpoint.alerts:
+            head = str(alert).split(":", 1)[0].strip()
+            if not head.isdigit():
+                return False
+            steps.append(int(head))
+        if not steps or self.seen_from is None:
+            return False
+        last = max(steps)
+        if last < self.seen_from or onset - 1 - last < self.heal_steps:
+            return False
+        return not any(last < s < onset for s in self.flagged)
 
     @property
     def budget_left(self) -> bool:
@@ -46,14 +88,18 @@ class RunControl:
         self._summary = (step, summary)
         return summary
 
-    def rollback_target(self, onset: int) -> int | None:
-        """The newest healthy checkpoint that predates the update before the onset (the one
-        rule, ``checkpoint.info.rollback_target``, applied to the healthy checkpoints)."""
+    def _sound(self, onset: int) -> list[int]:
+        """The steps of the checkpoints sound for ``onset``: healthy, or healed before it."""
         if self.checkpoints is None:
-            return None
+            return []
+        return [c.step for c in self.checkpoints.list() if c.healthy or self.healed(c, onset)]
+
+    def rollback_target(self, onset: int) -> int | None:
+        """The newest sound checkpoint (healthy, or its anomaly healed before ``onset``) that
+        predates the update before the onset (the one rule, ``checkpoint.info.rollback_target``)."""
         from ...checkpoint.info import rollback_target
 
-        return rollback_target(onset, [c.step for c in self.checkpoints.list() if c.healthy])
+        return rollback_target(onset, self._sound(onset))
 
     def restore_before(self, onset: int) -> Any:
         """Restore the rollback target of ``onset`` (CheckpointError when there is none); the
@@ -62,16 +108,18 @@ class RunControl:
 
         target = self.rollback_target(onset)
         if target is None:
-            raise CheckpointError(f"no healthy checkpoint at or before step {onset - 2} "
-                                  f"(the update before the onset at {onset} may be the cause)")
-        return self.restore(target)
+            raise CheckpointError(f"no checkpoint precedes the onset: none sound at or before "
+                                  f"step {onset - 2} (the update before the onset at {onset} "
+                                  "may be the cause)")
+        return self.restore(target, also=self._sound(onset))
 
-    def restore(self, step: int) -> Any:
+    def restore(self, step: int, *, also: Iterable[int] = ()) -> Any:
         """Restore the newest healthy checkpoint at or before ``step`` (CheckpointError when
-        there is none); the states in ``keep_on_rollback`` keep their present state."""
+        there is none), the checkpoints at the steps ``also`` counting as healthy (an alert in
+        their window that healed); the states in ``keep_on_rollback`` keep their present state."""
         # state that lives outside the run's timeline (a fault injector: the world does not rewind)
         kept = {k: obj.state_dict() for k, obj in self.keep_on_rollback.items()}
-        info = self.checkpoints.restore(at_or_before=step)
+        info = self.checkpoints.restore(at_or_before=step, also=also)
         for k, state in kept.items():
             self.keep_on_rollback[k].load_state_dict(state)
         return info

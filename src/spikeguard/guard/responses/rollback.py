@@ -1,7 +1,11 @@
 """The Tier 2 rollback (``GuardConfig(tier2="rollback")``): restore the newest healthy checkpoint
 before the onset, leave the anomaly's batches out (or only their quarantined rows), and replay
 at a reduced LR ramping back to 1 by the detection step; within a budget, past which it halts.
-With nothing healthy to go back to it alerts and training goes on (a halt would lose the run).
+With nothing sound to go back to (``control.py``: healthy, or its anomaly healed before the
+onset) it alerts, training goes on (a halt would lose the run), and the record and the summary
+say that no checkpoint precedes the onset. An incident whose update was withheld before it was
+applied (its LR jumped: ``guard/lr_jump.py``) left the weights as they were: it pages, and
+nothing is rolled back (unless the jump follows updates at a risen LR that did reach them).
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ class Rollback:
         if not control.budget_left:
             return self.halt.halt(incident, control, summary=summary,
                                   detail=f"rollback budget of {control.max_rollbacks} exhausted")
+        pending = incident.pending
+        if getattr(pending, "lr_jump", None) is not None and pending.lr_onset is None:
+            page(incident, control, summary)
+            return Reply(Action.ALERT, record={
+                "summary": summary, "rollback_not_needed": "the update was withheld before it "
+                "was applied (its LR jumped): the weights are as they were"})
         onset, step, ledger = incident.onset, incident.step, control.ledger
         skip = ledger.data_range(onset, step)
         # before the restore, which takes the attribution history back to the checkpoint
