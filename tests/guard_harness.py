@@ -98,7 +98,7 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                 batch: int = 8, lr: float = 3e-3, max_rollbacks: int = 3,
                 config: sg.GPTConfig | None = None, resume: bool = False,
                 stop_at: int | None = None, watch: tuple[int, ...] = (),
-                signals: bool = True) -> Run:
+                signals: bool = True, lr_jump: float = 2.0) -> Run:
     torch.manual_seed(seed)
     cfg = config or sg.GPTConfig.tiny()
     model = sg.GPT(cfg)
@@ -112,7 +112,7 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
     guard = Guard(model, opt, scheduler=sched, data=data, checkpoints=ckpt, sinks=sinks,
                   config=GuardConfig(detector=sg.DetectorConfig.for_run(steps), tier2=tier2,
                                      read_lag=read_lag, max_rollbacks=max_rollbacks,
-                                     signals=signals))
+                                     signals=signals, lr_jump=lr_jump))
     run = Run(guard=guard, model=model)
     if resume:
         guard.resume()

@@ -55,6 +55,10 @@ class GuardConfig:
     reference_age: int = 16
     """How many kept steps back the weights check's reference batch is (an older batch is no
     longer fitted by the updates since, so it tests the weights as a fresh one would)."""
+    lr_jump: float = 2.0
+    """Withhold, before it is applied, an update whose scheduled LR rose more than this times the
+    largest step-to-step LR ratio the run has made (guard/lr_jump.py); 0 turns it off, for a
+    schedule with warm restarts or an LR raised on purpose mid-run."""
     lower_lr: LowerLrConfig = field(default_factory=LowerLrConfig)
     """On a Tier 2 verdict, also lower the LR for some steps (off: steps=0; responses/lower_lr.py)."""
 
@@ -65,6 +69,12 @@ class GuardConfig:
         if self.tier2 not in ("alert", "rollback", "ask"):
             raise ValueError(f"GuardConfig.tier2={self.tier2!r} must be 'alert', 'rollback' or "
                              "'ask'")
+        if self.lr_jump != 0:
+            check_positive(self.lr_jump, "GuardConfig.lr_jump", default=2.0,
+                           hint="0 turns the LR-jump check off")
+            if self.lr_jump < 1.0:
+                raise ValueError(f"GuardConfig.lr_jump={self.lr_jump} must be 0 (off) or >= 1 "
+                                 "(below 1 every rising step of a warmup would be withheld)")
         check_int(self.max_rollbacks, "GuardConfig.max_rollbacks", minimum=0, default=3)
         check_int(self.reference_age, "GuardConfig.reference_age", minimum=1, default=16)
         check_positive(self.rollback_lr_scale, "GuardConfig.rollback_lr_scale", default=0.5)

@@ -128,7 +128,7 @@ class Guard:
         self.updater = Updater(self.params, optimizer, precision,
                                DeviceGate(cfg.detector, precision.device), clip=cfg.clip,
                                respond=cfg.respond, scheduler=scheduler, pp_group=pp_group,
-                               tp_group=tp_group, clipping=cfg.clipping,
+                               tp_group=tp_group, clipping=cfg.clipping, lr_jump=cfg.lr_jump,
                                read_lag=lag if lag is not None else int(
                                    precision.device.type == "cuda"))
         self.attribution = Attribution(cfg.attribution, measure=self.updater.measure_rerun,
@@ -307,7 +307,8 @@ class Guard:
         batch = self.micro.take(rerun)
         factor = up.lr.factor(t)
         lr = up.current_lr()  # before the update: the rate it used
-        jumped, why = up.lr_jump.test(lr) if self.config.respond else (False, None)
+        jumped, why = (up.lr_jump.test(lr) if self.config.respond and up.lr_jump.margin
+                        else (False, None))
         lr_onset = up.lr_jump.onset if jumped and up.lr_jump.ceiling is not None else None
         lr = lr * factor if lr is not None else None
         stats, reading = up.device_step(batch.loss, batch.log_z, factor, apply=not framework,
@@ -393,7 +394,7 @@ class Guard:
                                      skip=True)
         elif p.lr_jump is None:
             jump.passed()
-            if self.config.respond and (v.tier == 2 or out.cause == "weights"):
+            if self.config.respond and jump.margin and (v.tier == 2 or out.cause == "weights"):
                 jump.anomaly(p.step)
         return out
 

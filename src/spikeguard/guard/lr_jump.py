@@ -44,10 +44,10 @@ __all__ = ["LrJump"]
 class LrJump:
     """The scheduled LR against its own step-to-step changes (module docstring)."""
 
-    margin = 2.0
-    """The bar is this times the largest step-to-step ratio the run's LR has made (at least 1)."""
-
-    def __init__(self, window: int = 32) -> None:
+    def __init__(self, margin: float = 2.0, window: int = 32) -> None:
+        self.margin = margin
+        """The bar is this times the largest step-to-step ratio the run's LR has made (at least
+        1); 0: the check is off (``GuardConfig.lr_jump``)."""
         self.last: float | None = None
         """The scheduled LR of the last step that passed."""
         self.recent: deque[float] = deque(maxlen=window)

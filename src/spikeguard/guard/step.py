@@ -159,7 +159,8 @@ class Updater:
     def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
                  precision: PrecisionRuntime, gate: DeviceGate, *, clip: float | None,
                  respond: bool, read_lag: int, scheduler: Any = None, pp_group: Any = None,
-                 tp_group: Any = None, clipping: ClipConfig | None = None) -> None:
+                 tp_group: Any = None, clipping: ClipConfig | None = None,
+                 lr_jump: float = 2.0) -> None:
         self.params, self.optimizer, self.precision, self.gate = params, optimizer, precision, gate
         self.clip, self.respond, self.scheduler = clip, respond, scheduler
         self.read_lag = read_lag
@@ -174,7 +175,7 @@ class Updater:
         self.loss_weight, self.backwards = 1.0, 0
         self.lr = LrScale()
         """The multipliers of the scheduled LR (a replay's ramp, a reconfigure, a response)."""
-        self.lr_jump = LrJump()
+        self.lr_jump = LrJump(lr_jump)
         """The scheduled LR against its own history: a jump is withheld (``lr_jump.py``)."""
         self._warned_lr = False
         self._release_following = False
