@@ -11,7 +11,7 @@ from spikeguard.guard import Guard, GuardConfig
 from spikeguard.guard.lr_scale import LrScale, Stretch
 from spikeguard.guard.responses import LowerLrConfig
 
-STEPS, OUTLIER, N, SCALE = 54, 40, 7, 0.25
+STEPS, OUTLIER, N, SCALE = 84, 70, 7, 0.25
 
 
 def _storm_run(tmp_path, lower_lr):
