@@ -241,7 +241,7 @@ def _seconds(stdout: str) -> float:
 
 @pytest.mark.slow
 def test_a_slow_server_does_not_slow_the_steps(tmp_path, sub_env):
-    args = ["--steps", "100", *DRIFT, "--tier2", "ask", "--answer-within-s", "600", "--no-plot"]
+    args = ["--steps", "160", *DRIFT, "--tier2", "ask", "--answer-within-s", "600", "--no-plot"]
     with hook(delay=3.0) as h:  # both runs at once: the same load on both
         slow = _train([*args, "--page-to", h.url, "--page-timeout-s", "1", "--page-retries",
                        "3", "--page-backoff-s", "0.2", "--out", str(tmp_path / "slow")], sub_env)
@@ -250,7 +250,7 @@ def test_a_slow_server_does_not_slow_the_steps(tmp_path, sub_env):
         assert slow.returncode == 0, so_slow + se
         so_base, se = base.communicate(timeout=600)
         assert base.returncode == 0, so_base + se
-        assert len(h.posts) >= 1  # the page reached the server, which took 3 s to answer
+        assert h.wait(1, timeout=10)  # the page reached the server, which holds it 3 s
     ratio = _seconds(so_slow) / _seconds(so_base)
     print(f"train seconds with a 3 s webhook / without a pager: {ratio:.2f}")
     assert ratio < 1.6, (so_slow, so_base)
