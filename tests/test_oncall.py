@@ -118,7 +118,7 @@ def test_the_drift_scenario_paged_refused_answered_rolled_back_with_z_loss(tmp_p
                                                                            capsys):
     out = tmp_path / "run"
     env = {**sub_env, "SG_TEST_PD_KEY": SECRET}
-    cmd = ["--steps", "400", *STICKY, "--tier2", "ask", "--answer-within-s", "600", "--resolve-after",
+    cmd = ["--steps", "2000", *STICKY, "--tier2", "ask", "--answer-within-s", "600", "--resolve-after",
            "20", "--page-format", "pagerduty", "--page-secret-env", "SG_TEST_PD_KEY",
            "--out", str(out)]
     with hook() as h:
