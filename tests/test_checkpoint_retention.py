@@ -67,10 +67,10 @@ def folders(root: Path) -> dict[int, str]:
 
 
 def test_the_guards_rollbacks_lose_no_checkpoint(tmp_path):
-    """A sticky LR fault (rising to x50 from step 20): the guard rolls back twice and halts at its budget;
+    """A sticky LR fault (rising to x50 from step 40): the guard rolls back twice and halts at its budget;
     every checkpoint folder that existed before a rollback still exists after the run, the
     damaged ones its replay wrote again in superseded/."""
-    steps, every = 40, 4
+    steps, every = 80, 4
     torch.manual_seed(0)
     cfg = sg.GPTConfig.tiny()
     model = sg.GPT(cfg)
@@ -91,9 +91,9 @@ def test_the_guards_rollbacks_lose_no_checkpoint(tmp_path):
                 seen.update(now)
                 x, y = next(data)
                 for g in opt.param_groups:
-                    # x50 reached over 8 steps from 20 (each step's change under the guard's
+                    # x50 reached over 8 steps from 40 (each step's change under the guard's
                     # LR-jump bar, which would withhold a jump before it is applied)
-                    g["lr"] = 3e-3 * 50 ** min(1.0, max(0, t - 19) / 8)
+                    g["lr"] = 3e-3 * 50 ** min(1.0, max(0, t - 39) / 8)
                 out = model.loss(model(x), y)
                 out.loss.backward()
                 guard.step(out)
