@@ -1,22 +1,14 @@
 """The Guard: measure, decide, act in one call per optimizer step, identical on every rank.
 
-    guard = sg.Guard(model, optimizer, scheduler=scheduler, checkpoints=ckpt, data=stream,
-                     sinks=[sg.JsonlSink("metrics.jsonl")])
-    for x, y in stream:
-        out = model.loss(model(x), y)          # a LossOutput: loss, ce, log Z
-        out.loss.backward()
-        for verdict in guard.step(out):        # clip, gate, step or skip, decide, log, save
-            ...
-
-The Guard owns no decision itself: it builds its parts and passes each step's outcome
-(``outcome.StepOutcome``) through the stages (docs/design.md walks one step): the step part
-(``step.Updater``: measure, gate, clip, apply; the one owner of the update), the weights check
-(``weights.WeightsProbe``), the detect stage (``detection.Detection``: the detector on the host
-reading), attribution (explains a skip, may ask for a re-run without some rows), the responses
-(``responses/``: Tier 2 and 3, chosen by the policy), the recorder, the checkpoint manager. A
-stage that wants the update changed returns a request; the guard hands it to the updater. A
-framework that steps the optimizer itself calls ``decide()`` instead of ``step()``
-(docs/adapters.md).
+The loop it fits: README's "Use in your loop" and ``examples/train_loop.py``. The Guard owns no
+decision itself: it builds its parts and passes each step's outcome (``outcome.StepOutcome``)
+through the stages (docs/design.md walks one step): the step part (``step.Updater``: measure,
+gate, clip, apply; the one owner of the update), the weights check (``weights.WeightsProbe``),
+the detect stage (``detection.Detection``: the detector on the host reading), attribution
+(explains a skip, may ask for a re-run without some rows), the responses (``responses/``: Tier 2
+and 3, chosen by the policy), the recorder, the checkpoint manager. A stage that wants the
+update changed returns a request; the guard hands it to the updater. A framework that steps the
+optimizer itself calls ``decide()`` instead of ``step()`` (docs/adapters.md).
 
 Host reads: with ``read_lag=0`` (off CUDA) step t's numbers are read at t; with ``read_lag=1``
 (on CUDA) at t+1, so no step waits for the device, and Tier 2/3, the record and the schedule act
@@ -307,8 +299,8 @@ class Guard:
         batch = self.micro.take(rerun)
         factor = up.lr.factor(t)
         lr = up.current_lr()  # before the update: the rate it used
-        jumped, why = (up.lr_jump.test(lr) if self.config.respond and up.lr_jump.margin
-                        else (False, None))
+        check = self.config.respond and up.lr_jump.margin
+        jumped, why = up.lr_jump.test(lr) if check else (False, None)
         lr_onset = up.lr_jump.onset if jumped and up.lr_jump.ceiling is not None else None
         lr = lr * factor if lr is not None else None
         stats, reading = up.device_step(batch.loss, batch.log_z, factor, apply=not framework,

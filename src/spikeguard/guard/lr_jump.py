@@ -54,6 +54,9 @@ class LrJump:
         """The LRs of the last ``window`` steps that passed (the ceiling is their median)."""
         self.largest = 1.0
         """The largest step-to-step ratio of the steps that passed."""
+        self.ratios = 0
+        """Step-to-step ratios seen (a launcher that steps the schedule once per process, as
+        accelerate does, makes a warmup's first ratio 3 or more)."""
         self.ceiling: float | None = None
         self.onset: int | None = None
         """The first step at the risen LR of the last anomaly after the fact."""
@@ -77,7 +80,8 @@ class LrJump:
             self.ceiling = None
         if self.last is not None and self.last > 0.0:
             ratio = lr / self.last
-            if ratio > bar:
+            self.ratios += 1  # the first ratio has no history to be judged against: it is learned
+            if ratio > bar and self.ratios > 1:
                 return True, (f"lr jump: lr {lr:.4g} is {ratio:.3g}x the last step's "
                               f"{self.last:.4g} (bar {bar:.3g}: {self.margin:g}x the largest "
                               f"step-to-step ratio of this run's schedule, {self.largest:.3g})")
@@ -119,7 +123,7 @@ class LrJump:
 
     def state_dict(self) -> dict[str, Any]:
         return {"last": self.last, "recent": list(self.recent), "largest": self.largest,
-                "ceiling": self.ceiling}
+                "ceiling": self.ceiling, "ratios": self.ratios}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         # ``open`` and a ceiling set are outside the timeline: a rollback during a jump neither
@@ -130,5 +134,6 @@ class LrJump:
         self.recent.clear()
         self.recent.extend(float(v) for v in state.get("recent", ()))
         self.largest = float(state["largest"])
+        self.ratios = int(state.get("ratios", 2))
         if self.ceiling is None:
             self.ceiling = state["ceiling"]

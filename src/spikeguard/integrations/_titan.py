@@ -335,10 +335,11 @@ class TitanCheckpoints:
                                             healthy=not alerts, alerts=alerts))
         return sorted(found, key=lambda c: c.step)
 
-    def restore(self, at_or_before: int | None = None) -> CheckpointInfo:
+    def restore(self, at_or_before: int | None = None, also: Any = ()) -> CheckpointInfo:
         """Load the newest checkpoint at or before the guard's step ``at_or_before`` (the newest
         of all when None) through torchtitan's ``load``: model, optimizers, LR schedulers,
-        dataloader, train state, and the guard's own states."""
+        dataloader, train state, and the guard's own states. ``also`` (the steps a rollback
+        counts as healed) changes nothing here: every listed checkpoint is a candidate."""
         from ..checkpoint.info import CheckpointError
 
         infos = [c for c in self.list() if at_or_before is None or c.step <= at_or_before]
