@@ -220,8 +220,22 @@ def test_the_sticky_lr_fault_under_rollback_must_exhaust_the_budget_and_halt():
     lines += [_fault("lr-sticky", "rollback", 0, run(3, True), None, length=20),
               _fault("lr-sticky", "rollback", 1, run(2, True), None, length=20)]
     c = _cell(score(lines), "fault/tiny/lr-sticky", "rollback")
-    assert c.caught == 1 and c.targets["budget exhausted, halts"] is False
+    assert c.caught == 1 and c.targets["withheld, or halts with the budget spent"] is False
     assert c.targets["not worse than unguarded"] is True  # the halt is what it asks for
+
+
+def test_the_sticky_lr_fault_withheld_at_every_faulty_step_is_caught_without_a_halt():
+    def run(withheld):
+        r = _clean(300)
+        for t in range(150, 150 + withheld):
+            r[t] = _rec(t, action="skip", tier=1)
+        return r
+    lines = [_fault("lr-sticky", "unguarded", s, _clean(300), 2.5, length=20) for s in (0, 1)]
+    lines += [_fault("lr-sticky", "rollback", 0, run(20), 2.1, length=20),
+              _fault("lr-sticky", "rollback", 1, run(19), 2.1, length=20)]
+    c = _cell(score(lines), "fault/tiny/lr-sticky", "rollback")
+    assert c.caught == 1  # seed 1 let the last faulty update through
+    assert c.targets["withheld, or halts with the budget spent"] is False
 
 
 def test_a_guarded_faulted_run_that_halts_where_unguarded_finished_is_worse():

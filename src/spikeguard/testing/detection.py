@@ -26,7 +26,7 @@ The rules (a defense is judged against doing nothing):
   run; the table shows both ratios);
 - a guarded faulted run is **worse than unguarded** when the unguarded run ended finite and the
   guarded one halted or ended above ``HARM_RATIO`` times it, except where the target asks for a
-  halt (NaN faults; the sticky LR fault under rollback).
+  halt (NaN faults; the sticky LR fault under rollback, which may also be withheld step by step).
 """
 
 from __future__ import annotations
@@ -126,7 +126,11 @@ def _caught(s: dict[str, Any], max_rollbacks: int) -> bool:
         h = s["halt"]
         return h is not None and h["step"] == step and bool(h["named"])
     if kind == "lr-sticky" and s["arm"] == "rollback":
-        return s["halted"] and s["rollbacks"] >= max_rollbacks
+        # a fault that outlives every rollback: the guard either withholds each faulty update
+        # (the LR jump seen before it is applied: nothing to roll back) or spends its rollback
+        # budget and halts; what it must not do is let the faulty updates through
+        withheld = all(t in skips for t in range(step, step + length)) and not s["halted"]
+        return withheld or (s["halted"] and s["rollbacks"] >= max_rollbacks)
     if kind in ("lr", "lr-sticky"):
         a, t2 = s["first_anomaly"], s["first_tier2"]
         want = "rollback" if s["arm"] == "rollback" else "alert"
@@ -274,7 +278,7 @@ def _targets(c: CellScore) -> None:
         t[f"tier 2 alert within {ALERT_WITHIN} steps"] = all_caught
         t["goes on"] = c.halts == 0
     elif fault == "lr-sticky" and c.arm == "rollback":
-        t["budget exhausted, halts"] = all_caught
+        t["withheld, or halts with the budget spent"] = all_caught
 
 
 def overall(cells: Iterable[CellScore]) -> tuple[int, int]:
