@@ -77,11 +77,16 @@ def _width(lay: AttentionLayout) -> int:
     return 4 + lay.n_head + lay.n_kv_head
 
 
-def attention_blocks(model: nn.Module, *, required: bool = False) -> list[AttentionBlock]:
-    """The attention layers of ``model`` (:func:`spikeguard.prevent.layout.find_attention`;
-    with ``required``, for QK-Clip, none found warns once naming the model's class)."""
-    return find_attention(model, what="QK-Clip" if required else "the attention-logit bound",
-                          required=required)
+def attention_blocks(model: nn.Module, *, bound: bool = False,
+                     qk_clip: bool = False) -> list[AttentionBlock]:
+    """The attention layers of ``model`` (:func:`spikeguard.prevent.layout.find_attention`).
+    None found while the bound (``bound``) or QK-Clip (``qk_clip``) is on: an
+    AttentionNotFoundWarning naming the model's class, once per class and defense."""
+    if qk_clip:
+        return find_attention(model, what="QK-Clip", required=True,
+                              off="SignalConfig(qk_clip=None)")
+    return find_attention(model, what="the attention-logit bound", required=bound,
+                          off="SignalConfig(logit_bound_every=0)")
 
 
 def bound_parts(blocks: list[AttentionBlock], world: int, device: torch.device) -> torch.Tensor:

@@ -213,7 +213,8 @@ class Signals:
         for i, (name, _) in enumerate(self.named):
             groups[layer_of(name)].append(i)
         self.groups = dict(groups)
-        self.blocks = attention_blocks(model, required=cfg.qk_clip is not None)
+        self.blocks = attention_blocks(model, bound=cfg.logit_bound_every > 0,
+                                       qk_clip=cfg.qk_clip is not None)
         self._step = 0
         self._snapshot: list[torch.Tensor] | None = None
         self._update: torch.Tensor | None = None
