@@ -72,7 +72,8 @@ def test_scenario2_logit_drift_tier2_names_log_z_rolls_back_to_57000(seed):
     tier2 = [v for v in verdicts if v.tier == 2]
     assert tier2 and tier2[0].step <= 59_000
     first = tier2[0]
-    assert first.action is Action.ROLLBACK
+    # the detector pages; a rollback is the policy's (GuardConfig.tier2), and the advice says so
+    assert first.action is Action.ALERT and "restore the newest checkpoint" in first.advice
     assert first.reasons[0].startswith("log_z")
     assert checkpoint_before(first.onset_step) == 57_000
     # every Tier 2 in this run dates back to the log Z excursion, and nothing halts
@@ -166,7 +167,7 @@ def test_skip_storm_gives_tier2_within_10_steps(seed):
     assert all(v.action is Action.CONTINUE for v in verdicts[:at])
     first = next(v for v in verdicts if v.tier == 2)
     assert at <= first.step < at + 10
-    assert first.skip and first.action is Action.ROLLBACK
+    assert first.skip and first.action is Action.ALERT
     assert "skips > 5 consecutive" in first.reasons
     assert first.reasons[0].startswith("grad_norm") and first.onset_step == at
 
@@ -235,7 +236,7 @@ def test_ratio_above_2_5_for_10_steps_is_tier2():
     assert all(v.skip for v in verdicts[200:206]) and "skips > 5 consecutive" in \
         verdicts[205].reasons
     assert not any(v.skip for v in verdicts[206:230])
-    assert all(v.action in (Action.ALERT, Action.ROLLBACK) for v in verdicts[206:230])
+    assert all(v.action is Action.ALERT for v in verdicts[206:230])
 
 
 def test_unrecovered_tier1_escalates_after_200_updates():
@@ -478,7 +479,7 @@ def test_an_update_ratio_past_20x_its_median_is_tier2_at_that_update():
     fired = [(v.step, v.onset_step) for v in verdicts(cfg, ratios) if v.tier == 2]
     assert fired == [(80, 80), (150, 150)]
     v80 = verdicts(cfg, ratios)[80]
-    assert v80.reasons[0] == "update_ratio > 20x median" and v80.action is Action.ROLLBACK
+    assert v80.reasons[0] == "update_ratio > 20x median" and v80.tier == 2
     assert v80.evidence["update_ratio"] == 0.5
     assert v80.evidence["update_ratio_median"] == pytest.approx(0.01, rel=0.2)
     assert verdicts(cfg, [*ratios[:80], 0.15])[80].tier < 2  # 15x: under the bar

@@ -1,10 +1,10 @@
 """The detector used on its own must not do harm (the loop README shows for building blocks).
 
 The loop: update the detector with each step's metrics, skip the optimizer step (and the LR
-schedule) when ``verdict.skip``, stop on HALT, nothing else: no checkpoints, so a ROLLBACK is
-nothing it can act on. Through an LR x50 transient for 20 steps (tiny model, AdamW at lr 3e-3,
-the real corpus), the detector used to say skip on every step after the fault and the run never
-trained again (1.6-1.9x the loss of the same loop without it, 120 steps, seeds 0-1). Now a skip
+schedule) when ``verdict.skip``, stop on HALT, nothing else: no checkpoints, so a Tier 2's
+advice to roll back is nothing it can act on. Through an LR x50 transient for 20 steps (tiny
+model, AdamW at lr 3e-3, the real corpus), the detector used to say skip on every step after
+the fault and the run never trained again (1.6-1.9x the loss of the same loop without it, 120 steps, seeds 0-1). Now a skip
 storm makes the weights the suspect and the detector stops recommending skips: the run ends
 within 2% of the same loop without the detector (the skips withhold a few 50x updates and
 shift the schedule by as many steps), on three seeds.

@@ -6,7 +6,6 @@ the queries and keys the model itself computes."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,9 @@ from torch import nn
 import spikeguard as sg
 from spikeguard.measure.logit_bound import attention_blocks, bound_parts, bounds
 from spikeguard.measure.signals import Signals
+from spikeguard.prevent import layout
 from spikeguard.prevent.layout import AttentionNotFoundWarning, find_attention
+from spikeguard.sinks import read_metrics
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,15 +115,87 @@ class MysteryModel(nn.Module):
         self.attn = MysteryAttention()
 
 
-def test_qk_clip_on_a_model_it_cannot_read_warns_once_naming_its_class():
-    model = MysteryModel()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.warns(AttentionNotFoundWarning, match="QK-Clip.*MysteryModel.*attention_layout"):
-        Signals(model, opt, sg.SignalConfig(qk_clip=100.0)).remove()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        Signals(MysteryModel(), opt, sg.SignalConfig(qk_clip=100.0)).remove()  # once per class
-        Signals(MysteryModel(), opt, sg.SignalConfig()).remove()  # the bound alone: no warning
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget which (defense, class) pairs this process has warned about already."""
+    monkeypatch.setattr(layout, "_warned", set())
+
+
+def _not_found(recwarn) -> list[str]:
+    return [str(w.message) for w in recwarn if issubclass(w.category, AttentionNotFoundWarning)]
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+def _train(model: nn.Module, guard: sg.Guard, steps: int) -> None:
+    for _ in range(steps):
+        x = torch.randn(4, 8)
+        loss = model(x).square().mean()
+        loss.backward()
+        guard.step(loss)
+
+
+def test_the_default_logit_bound_on_an_mlp_warns_once_naming_its_class_and_the_fix(
+        fresh_warnings, recwarn, tmp_path):
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = sg.Guard(model, opt, sinks=[sg.JsonlSink(tmp_path / "m.jsonl")])
+    _train(model, guard, 12)  # past a logit-bound step (every 10): the warning came at build
+    guard.close()
+    second = _mlp()  # another model of the same class, another guard: no second warning
+    _train(second, sg.Guard(second, torch.optim.AdamW(second.parameters(), lr=1e-3),
+                            sinks=[sg.JsonlSink(tmp_path / "n.jsonl")]), 3)
+    (msg,) = _not_found(recwarn)
+    assert msg.startswith("the attention-logit bound found no attention it can read in "
+                          "Sequential: it does nothing")
+    assert "HasAttentionLayout" in msg and "attention_layout()" in msg
+    assert "SignalConfig(logit_bound_every=0)" in msg  # the way off, for a model without one
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert len(records) == 12 and not any("attn_logit_bound" in r for r in records)
+
+
+def test_the_logit_bound_turned_off_does_not_warn(fresh_warnings, recwarn):
+    off = sg.SignalConfig(logit_bound_every=0)
+    Signals(_mlp(), None, off).remove()
+    assert _not_found(recwarn) == []
+
+
+def test_qk_clip_on_a_model_it_cannot_read_warns_once_naming_its_class(fresh_warnings, recwarn):
+    opt = torch.optim.SGD(MysteryModel().parameters(), lr=0.1)
+    for _ in range(3):  # three models of the class, each with the bound on too: one warning
+        Signals(MysteryModel(), opt, sg.SignalConfig(qk_clip=100.0)).remove()
+    (msg,) = _not_found(recwarn)
+    assert msg.startswith("QK-Clip found no attention it can read in MysteryModel")
+    assert "HasAttentionLayout" in msg and "SignalConfig(qk_clip=None)" in msg
+    # the bound alone is another defense: its own one warning for the class
+    for _ in range(2):
+        Signals(MysteryModel(), opt, sg.SignalConfig()).remove()
+    assert [m.split(" found")[0] for m in _not_found(recwarn)] == \
+        ["QK-Clip", "the attention-logit bound"]
+
+
+def test_the_reference_gpt_and_a_llama_warn_about_nothing(fresh_warnings, recwarn):
+    from spikeguard.prevent.mup import mup_param_groups
+
+    gpt = sg.GPT(sg.GPTConfig.tiny())
+    llama = _llama()
+    for model, x in ((gpt, torch.randint(0, 256, (2, 8))), (llama, torch.randint(0, 64, (2, 8)))):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        signals = Signals(model, opt, sg.SignalConfig(qk_clip=100.0, logit_bound_every=1))
+        for step in range(3):
+            signals.start_step(step)
+            out = model(x)
+            (out.logits if hasattr(out, "logits") else out).float().square().mean().backward()
+            opt.step()
+            values = signals.gather()
+            assert values.heads is not None  # the bound was read
+        signals.remove()
+    mup = sg.GPT(sg.GPTConfig.tiny(init="mup", tie_embeddings=False))
+    assert mup_param_groups(mup, lr=1e-2, weight_decay=0.1)
+    assert _not_found(recwarn) == []
 
 
 def test_mup_reads_a_llamas_width_from_its_attention_and_groups_its_parameters():
@@ -146,5 +219,5 @@ def test_mup_reads_a_llamas_width_from_its_attention_and_groups_its_parameters()
     assert sum(len(g["params"]) for g in groups.values()) == len(list(model.parameters()))
     with pytest.raises(ValueError, match="needs base_width="):
         mup_param_groups(model, lr=1e-2, weight_decay=0.1)
-    with pytest.raises(ValueError, match="no attention in MysteryModel"):
+    with pytest.raises(ValueError, match="no attention in MysteryModel.*HasAttentionLayout"):
         mup_param_groups(MysteryModel(), lr=1e-2, weight_decay=0.1, base_width=8)

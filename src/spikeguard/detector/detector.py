@@ -10,7 +10,9 @@ I/O, host floats in and out; about 10 us an update. Tiers (every number a Detect
   loss_ema_ratio > 1.5 alone. A skipped step never enters a median or an EMA. A skip must
   recover (short loss EMA back below max(spike-step loss, pre-spike EMA + 0.1)) within 200
   updates, else Tier 2.
-* Tier 2 (ROLLBACK; a caller may turn it into an alert): ratio > 2.5 for 10 updates; short loss
+* Tier 2 (an ALERT: which response it gets, a page, a rollback or a question to a person, is the
+  caller's policy; ``Verdict.advice`` says what a loop with only the detector does): ratio > 2.5
+  for 10 updates; short loss
   EMA 0.1 above its pre-spike level for > 500 updates; log Z +3 within 300 updates; log Z more
   than 3 above its running median (a drift too slow for the 300-update rule); log Z more than 1
   above its median over the last 32 kept updates (a blow-up too fast for that median); a skip
@@ -89,9 +91,14 @@ def _from_v5(state: dict[str, Any], config: DetectorConfig) -> dict[str, Any]:
 class Verdict(NamedTuple):
     """The detector's decision for one step (an immutable named tuple: cheap to build per step).
 
-    ``skip`` is True when this step's update must be discarded: every SKIP, and a ROLLBACK or HALT
-    at a step where a Tier 1 rule also fired (a Tier 1 step is skipped whatever the Tier 2
-    policy). For CONTINUE, ``reasons`` is empty and ``onset_step`` None.
+    The detector decides the tier, the reasons, ``skip`` (a Tier 1 fact: this batch's update must
+    not be applied) and the halt (Tier 3: the numbers are not finite). It does not decide what a
+    Tier 2 verdict gets: its ``action`` is ALERT, and a caller's policy answers it (the Guard's
+    ``GuardConfig.tier2``: an alert, the default, a rollback or a question to a person; the
+    verdicts ``Guard.step`` returns carry the action the guard took). ``skip`` is True for every
+    SKIP, and for a Tier 2 or 3 verdict at a step where a Tier 1 rule also fired (a Tier 1 step
+    is skipped whatever the Tier 2 policy). For CONTINUE, ``reasons`` is empty and
+    ``onset_step`` None.
     """
 
     step: int
@@ -99,7 +106,9 @@ class Verdict(NamedTuple):
     tier: int
     """0 (nothing, advice, fp16 overflow) to 3 (halt)."""
     action: Action
-    """What to do; ``action.value`` is the metrics record's string."""
+    """What to do: CONTINUE, SKIP, ALERT (Tier 0 advice, a released Tier 1, every Tier 2 from the
+    detector) or HALT; from ``Guard.step``, what the guard did (ROLLBACK under
+    ``tier2="rollback"``). ``action.value`` is the metrics record's string."""
     reasons: tuple[str, ...]
     """Short strings, each starting with the metric it is about, ordered by onset."""
     onset_step: int | None
@@ -115,11 +124,11 @@ class Verdict(NamedTuple):
         with this verdict, in one sentence."""
         if self.action is Action.HALT:
             return "stop: the numbers are not finite (or the loss is far past any batch's)"
-        if self.action is Action.ROLLBACK:
+        if self.tier == 2:
             target = "" if self.onset_step is None else f" at or before step {self.onset_step - 2}"
             return (f"restore the newest checkpoint{target} and skip the data since; without "
                     "one, keep training with the clipped update at a lower learning rate (e.g. "
-                    "half) and watch the loss")
+                    f"half) and watch the loss")
         if self.skip:
             return "skip this step's optimizer and LR-schedule step (the next batch is fresh)"
         if self.action is Action.ALERT:
@@ -196,7 +205,7 @@ class SpikeDetector:
                 optimizer.step()
                 scheduler.step()
             optimizer.zero_grad()
-            # ROLLBACK (Tier 2): restore a checkpoint if you keep them, else lower the LR
+            # v.tier == 2: restore a checkpoint if you keep them, else lower the LR (v.advice)
 
     A loop that acts only on ``skip`` and HALT is never left skipping: after
     ``max_consecutive_skips`` skips in a row the weights, not the batches, are the suspect
@@ -317,7 +326,8 @@ class SpikeDetector:
         return self._decide(x, events)
 
     def _decide(self, x: StepInput, events: tuple[list[Event], ...]) -> Verdict:
-        """The tier and action from the events, with the evidence behind them."""
+        """The tier and action from the events, with the evidence behind them. A Tier 2 verdict is
+        an ALERT: what it gets (a rollback, a question) is the caller's policy."""
         _, t1, t2, t3 = events
         advice, storm, lx = self._zdrift.advice, self._storm, self._loss
         evidence = {
@@ -329,7 +339,7 @@ class SpikeDetector:
         if t3:
             tier, action = 3, Action.HALT
         elif t2:
-            tier, action = 2, Action.ROLLBACK
+            tier, action = 2, Action.ALERT
         elif t1:
             tier, action = 1, (Action.SKIP if x.skip and not x.released else Action.ALERT)
             ls = self._rules["loss_spike"]  # where the loss stood: for attribution's release

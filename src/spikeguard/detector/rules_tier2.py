@@ -1,4 +1,4 @@
-"""The detector's Tier 2 rules (ROLLBACK; a caller may treat one as an alert instead).
+"""The detector's Tier 2 rules (an ALERT in the verdict; the caller's policy picks the response).
 
 Tier 2 rules are events: each fires once, at the update where its condition starts to hold, not
 on every step while it holds; a latch re-arms it once the condition has cleared. The conventions

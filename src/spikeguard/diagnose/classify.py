@@ -242,9 +242,9 @@ def whatif(rep: Replay, ckpt_every: int | None) -> dict[str, Any]:
     rollback = [{"step": v.step, "onset": v.onset_step,
                  "to": rollback_step(v.onset_step if v.onset_step is not None else v.step,
                                      ckpt_every)}
-                for v in rep.flagged if v.action is Action.ROLLBACK]
+                for v in rep.flagged if v.tier == 2]  # under tier2="rollback"
     halt = [v.step for v in rep.flagged if v.action is Action.HALT]
-    alerts = sum(1 for v in rep.flagged if v.action is Action.ALERT)
+    alerts = sum(1 for v in rep.flagged if v.action is Action.ALERT and v.tier != 2)
     scaler = sum(1 for v in rep.flagged if v.action is Action.SKIP and v.tier == 0)
     return {"skip": skip, "drop": [], "rollback": rollback, "halt": halt, "alerts": alerts,
             "scaler_skips": scaler, "seconds": rep.seconds}

@@ -278,7 +278,8 @@ def spike_from_event(log: MetricsLog, ev: Event, rep: Replay, *,
             max((k for k in kinds if k in _KIND_TIER), key=_KIND_TIER.get)]]
     else:
         detected = top.step if top is not None else None
-        action = top.action.value if top is not None else Action.CONTINUE.value
+        action = (Action.CONTINUE.value if top is None  # Tier 2: what tier2="rollback" does
+                  else Action.ROLLBACK.value if top.tier == 2 else top.action.value)
     if tier == 1 and _applied_and_harmless(log, evd, reasons, det, i0, i1):
         tier, action, detected = 0, Action.CONTINUE.value, None
         kinds = kinds | {"recovered"}

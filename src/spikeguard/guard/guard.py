@@ -348,9 +348,8 @@ class Guard:
             out.verdict = verdict._replace(
                 reasons=(*verdict.reasons, weights_reason(out.weights_check.record(),
                                                         self.micro.why_not)))
-        # a loss-scaler overflow is the scaler's own skip: nothing to attribute; a step whose
-        # weights were at fault has its cause
-        # Tier 3 too under drop_sequences: a non-finite value from some rows' forward drops them
+        # an overflow is the scaler's skip, with nothing to attribute; the weights at fault are a
+        # cause; Tier 3 too under drop_sequences (a non-finite value from some rows drops them)
         tier, drop = out.verdict.tier, self.attribution.config.drop_sequences
         if (out.update is Update.WITHHELD and self.config.respond and out.cause is None
                 and (1 <= tier < 3 or (tier == 3 and drop))):
@@ -358,8 +357,9 @@ class Guard:
         self.updater.settle(out.update)
         self.last_skipped = out.skipped
         out.action = out.verdict.action
-        if not self.config.respond:
-            out.would_do, out.action = out.action, Action.CONTINUE
+        if not self.config.respond:  # the verdict says what the policy would have done
+            out.verdict = out.verdict._replace(action=self.policy.intended(out.verdict))
+            out.would_do, out.action = out.verdict.action, Action.CONTINUE
         try:
             if self.config.respond and out.verdict.tier >= 2:
                 out = self._respond(p, out)
@@ -380,7 +380,7 @@ class Guard:
             tier = 2 if jump.starts() else max(v.tier, 1)
             out.cause = "lr"
             out.verdict = v._replace(tier=max(v.tier, tier), reasons=(*v.reasons, p.lr_jump),
-                                     action=Action.SKIP if tier == 1 else Action.ROLLBACK,
+                                     action=Action.SKIP if tier == 1 else Action.ALERT,
                                      onset_step=(p.lr_onset or p.step) if tier == 2
                                      else v.onset_step,
                                      skip=True)
@@ -463,7 +463,8 @@ class Guard:
                 self.updater.reconfigure(r.precision, self.model)
             if r.halt is not None:
                 reply.halt, reply.metrics = r.halt, r.metrics
-        out.reply, out.action = reply, reply.action
+        out.reply, out.action, out.verdict = reply, reply.action, out.verdict._replace(
+            action=reply.action)  # the verdict says what the policy did
         if reply.halt is not None:
             out.metrics = reply.metrics
             self.recorder.record(out)
@@ -512,8 +513,7 @@ class Guard:
             self.micro.clear()
         if action is Action.SKIP and out.update is Update.DROPPED:
             out.action = action = Action.DROP  # the batch without its quarantined rows went in
-        # a skipped update never reached the weights: only an applied anomaly taints the interval
-        # (nor one withheld before it was applied for its LR, paged or not)
+        # only an applied anomaly taints the interval (not a skip, nor an update held for its LR)
         if p.lr_jump is None and ((verdict.tier >= 1 and action not in (Action.SKIP, Action.DROP))
                                   or action is Action.ALERT):
             self._window_alerts.append(f"{p.step}: {'; '.join(verdict.reasons)}")

@@ -1,5 +1,9 @@
-"""A bound on the applied update, beside gradient clipping (``ClipConfig.update_bound``); the
-step part (``guard/step.py``) applies it around every update it applies.
+"""A bound on the applied update, beside gradient clipping (its setting:
+``prevent/update_bound.py``'s ``UpdateBoundConfig``, which ``ClipConfig`` extends:
+``ClipConfig.update_bound``); the step part (``guard/step.py``) applies it around every update
+it applies. The mechanism sits here, not in ``prevent/``, because it sums the update over any
+sharding with ``measure/gradnorm.py``'s helpers (a layer above ``prevent/``) and acts inside the
+step part's update.
 
 Gradient clipping cannot bound what Adam does with a wrong learning rate: Adam divides the
 first moment by the root of the second, so its step barely depends on the gradient's scale,

@@ -13,11 +13,10 @@ over shards like the rest, and the bound stays an upper bound under any sharding
 Frobenius step makes it loose without QK-norm (several times the largest logit a random input
 reaches); with QK-norm it is the logit of two aligned, saturated vectors.
 
-:func:`qk_clip_` (QK-Clip, Kimi K2) rescales a head's query and key weights by
-``sqrt(tau / bound)`` each when its bound passes ``tau``, so the bound of every head is at most
-``tau`` afterwards: the head's query and key rows without QK-norm (a key head shared by a
-group of query heads takes the group's smallest factor), the QK-norm gains with it (shared by
-every head of the layer).
+:func:`qk_clip_` (QK-Clip, Kimi K2) reads these bounds and hands them to
+:func:`spikeguard.prevent.qk_clip.clip_heads_`, which edits the weights: a head's query and key
+weights by ``sqrt(tau / bound)`` each when its bound passes ``tau``, so the bound of every head is
+at most ``tau`` afterwards.
 
 Sharding as in ``measure/signals.py``: local pieces weighted by their copy counts, the per-head
 row sums placed at their global rows, ONE all-reduce of the float64 parts.
@@ -34,6 +33,7 @@ from torch import nn
 
 from .._dist import world_size
 from ..prevent.layout import AttentionLayout, find_attention
+from ..prevent.qk_clip import clip_heads_
 from ._grad_layout import _dtensor_piece
 
 __all__ = ["AttentionBlock", "attention_blocks", "bound_parts", "bounds", "local_piece",
@@ -77,11 +77,16 @@ def _width(lay: AttentionLayout) -> int:
     return 4 + lay.n_head + lay.n_kv_head
 
 
-def attention_blocks(model: nn.Module, *, required: bool = False) -> list[AttentionBlock]:
-    """The attention layers of ``model`` (:func:`spikeguard.prevent.layout.find_attention`;
-    with ``required``, for QK-Clip, none found warns once naming the model's class)."""
-    return find_attention(model, what="QK-Clip" if required else "the attention-logit bound",
-                          required=required)
+def attention_blocks(model: nn.Module, *, bound: bool = False,
+                     qk_clip: bool = False) -> list[AttentionBlock]:
+    """The attention layers of ``model`` (:func:`spikeguard.prevent.layout.find_attention`).
+    None found while the bound (``bound``) or QK-Clip (``qk_clip``) is on: an
+    AttentionNotFoundWarning naming the model's class, once per class and defense."""
+    if qk_clip:
+        return find_attention(model, what="QK-Clip", required=True,
+                              off="SignalConfig(qk_clip=None)")
+    return find_attention(model, what="the attention-logit bound", required=bound,
+                          off="SignalConfig(logit_bound_every=0)")
 
 
 def bound_parts(blocks: list[AttentionBlock], world: int, device: torch.device) -> torch.Tensor:
@@ -142,40 +147,13 @@ def bounds(blocks: list[AttentionBlock], sums: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def qk_clip_(blocks: list[AttentionBlock], tau: float, device: torch.device) -> torch.Tensor:
-    """Rescale the query and key weights of every head whose bound passes ``tau`` (module
-    docstring); returns the bounds before, [blocks * heads]. One all-reduce, no host read."""
+    """QK-Clip after an update: the bounds (one all-reduce, no host read), then
+    :func:`spikeguard.prevent.qk_clip.clip_heads_` rescales every head above ``tau``; returns
+    the bounds before, [blocks * heads]."""
     world = world_size()
     sums = bound_parts(blocks, world, device)
     if world > 1:
         dist.all_reduce(sums)
     before = bounds(blocks, sums)
-    gamma = (tau / before.clamp(min=1e-30)).clamp(max=1.0)  # 1 where the bound holds
-    at = 0
-    for blk in blocks:
-        lay = blk.layout()
-        h, h_kv, hd = lay.n_head, lay.n_kv_head, lay.head_dim
-        g = gamma[at:at + h]
-        at += h
-        if lay.qk_norm is not None:  # gains shared by the heads: every head has the layer's bound
-            for w in lay.qk_norm:
-                local = local_piece(w.detach(), world)[0]
-                local.mul_(g[0].sqrt().to(local.device, local.dtype))
-            continue
-        kv = g.view(h_kv, h // h_kv).amin(dim=1)  # a shared key head: its group's least factor
-        # a q head's rows at sqrt(gamma), its k head's at sqrt(the group's least gamma) (the
-        # product is at most gamma), every other row (v in a fused qkv) at 1
-        _scale_rows_(lay.q_weight, lay.q_row, g.sqrt(), hd, world)
-        _scale_rows_(lay.k_weight, lay.k_row, kv.sqrt(), hd, world)
+    clip_heads_([blk.layout() for blk in blocks], before, tau)
     return before
-
-
-def _scale_rows_(weight: torch.Tensor, row: int, factors: torch.Tensor, hd: int,
-                 world: int) -> None:
-    """Multiply rows ``row + i * hd`` onward of ``weight`` by ``factors[i]`` (this rank's piece)."""
-    w, _, offset = local_piece(weight.detach(), world)
-    if not w.numel():
-        return
-    per_row = torch.ones(max(offset + w.shape[0], row + factors.numel() * hd), dtype=_F64,
-                         device=factors.device)
-    per_row[row:row + factors.numel() * hd] = factors.repeat_interleave(hd)
-    w.mul_(per_row[offset:offset + w.shape[0]].to(w.device, w.dtype).unsqueeze(1))

@@ -139,11 +139,11 @@ class Probes:
             for name, module in model.named_modules():
                 if name and not list(module.children()) and not isinstance(module, _SKIP_TYPES):
                     self._handles.append(module.register_forward_hook(self._make_hook(name)))
-        self.signals = Signals(model, optimizer, self.config.signals)
         self._attn_modules = [m for m in model.modules() if hasattr(m, "logit_p99_request")]
         if self.config.attn_logit_p99 and not self._attn_modules:
             raise ValueError("ProbeConfig.attn_logit_p99=True but the model has no attention module "
                              "that can report logits (GPT's Attention has one); turn the probe off")
+        self.signals = Signals(model, optimizer, self.config.signals)
 
     def _make_hook(self, name: str):
         def hook(module, args, output):

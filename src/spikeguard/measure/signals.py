@@ -17,9 +17,9 @@ ride in the guard's read-back vector, like the probes'):
   sample.
 - ``attn_logit_bound``: an upper bound on every attention logit of the next forward, from the
   weights alone (no attention pass), with its layer and the [layer][head] table
-  (``measure/logit_bound.py`` derives it). With ``qk_clip`` set, QK-Clip (Kimi K2) rescales the
-  query and key weights of each head whose bound passes it after every update (an all-reduce a
-  step), so the bound holds after each step.
+  (``measure/logit_bound.py`` derives it). With ``qk_clip`` set, QK-Clip (Kimi K2,
+  ``prevent/qk_clip.py``) rescales the query and key weights of each head whose bound passes it
+  after every update (an all-reduce a step), so the bound holds after each step.
 
 The sample (``sample_stride``): blocks of 16 consecutive elements (a cache line of float32),
 one block in every ``s`` along the flat index of the whole (unsharded) tensor, the tensor's
@@ -50,6 +50,7 @@ from torch import nn
 
 from .._dist import collective_device, world_size
 from .._validate import check_int, check_positive
+from ..prevent.qk_clip import QKClipConfig
 from ._grad_layout import tensor_norms
 from .logit_bound import attention_blocks, bound_parts, bounds, local_piece, qk_clip_
 
@@ -59,8 +60,10 @@ _F64 = torch.float64
 
 
 @dataclass(kw_only=True, frozen=True)
-class SignalConfig:
-    """Which early-warning signals are recorded, and how often (docs/design.md, "Signals")."""
+class SignalConfig(QKClipConfig):
+    """Which early-warning signals are recorded, and how often (docs/design.md, "Signals"), and
+    QK-Clip on the logit bound (``qk_clip``: its field, default and check are
+    ``prevent.qk_clip.QKClipConfig``'s, which this config extends)."""
 
     update_ratio_every: int = 1
     """Steps between update-ratio readings (0: off). A reading copies the sampled weights once."""
@@ -74,19 +77,14 @@ class SignalConfig:
     """A gradient element is a spike when g^2 > spike_k x its second moment (SPAM's 5,000)."""
     logit_bound_every: int = 10
     """Steps between attention-logit bound readings (0: off); reads only the attention weights."""
-    qk_clip: float | None = None
-    """QK-Clip: after each update, rescale the query and key weights of a head whose logit
-    bound passes this (Kimi K2's tau: 100); None: off."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("update_ratio_every", "spike_share_every", "logit_bound_every"):
             check_int(getattr(self, name), f"SignalConfig.{name}", minimum=0,
                       default=getattr(type(self), name))
         check_int(self.sample_stride, "SignalConfig.sample_stride", minimum=1, default=64)
         check_positive(self.spike_k, "SignalConfig.spike_k", default=5000.0)
-        if self.qk_clip is not None:
-            check_positive(self.qk_clip, "SignalConfig.qk_clip", default=100.0,
-                           hint="None turns QK-Clip off")
 
 
 _MIN_SAMPLE = 1024
@@ -213,7 +211,8 @@ class Signals:
         for i, (name, _) in enumerate(self.named):
             groups[layer_of(name)].append(i)
         self.groups = dict(groups)
-        self.blocks = attention_blocks(model, required=cfg.qk_clip is not None)
+        self.blocks = attention_blocks(model, bound=cfg.logit_bound_every > 0,
+                                       qk_clip=cfg.qk_clip is not None)
         self._step = 0
         self._snapshot: list[torch.Tensor] | None = None
         self._update: torch.Tensor | None = None

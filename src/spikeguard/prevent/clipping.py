@@ -35,6 +35,7 @@ import torch
 
 from .._dist import local_tensor
 from .._validate import check_int, check_positive
+from .update_bound import UpdateBoundConfig
 
 __all__ = ["CLIP_MODES", "ClipConfig", "Clipper"]
 
@@ -42,8 +43,10 @@ CLIP_MODES = ("fixed", "zscore", "adagc", "spam")
 
 
 @dataclass(kw_only=True, frozen=True)
-class ClipConfig:
-    """How the guard clips the gradient, beside the fixed threshold (``GuardConfig.clip``)."""
+class ClipConfig(UpdateBoundConfig):
+    """How the guard clips the gradient, beside the fixed threshold (``GuardConfig.clip``), and
+    the update bound beside it (``update_bound``, ``update_beta``: their fields, defaults and
+    checks are ``prevent.update_bound.UpdateBoundConfig``'s, which this config extends)."""
 
     clip_mode: Literal["fixed", "zscore", "adagc", "spam"] = "fixed"
     """fixed (the threshold alone), zscore (the global norm's z-score), adagc (per-tensor EMA)
@@ -60,19 +63,13 @@ class ClipConfig:
     """spam: an element is cut where g^2 > spam_k x its second moment (SPAM's 5,000)."""
     warmup: int = 25
     """zscore, adagc and the update bound: kept steps that only measure before the rule acts."""
-    update_bound: float = 0.0
-    """Bound each applied update, in every mode: an update whose RMS over the weights' passes
-    this many times an EMA of its own is moved back to that bar (a learning rate far too high
-    passes any gradient clip under Adam, whose step ignores the gradient's scale). 0: off; at
-    3 no clean benchmark run was bounded. Keeps one copy of the weights."""
-    update_beta: float = 0.98
-    """update bound: EMA factor of the update ratio (a half-life of about 34 steps)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.clip_mode not in CLIP_MODES:
             raise ValueError(f"ClipConfig.clip_mode={self.clip_mode!r} must be one of "
                              f"{', '.join(CLIP_MODES)}")
-        for name in ("zscore_alpha", "adagc_beta", "update_beta"):
+        for name in ("zscore_alpha", "adagc_beta"):
             value = getattr(self, name)
             if not 0.0 < value < 1.0:
                 raise ValueError(f"ClipConfig.{name}={value} must be in (0, 1) (an EMA factor; "
@@ -83,11 +80,6 @@ class ClipConfig:
             raise ValueError(f"ClipConfig.adagc_lambda={self.adagc_lambda} must be >= 1 (a norm "
                              f"may exceed its EMA by this factor; AdaGC uses 1.05)")
         check_int(self.warmup, "ClipConfig.warmup", minimum=1, default=25)
-        b = self.update_bound
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (b == 0 or b > 1):
-            raise ValueError(f"ClipConfig.update_bound={b!r} must be 0 (off) or a number above "
-                             "1 (the multiple of the update ratio's EMA that bounds an update; "
-                             "3 is a safe start)")
 
 
 class Clipper:

@@ -8,10 +8,10 @@ attributes (``input_layernorm``, ``self_attn.q_proj`` and ``k_proj``). :func:`fi
 returns every such layer of a model, in module order. docs/defenses.md says what a model must
 satisfy for the bound to hold.
 
-When a caller needs attention (QK-Clip, muP) and none is found, :func:`find_attention` warns
-once per model class (an ``AttentionNotFoundWarning`` naming it) instead of letting it silently
-do nothing. The logit bound, on by default, is an optional reading: on a model it cannot read
-its record keys are simply absent.
+When a caller finds no attention (the logit bound, on by default, and QK-Clip), the caller's
+:func:`find_attention` warns once per model class and caller (an ``AttentionNotFoundWarning``
+naming the class, the protocol to implement and how to turn the caller off) instead of letting
+it silently do nothing; muP, which cannot work without a width, raises instead.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ _KNOWN: dict[str, Callable[[nn.Module], AttentionLayout | None]] = {
 }
 """Layers of other libraries, by class name (no import of the library), read from outside."""
 
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
+"""(caller, model class) pairs already warned about: once each per process."""
 
 
 class _Found:
@@ -107,21 +108,27 @@ def _reader(module: nn.Module) -> Callable[[nn.Module], AttentionLayout | None] 
 
 
 def find_attention(model: nn.Module, *, what: str = "the attention-logit bound",
-                   required: bool = False) -> list[_Found]:
+                   required: bool = False, off: str = "") -> list[_Found]:
     """Every attention layer of ``model`` that implements the protocol (or is a known layer),
     in module order. None found with ``required``: an AttentionNotFoundWarning naming the
-    model's class, once per class, saying that ``what`` does nothing."""
+    model's class and the protocol, once per (``what``, class), saying that ``what`` does
+    nothing; ``off`` says how to turn ``what`` off (for a model with no attention at all)."""
     found = []
     for module in model.modules():
         read = _reader(module)
         if read is not None and read(module) is not None:
             found.append(_Found(module, read))
     name = type(getattr(model, "_orig_mod", model)).__name__
-    if not found and required and name not in _warned:
-        _warned.add(name)
-        warnings.warn(
-            f"{what} found no attention it can read in {name}: it does nothing for this model. "
-            "Give the layer that feeds its normalised input to the query and key projections an "
-            "attention_layout() method (spikeguard.prevent.layout.AttentionLayout; "
-            "docs/defenses.md)", AttentionNotFoundWarning, stacklevel=3)
+    if not found and required and (what, name) not in _warned:
+        _warned.add((what, name))
+        warnings.warn(not_found(what, name, off), AttentionNotFoundWarning, stacklevel=3)
     return found
+
+
+def not_found(what: str, name: str, off: str = "") -> str:
+    """The message for ``what`` finding no attention in a model of class ``name``."""
+    return (f"{what} found no attention it can read in {name}: it does nothing for this "
+            f"model. Implement the HasAttentionLayout protocol (spikeguard.prevent.layout): give "
+            "the layer that feeds its normalised input to the query and key projections an "
+            "attention_layout() method returning an AttentionLayout (docs/defenses.md)"
+            + (f"; or, for a model without attention, turn it off: {off}" if off else ""))

@@ -88,8 +88,9 @@ def _width_and_base(model: nn.Module, base_width: int | None) -> tuple[int, int]
         found = f"widths {sorted(widths)}" if widths else "no attention"
         raise ValueError(f"mup_param_groups found {found} in {name}, so it cannot tell the "
                          "model's width: use the reference GPT (GPT(GPTConfig(init='mup', "
-                         "tie_embeddings=False))) or give the model's layers an "
-                         "attention_layout() (spikeguard.prevent.layout)")
+                         "tie_embeddings=False))) or implement the HasAttentionLayout protocol "
+                         "(spikeguard.prevent.layout): give the model's attention layers an "
+                         "attention_layout() method returning an AttentionLayout")
     if base_width is None:
         raise ValueError(f"mup_param_groups on {name} needs base_width= (the width the learning "
                          "rate was tuned at); the model's own init and output multiplier must "

@@ -16,6 +16,9 @@ log = logging.getLogger("spikeguard")
 class Alert:
     """``on_alert(summary)``, else a log line; the record carries the ``summary``."""
 
+    action = Action.ALERT
+    """What it does to the step when it acts (``Policy.intended``)."""
+
     def respond(self, incident: Incident, control: Any) -> Reply:
         summary = control.summary(incident)
         page(incident, control, summary)

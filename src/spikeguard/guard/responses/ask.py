@@ -31,6 +31,9 @@ class Ask:
     """The ask response (module docstring): page through ``control.on_alert`` (the on-call
     loop's ``page``) and go on; the record says the run waits for an answer."""
 
+    action = Action.ALERT
+    """What it does to the step when it acts (``Policy.intended``)."""
+
     def respond(self, incident: Incident, control: Any) -> Reply:
         summary = control.summary(incident)
         page(incident, control, summary)

@@ -68,6 +68,10 @@ class Reply:
 class Response(Protocol):
     """One response (module docstring)."""
 
+    action: Action
+    """What it does to the step when it acts (ALERT, ROLLBACK, HALT): what ``Policy.intended``
+    reports for a tier whose own response it is, under ``respond=False``."""
+
     def respond(self, incident: Incident, control: Any) -> Reply | None:
         """Act on ``incident`` through ``control`` (``control.RunControl``); None: not mine."""
         ...

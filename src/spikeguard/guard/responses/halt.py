@@ -23,6 +23,9 @@ log = logging.getLogger("spikeguard")
 class Halt:
     """The Tier 3 response, and the halt a spent rollback budget ends in (module docstring)."""
 
+    action = Action.HALT
+    """What it does to the step when it acts (``Policy.intended``)."""
+
     def __init__(self, reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None
                  = None) -> None:
         self.reconfigure = reconfigure

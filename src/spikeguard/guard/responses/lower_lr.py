@@ -49,6 +49,9 @@ class LowerLrConfig(ResponseConfig):
 class LowerLr:
     """The response (module docstring)."""
 
+    action = Action.ALERT
+    """What it does to the step when it acts: an alert (the LR request rides beside it)."""
+
     def __init__(self, config: LowerLrConfig) -> None:
         self.config = config
 

@@ -1,5 +1,5 @@
 """Which responses a verdict's tier gets: the detector says the tier and the reasons, the policy
-says what is done about them.
+says what is done about them (the detector's Tier 2 verdict is an ALERT whatever the policy).
 
 Tier 2: ``GuardConfig.tier2``'s response (``alert``, the default, ``rollback`` or ``ask``), then every
 response switched on by a ``ResponseConfig`` field of the GuardConfig for tier 2 (``lower_lr``).
@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
+from ...detector.detector import Verdict
 from ...record import Action
 from ..forensics import HaltReport
 from .alert import Alert
@@ -40,6 +41,13 @@ class Policy:
             if isinstance(value, ResponseConfig) and value.enabled:
                 for tier in value.tiers:
                     self.tiers[tier].append(value.build())
+
+    def intended(self, verdict: Verdict) -> Action:
+        """What the tier's own response does to ``verdict`` (``would_do`` under
+        ``respond=False``: ROLLBACK for Tier 2 under ``tier2="rollback"``, HALT for Tier 3);
+        below Tier 2, the verdict's own action."""
+        responses = self.tiers.get(verdict.tier)
+        return responses[0].action if responses else verdict.action
 
     def respond(self, incident: Incident, control: Any) -> tuple[Reply, ...]:
         """The replies to a verdict of tier 2 or 3, in order (module docstring)."""

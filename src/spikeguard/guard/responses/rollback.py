@@ -28,6 +28,9 @@ class Rollback:
     """The rollback response (module docstring); ``lr_scale`` is the replay's starting LR
     multiple (``GuardConfig.rollback_lr_scale``); ``halt`` answers once the budget is spent."""
 
+    action = Action.ROLLBACK
+    """What it does to the step when it acts (``Policy.intended``)."""
+
     def __init__(self, lr_scale: float, halt: Halt) -> None:
         self.lr_scale, self.halt = lr_scale, halt
 
