@@ -72,9 +72,11 @@ def joint_grad_bar(median: float, limit: float, grad_on: bool) -> float:
     limit)); before it arms (``grad_arm_after``), the full ``limit``; inf while the median is
     not positive (no history: the test is off). Before the grad rule arms, a healthy run's grad
     norm spikes 5-160x its median after warmup, but on fine batches, at an ordinary loss; a
-    garbage batch moves both (tiny, warmup 20, a batch of random bytes at step 45: the grad norm
-    ~10x its median, the loss +37%, under the loss rule's +40% floor). A step past the whole
-    grad bar and past half the loss bar's rise is that batch, not the turbulence."""
+    garbage batch moves both (tiny, batch 8, warmup 40, the grad rule armed at 80: a batch of
+    random bytes at step 68 stood at 9.7x the median grad norm and 1.37x the median loss, under
+    the loss rule's +40% floor). A step past the whole grad bar and past half the loss bar's
+    rise is that batch, not the turbulence: on recorded clean runs, the steps past the grad bar
+    before it arms had their loss at most 31% of the way to its bar (docs/design.md)."""
     if not median > 0.0:
         return math.inf
     return math.sqrt(median * limit) if grad_on else limit
