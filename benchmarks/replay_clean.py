@@ -26,14 +26,15 @@ from pathlib import Path
 from spikeguard.detector import DetectorConfig, SpikeDetector
 from spikeguard.record import StepMetrics
 
-__all__ = ["main"]
+__all__ = ["clean_runs", "main"]
 
 RESULTS = Path(__file__).parent / "results"
 SPECS = (("sgd", 0.03, 20), ("sgd", 0.1, 20), ("adam999", 0.003, 20), ("adamw", 0.003, 0),
          ("adafactor", 0.01, 20), ("sgd", 0.1, 0))
 
 
-def _runs() -> list[dict]:
+def clean_runs() -> list[dict]:
+    """The recorded clean runs of 60 steps or more: name (ending in /s<seed>), steps, warm, s."""
     runs = []
     for line in open(RESULTS / "lead_time_clean_matrix.jsonl"):
         r = json.loads(line)
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.generate:
         _generate()
         return 0
-    runs = _runs()
+    runs = clean_runs()
     for warm_given in (True, False):
         armed = skips = 0
         pages: collections.Counter = collections.Counter()

@@ -6,7 +6,9 @@
   52606dd paged it at step 32 (``log_z > median of last 32 + 1``). No page now: the log Z rules
   turn on only once log Z has stayed inside their bars for ``arm_quiet`` updates in a row.
 - A detector saved mid-run and loaded into a fresh one judges the rest of the stream with the
-  same thresholds (every limit and median in the evidence) as the uninterrupted one.
+  same thresholds (every limit and median in the evidence) as the uninterrupted one, cut before,
+  inside and after the stretch where the loss rules are armed and the grad rule not yet (where
+  the joint test uses the whole grad bar: a resumed run must skip the same garbage batch there).
 """
 
 from __future__ import annotations
@@ -56,9 +58,13 @@ def test_a_resumed_detectors_thresholds_equal_the_uninterrupted_ones():
     for i, m in enumerate(metrics):
         m.step = i
     config = sg.DetectorConfig.for_run(len(metrics), warmup_steps=20)
+    assert (config.arm_after, config.grad_arm_after) == (50, 60)
+    metrics[56].grad_norm *= 8.0  # a garbage batch before the grad rule arms: both move
+    metrics[56].loss *= 1.3
     whole = sg.SpikeDetector(config)
     want = [whole.update(m) for m in metrics]
-    for cut in (40, 1500, 3100):
+    assert want[56].skip and want[56].reasons[0] == "loss past half its bar and grad_norm past its bar"
+    for cut in (40, 53, 1500, 3100):
         first = sg.SpikeDetector(config)
         for m in metrics[:cut]:
             first.update(m)

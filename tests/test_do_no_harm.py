@@ -334,3 +334,41 @@ def _same(a, b):
     from tests.guard_harness import unchanged
 
     return unchanged(a, b)
+
+
+@pytest.mark.slow
+def test_a_garbage_batch_before_the_grad_rule_arms_is_skipped(tmp_path, one_thread):
+    """Between the loss rules' arming and the grad rule's, a batch far out on both the grad
+    norm and the loss is a bad batch, not the grad norm's turbulence after warmup (which comes
+    on fine batches, at an ordinary loss). Tiny model, batch 8, peak LR 3e-3, warmup 40 given
+    to the detector (as ``spikeguard train`` gives it): the loss rules arm at 30 kept updates,
+    the grad rule at 80. Batch 68 is random bytes: its grad norm about 10x the median, its
+    loss about 1.37x the median, under the loss rule's +40% floor and under the loss/EMA alert,
+    so no rule but the joint test with the whole grad bar sees it. It is skipped (Tier 1, cause
+    data); the same run without it has no flag at all in that stretch."""
+    steps, warmup, at = 300, 40, 68
+    config = sg.DetectorConfig.for_run(steps, warmup_steps=warmup)
+    window = range(config.arm_after, config.grad_arm_after)
+    assert at in window and (window.start, window.stop) == (30, 80)
+    _, clean = _run(tmp_path, "clean", steps=steps, seed=0, warmup_steps=warmup)
+    assert not [r["step"] for r in clean if r["action"] != "continue" or r["skipped"]]
+    _, records = _run(tmp_path, "garbage", steps=steps, seed=0, warmup_steps=warmup,
+                      inject=(f"outlier@{at}",))
+    flagged = [(r["step"], r["action"], r["skipped"]) for r in records
+               if r["action"] != "continue" or r["skipped"]]
+    assert flagged == [(at, "skip", True)], flagged
+    r = records[at]
+    assert r["reasons"][0] == "loss past half its bar and grad_norm past its bar"
+    assert r["cause"] == "data"
+    # the premise, from the detector's own numbers at that step (a replay of the record)
+    detector = sg.SpikeDetector(config)
+    v = [detector.update(sg.StepMetrics(step=q["step"], loss=q["loss"],
+                                        grad_norm=q["grad_norm"], log_z=q["log_z"]),
+                         released=False) for q in records[:at + 1]][-1]
+    ev = v.evidence
+    assert v.reasons == tuple(x for x in r["reasons"] if not x.startswith(
+        ("weights check", "rerun", "quarantined")))
+    assert ev["grad_norm"] > 8 * ev["grad_median"], ev  # the grad rule would skip it if armed
+    assert 1.3 * ev["loss_median"] < ev["loss"] < ev["loss_limit"], ev  # under the loss bar
+    assert ev["loss_limit"] == pytest.approx((1 + config.loss_min_rise) * ev["loss_median"])
+    assert ev["loss_ema_ratio"] < config.alert_ratio, ev  # no alert from loss / EMA either

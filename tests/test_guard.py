@@ -264,8 +264,11 @@ def test_a_spent_rollback_budget_halts(tmp_path):
 
 
 # ---------------------------------------------------------------- gate == host verdict
-@pytest.mark.parametrize("stream", ["data_anomaly", "grad_storm", "clean", "random"])
+@pytest.mark.parametrize("stream", ["data_anomaly", "grad_storm", "clean", "random", "grad_late"])
 def test_the_device_gate_equals_the_host_verdict_on_every_tier_0_1_step(stream):
+    """grad_late: the grad rule arms at 2,000 kept updates, the loss rules at 50; in between
+    the grad-only outliers of the random stream pass, and the planted batches with both the
+    grad norm (x6) and the loss (x1.3) up meet the joint test's whole grad bar."""
     from .verdict_streams import SMALL, random_stream
 
     if stream == "data_anomaly":
@@ -274,10 +277,16 @@ def test_the_device_gate_equals_the_host_verdict_on_every_tier_0_1_step(stream):
         metrics, config = sc.grad_storm(0).metrics, sg.DetectorConfig()
     elif stream == "clean":
         metrics, config = sc.clean_run(0, steps=3000).metrics, sg.DetectorConfig()
-    else:
+    elif stream == "random":
         metrics, config = random_stream(1, n=4000), sg.DetectorConfig(**SMALL)
+    else:
+        metrics = random_stream(1, n=4000)
+        for m in metrics[320:1900:150]:
+            m.grad_norm *= 6.0
+            m.loss *= 1.3
+        config = sg.DetectorConfig(**SMALL, grad_arm_after=2000)
     detector, gate = sg.SpikeDetector(config), DeviceGate(config)
-    checked = skips = 0
+    checked = skips = early = 0
     for m in metrics:
         armed = bool(gate.armed())
         assert armed == detector.armed
@@ -290,7 +299,9 @@ def test_the_device_gate_equals_the_host_verdict_on_every_tier_0_1_step(stream):
             skips += g
         if not armed:
             assert not v.skip or not math.isfinite(m.grad_norm + m.loss)
+        early += v.skip and "loss past half its bar and grad_norm past its bar" in v.reasons
     assert checked > 0.9 * len(metrics) and (skips >= 1 or stream == "clean")
+    assert (early >= 5) == (stream == "grad_late"), early
 
 
 def test_the_gate_bit_equals_the_verdict_on_a_real_run(tmp_path):

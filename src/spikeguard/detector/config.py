@@ -48,7 +48,9 @@ class DetectorConfig:
     updates more (``for_run``'s ``warmup_steps`` does): as the LR reaches its peak, and for a few
     dozen updates after, the grad norm of a healthy run spikes 5-160x its median on batches that
     are fine, and plain AdamW + clipping rides it out. On the tiny model at peak LR 1e-3 to
-    1e-2 such spikes came at steps 15-62 for warmups of 10, 20 and 40 (docs/design.md)."""
+    1e-2 such spikes came at steps 15-62 for warmups of 10, 20 and 40 (docs/design.md). Until
+    then a step past the grad bar is skipped only with the loss past half its bar's rise (the
+    joint test, ``rules.joint_grad_bar``): such spikes come at an ordinary loss."""
     arm_quiet: int = 20
     """The log Z rules turn on once this many judged updates in a row (after ``arm_after`` and
     ``grad_arm_after``) stayed inside their bar (the rise rule: its whole window): log Z is in

@@ -7,6 +7,7 @@ At step t the gate is a 0-d bool tensor, true when the step must not be applied:
     or armed and loss > its short running median + max(loss_min_rise x median, loss_z x spread)
     or armed and loss / EMA of earlier kept losses > skip_ratio
     or armed and grad armed and loss past half its bar's rise and grad norm past sqrt(median x bar)
+    or armed and not grad armed and loss past half its bar's rise and grad norm past its bar
 
 with ``armed`` = at least ``arm_after`` kept updates so far (``grad armed``: at least
 ``grad_arm_after``). It reads the same DetectorConfig as
@@ -63,7 +64,10 @@ class DeviceGate:
         ratio = torch.where(ema > 0, x / ema, math.nan)
         grad_on = self.grad_armed()
         glimit, llimit, med = self._grad_limit(), self._loss_limit(), self.median.value
-        joint = joint_spike(g, torch.sqrt(med * glimit), x, self.level.value, llimit) & grad_on
+        # rules.joint_grad_bar: the midpoint once the grad rule is armed, the bar before
+        half = torch.where(med > 0, torch.where(grad_on, torch.sqrt(med * glimit), glimit),
+                           math.inf)
+        joint = joint_spike(g, half, x, self.level.value, llimit)
         spike = ((grad_spike(g, glimit) & grad_on) | loss_spike(x, llimit) | joint
                  | ratio_spike(ratio, self.config))
         return ~torch.isfinite(g) | ~torch.isfinite(x) | (self.armed() & spike)

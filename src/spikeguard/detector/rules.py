@@ -24,8 +24,8 @@ from ..record import StepMetrics
 from .config import DetectorConfig
 
 __all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "LossSpike", "NonFinite", "Rule",
-           "ScalerOverflow", "StepInput", "grad_limit", "grad_spike", "joint_spike", "loss_limit",
-           "loss_spike", "quiet_arm", "ratio_spike"]
+           "ScalerOverflow", "StepInput", "grad_limit", "grad_spike", "joint_grad_bar",
+           "joint_spike", "loss_limit", "loss_spike", "quiet_arm", "ratio_spike"]
 
 Event = tuple[int, str]
 """(onset step, reason): where the anomaly a rule saw began, and a short text naming its metric."""
@@ -58,12 +58,28 @@ def loss_limit(level: float, spread: float, c: DetectorConfig) -> float:
 
 def joint_spike(grad_norm: Any, grad_half: Any, loss: Any, level: Any, limit: Any) -> Any:
     """The Tier 1 joint test: the loss past half its bar's rise above the median **and** the grad
-    norm past the geometric midpoint of its median and bar (``grad_half`` = sqrt(median x
-    grad_limit)). A batch of garbage inputs on a noisy small-batch run can sit just inside
-    both bars (tiny, batch 8, seed 2: five such batches at 1.3-1.37x the median loss, 5.5
-    spreads, and 3-4x the median grad norm, under a 4x bar), while a healthy batch is rarely
-    far out on both at once: none of 12,352 armed steps of 80 clean tiny runs was."""
+    norm past ``grad_half`` (``joint_grad_bar``). A batch of garbage inputs on a noisy
+    small-batch run can sit just inside both bars (tiny, batch 8, seed 2: five such batches at
+    1.3-1.37x the median loss, 5.5 spreads, and 3-4x the median grad norm, under a 4x bar),
+    while a healthy batch is rarely far out on both at once: none of 12,352 armed steps of 80
+    clean tiny runs was."""
     return (loss > level + 0.5 * (limit - level)) & (grad_norm > grad_half)
+
+
+def joint_grad_bar(median: float, limit: float, grad_on: bool) -> float:
+    """The joint test's grad bar (host floats; the device twin is in DeviceGate.test): with the
+    grad rule armed, the geometric midpoint of the median and ``grad_limit`` (sqrt(median x
+    limit)); before it arms (``grad_arm_after``), the full ``limit``; inf while the median is
+    not positive (no history: the test is off). Before the grad rule arms, a healthy run's grad
+    norm spikes 5-160x its median after warmup, but on fine batches, at an ordinary loss; a
+    garbage batch moves both (tiny, batch 8, warmup 40, the grad rule armed at 80: a batch of
+    random bytes at step 68 stood at 9.7x the median grad norm and 1.37x the median loss, under
+    the loss rule's +40% floor). A step past the whole grad bar and past half the loss bar's
+    rise is that batch, not the turbulence: on recorded clean runs, the steps past the grad bar
+    before it arms had their loss at most 31% of the way to its bar (docs/design.md)."""
+    if not median > 0.0:
+        return math.inf
+    return math.sqrt(median * limit) if grad_on else limit
 
 
 def quiet_arm(quiet: int, need: int, outside: bool) -> tuple[int, bool]:
@@ -107,8 +123,9 @@ class StepInput:
         batch, were at fault; ``blind``: released without a test of the weights): no skip, but
         still out of the histories (the detector)."""
         self.grad_half = math.inf
-        """The grad norm halfway (in log) to the grad bar, where the grad rule is armed, else
-        inf (GradSpike; LossSpike's joint test reads it)."""
+        """The joint test's grad bar (``joint_grad_bar``: halfway in log to the grad bar once
+        the grad rule is armed, the grad bar itself before), inf while not armed (GradSpike;
+        LossSpike's joint test reads it)."""
         self.skip = self.spike = self.loss_flag = False
         """Tier 1 asks for a skip (GradSpike, LossSpike, LossRatio); the grad-norm rule fired
         (GradSpike); a loss rule asks for a skip (LossSpike, LossRatio)."""
@@ -170,7 +187,8 @@ class GradSpike(Rule):
     (``spread``: the robust spread of log grad norm from one kept step to the next,
     ``measure.spread.Spread``). It arms with the other rules (``arm_after``) and, when
     ``grad_arm_after`` is larger, only after that many kept updates: right after warmup the grad
-    norm spikes 5-160x on healthy runs (see DetectorConfig.grad_arm_after).
+    norm spikes 5-160x on healthy runs (see DetectorConfig.grad_arm_after). Until then its bar
+    serves only the joint test (``joint_grad_bar``), with the loss.
 
     ``onset`` is the first step of the current run of norms above grad_elevated x median: a
     blow-up usually climbs for a few steps before it crosses grad_k, and the rollback target must
@@ -211,7 +229,7 @@ class GradSpike(Rule):
             self.onset = None
         self.limit = limit = grad_limit(med, self.spread.value, self.c)
         on = x.armed and x.j >= self.arm
-        x.grad_half = math.sqrt(med * limit) if on and med > 0.0 else math.inf
+        x.grad_half = joint_grad_bar(med, limit, on) if x.armed else math.inf
         if on and grad_spike(g, limit):
             x.skip = x.spike = True
             return (self.onset, self.reason)
@@ -232,11 +250,14 @@ class LossSpike(Rule):
     batch of random bytes (loss/EMA 1.4 at step 150 of a 300-step tiny run, where this rule
     sees 10 spreads). The short median follows the falling loss; the spread (``Spread``: of the
     loss from one kept step to the next) is the run's own batch-to-batch noise, so a noisy run
-    is not flagged for ordinary variation. With the grad rule armed, it also flags a step past
-    half of both bars at once (``joint_spike``).
+    is not flagged for ordinary variation. It also flags a step past half of both bars at once
+    (``joint_spike``) and, before the grad rule arms, a step past the whole grad bar and half the
+    loss bar's rise (``joint_grad_bar``: the post-warmup grad turbulence comes at an ordinary
+    loss, a garbage batch moves both).
     """
 
-    __slots__ = ("c", "joint_reason", "level", "limit", "med", "reason", "spread")
+    __slots__ = ("c", "early_reason", "grad_arm", "joint_reason", "level", "limit", "med",
+                 "reason", "spread")
     _stats = ("level", "spread")
     tier, phase = 1, "judge"
 
@@ -246,7 +267,9 @@ class LossSpike(Rule):
         self.spread = Spread(c.loss_window)
         self.med = self.limit = _nan
         self.reason = f"loss > median + {c.loss_z:g} spreads"
+        self.grad_arm = c.grad_arm_after
         self.joint_reason = "loss and grad_norm both past half their bars"
+        self.early_reason = "loss past half its bar and grad_norm past its bar"
 
     def update(self, x: StepInput) -> Event | None:
         med = self.med = self.level.value
@@ -256,7 +279,7 @@ class LossSpike(Rule):
             return (x.step, self.reason)
         if x.armed and joint_spike(x.grad_norm, x.grad_half, x.loss, med, limit):
             x.skip = x.loss_flag = True
-            return (x.step, self.joint_reason)
+            return (x.step, self.joint_reason if x.j >= self.grad_arm else self.early_reason)
         return None
 
     def fold(self, x: StepInput) -> None:
