@@ -40,8 +40,9 @@ class RunningMedian:
     call there cost more than the median itself).
     """
 
-    __slots__ = {"_fifo": None, "_sorted": None, "window": None,
-                 "value": "The median of the window; NaN while empty (read it, never set it)."}
+    __slots__ = {"_fifo": None, "_sorted": None,
+                 "value": "The median of the window; NaN while empty (read it, never set it).",
+                 "window": None}
 
     def __init__(self, window: int = 5000) -> None:
         check_int(window, "window")
