@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ..record import Action, StepMetrics
@@ -131,6 +132,7 @@ _isfinite = math.isfinite
 _nan = math.nan
 _CONTINUE = Action.CONTINUE
 _new_verdict = tuple.__new__  # Verdict(...) without the keyword handling: the hot path
+_NO_EVENTS: tuple[tuple[Event, ...], ...] = ((), (), (), ())  # a step without events, by tier
 
 # Types of StepMetrics fields already seen not to be torch tensors (numpy floats join on first
 # sight), so that the full check costs one set lookup per field.
@@ -157,18 +159,6 @@ def _check_host(m: StepMetrics) -> None:
         if value is not None and not isinstance(value, numbers.Real):
             raise TypeError(f"StepMetrics.{name}={value!r} must be a number (a float)")
         h.add(type(value))
-
-
-def _phase(calls: list, x: StepInput, events: tuple[list[Event], ...]) -> None:
-    """Run one phase's rules (bound ``update`` methods with their tiers) in declared order,
-    filing their events by tier."""
-    for call, tier in calls:
-        e = call(x)
-        if e is not None:
-            if type(e) is list:
-                events[tier].extend(e)
-            else:
-                events[tier].append(e)
 
 
 def _metric(reason: str) -> str:
@@ -226,9 +216,11 @@ class SpikeDetector:
         self._rules = rules
         self._judge = [r for r in rules.values() if r.phase == "judge"]
         self._after = [r for r in rules.values() if r.phase == "after"]
-        # the hot path's view of them: bound methods with their tiers, and only the folds that
-        # do something (the loop over rules is most of an update's cost)
-        self._judge_calls = [(r.update, r.tier) for r in self._judge]
+        # the hot path's view of them: bound methods with their tiers, and only the rules and
+        # folds that do something (the loop over rules is most of an update's cost); a loss-halt
+        # rule without a vocabulary never fires and need not be called
+        self._judge_calls = [(r.update, r.tier) for r in self._judge
+                             if not (type(r) is LossHalt and not r.on)]
         self._after_calls = [(r.update, r.tier) for r in self._after]
         self._folds = [r.fold for r in self._judge if type(r).fold is not Rule.fold]
         # the rules whose numbers the verdict quotes (evidence and context)
@@ -300,23 +292,46 @@ class SpikeDetector:
             released = blind = self._storm.suspect
         x.released, x.blind = released, released and blind
         x.update_ratio = _nan if update_ratio is None else update_ratio
-        x.i, x.j = self._n_seen, self._n_clean
-        x.armed = x.j >= self._arm_after
+        j = self._n_clean
+        x.i, x.j = self._n_seen, j
+        x.armed = j >= self._arm_after
         self._n_seen += 1
-        events: tuple[list[Event], ...] = ([], [], [], [])  # by tier
-        _phase(self._judge_calls, x, events)
+        # the rules in declared order, their events filed by tier; most steps have none, so the
+        # four lists are made at the first event (the loops are inlined: they are most of an
+        # update's cost)
+        events: tuple[list[Event], ...] | None = None
+        for call, tier in self._judge_calls:
+            e = call(x)
+            if e is not None:
+                if events is None:
+                    events = ([], [], [], [])
+                if type(e) is list:
+                    events[tier].extend(e)
+                else:
+                    events[tier].append(e)
         # a flagged step stays out of every history: the next steps are judged against the
         # run as it was, not against a level the anomaly itself has moved
-        x.kept = not (x.skip or events[3])
-        if x.kept:
+        if x.skip or (events is not None and events[3]):
+            x.kept = False
+            x.t1_onset = events[1][0][0] if x.skip else None
+        else:
+            x.kept = True
             for fold in self._folds:
                 fold(x)
-            self._n_clean += 1
-        x.t1_onset = events[1][0][0] if x.skip else None
-        _phase(self._after_calls, x, events)
-        return self._decide(x, events)
+            self._n_clean = j + 1
+            x.t1_onset = None
+        for call, tier in self._after_calls:
+            e = call(x)
+            if e is not None:
+                if events is None:
+                    events = ([], [], [], [])
+                if type(e) is list:
+                    events[tier].extend(e)
+                else:
+                    events[tier].append(e)
+        return self._decide(x, events or _NO_EVENTS)
 
-    def _decide(self, x: StepInput, events: tuple[list[Event], ...]) -> Verdict:
+    def _decide(self, x: StepInput, events: tuple[Sequence[Event], ...]) -> Verdict:
         """The tier and action from the events, with the evidence behind them."""
         _, t1, t2, t3 = events
         advice, storm, lx = self._zdrift.advice, self._storm, self._loss
@@ -348,7 +363,7 @@ class SpikeDetector:
         return self._verdict(x.step, tier, action, t3 + t2 + t1, advice, evidence,
                              (x.skip and not x.released) or tier == 3)
 
-    def _verdict(self, step: int, tier: int, action: Action, fired: list[Event],
+    def _verdict(self, step: int, tier: int, action: Action, fired: Sequence[Event],
                  advice: bool, evidence: dict[str, float], skip: bool) -> Verdict:
         # Order: by onset; at equal onsets a metric's own rule comes before a derived one (skip
         # storms), then higher tiers first, then the rules' evaluation order (a stable sort of
