@@ -38,6 +38,8 @@ MAD_SCALE = 1.4826
 DIFF_SCALE = MAD_SCALE / math.sqrt(2.0)
 """Median |difference of two independent draws| -> the standard deviation of one draw."""
 
+_isfinite, _log = math.isfinite, math.log
+
 
 class Spread:
     """DIFF_SCALE x the running median of |v - previous kept v| (host); NaN while empty.
@@ -116,6 +118,6 @@ class DeviceSpread:
 def log_value(g: float) -> float:
     """log(g), NaN where g is not positive and finite (host): the grad rule's spread is of
     log grad norm."""
-    if g > 0.0 and math.isfinite(g):
-        return math.log(g)
+    if g > 0.0 and _isfinite(g):
+        return _log(g)
     return math.nan

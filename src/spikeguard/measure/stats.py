@@ -145,12 +145,16 @@ class SlidingMin:
     def min_before(self, i: int) -> tuple[float, int | None]:
         """(minimum value, its step) over the window before push ``i``; (NaN, None) if empty."""
         q = self._q
-        lo = i - self.window
-        while q and q[0][0] < lo:
-            q.popleft()
         if not q:
             return math.nan, None
-        return q[0][1], q[0][2]
+        lo = i - self.window
+        first = q[0]
+        while first[0] < lo:
+            q.popleft()
+            if not q:
+                return math.nan, None
+            first = q[0]
+        return first[1], first[2]
 
     def push(self, i: int, value: float, step: int) -> None:
         q = self._q
