@@ -40,7 +40,7 @@ class RunningMedian:
     call there cost more than the median itself).
     """
 
-    __slots__ = {"_fifo": None, "_sorted": None,
+    __slots__ = {"_fifo": None, "_mid": None, "_odd": None, "_sorted": None,
                  "value": "The median of the window; NaN while empty (read it, never set it).",
                  "window": None}
 
@@ -50,6 +50,8 @@ class RunningMedian:
         self._fifo: deque[float] = deque()
         self._sorted: list[float] = []
         self.value = math.nan
+        # where the median sits once the window is full (the common case: no len() needed)
+        self._mid, self._odd = window >> 1, window & 1
 
     def __len__(self) -> int:
         return len(self._fifo)
@@ -61,9 +63,13 @@ class RunningMedian:
         if value - value != 0.0:  # inf - inf and NaN - NaN are NaN: not finite
             raise ValueError(f"RunningMedian.update({value}): only finite values belong in the history")
         srt, fifo = self._sorted, self._fifo
-        if len(fifo) == self.window:
-            del srt[_bisect_left(srt, fifo.popleft())]
         fifo.append(value)
+        if len(fifo) > self.window:  # full: the oldest leaves
+            del srt[_bisect_left(srt, fifo.popleft())]
+            _insort(srt, value)
+            h = self._mid
+            self.value = srt[h] if self._odd else (srt[h - 1] + srt[h]) / 2.0
+            return
         _insort(srt, value)
         n = len(srt)
         h = n >> 1
