@@ -161,6 +161,23 @@ def _check_host(m: StepMetrics) -> None:
         h.add(type(value))
 
 
+def _phase(calls: list, x: StepInput, events: tuple[list[Event], ...] | None
+           ) -> tuple[list[Event], ...] | None:
+    """Run one phase's rules (bound ``update`` methods with their tiers) in declared order,
+    filing their events by tier. Most steps have none, so the four lists are made at the first
+    event: ``events`` is None until then."""
+    for call, tier in calls:
+        e = call(x)
+        if e is not None:
+            if events is None:
+                events = ([], [], [], [])
+            if type(e) is list:
+                events[tier].extend(e)
+            else:
+                events[tier].append(e)
+    return events
+
+
 def _metric(reason: str) -> str:
     return reason.split(" ", 1)[0]
 
@@ -296,19 +313,7 @@ class SpikeDetector:
         x.i, x.j = self._n_seen, j
         x.armed = j >= self._arm_after
         self._n_seen += 1
-        # the rules in declared order, their events filed by tier; most steps have none, so the
-        # four lists are made at the first event (the loops are inlined: they are most of an
-        # update's cost)
-        events: tuple[list[Event], ...] | None = None
-        for call, tier in self._judge_calls:
-            e = call(x)
-            if e is not None:
-                if events is None:
-                    events = ([], [], [], [])
-                if type(e) is list:
-                    events[tier].extend(e)
-                else:
-                    events[tier].append(e)
+        events = _phase(self._judge_calls, x, None)
         # a flagged step stays out of every history: the next steps are judged against the
         # run as it was, not against a level the anomaly itself has moved
         if x.skip or (events is not None and events[3]):
@@ -320,15 +325,7 @@ class SpikeDetector:
                 fold(x)
             self._n_clean = j + 1
             x.t1_onset = None
-        for call, tier in self._after_calls:
-            e = call(x)
-            if e is not None:
-                if events is None:
-                    events = ([], [], [], [])
-                if type(e) is list:
-                    events[tier].extend(e)
-                else:
-                    events[tier].append(e)
+        events = _phase(self._after_calls, x, events)
         return self._decide(x, events or _NO_EVENTS)
 
     def _decide(self, x: StepInput, events: tuple[Sequence[Event], ...]) -> Verdict:
