@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ..record import Action, StepMetrics
@@ -132,7 +131,7 @@ _isfinite = math.isfinite
 _nan = math.nan
 _CONTINUE = Action.CONTINUE
 _new_verdict = tuple.__new__  # Verdict(...) without the keyword handling: the hot path
-_NO_EVENTS: tuple[tuple[Event, ...], ...] = ((), (), (), ())  # a step without events, by tier
+_NO_EVENTS: tuple[list[Event], ...] = ([], [], [], [])  # a step without events (only ever read)
 
 # Types of StepMetrics fields already seen not to be torch tensors (numpy floats join on first
 # sight), so that the full check costs one set lookup per field.
@@ -328,7 +327,7 @@ class SpikeDetector:
         events = _phase(self._after_calls, x, events)
         return self._decide(x, events or _NO_EVENTS)
 
-    def _decide(self, x: StepInput, events: tuple[Sequence[Event], ...]) -> Verdict:
+    def _decide(self, x: StepInput, events: tuple[list[Event], ...]) -> Verdict:
         """The tier and action from the events, with the evidence behind them."""
         _, t1, t2, t3 = events
         advice, storm, lx = self._zdrift.advice, self._storm, self._loss
@@ -360,7 +359,7 @@ class SpikeDetector:
         return self._verdict(x.step, tier, action, t3 + t2 + t1, advice, evidence,
                              (x.skip and not x.released) or tier == 3)
 
-    def _verdict(self, step: int, tier: int, action: Action, fired: Sequence[Event],
+    def _verdict(self, step: int, tier: int, action: Action, fired: list[Event],
                  advice: bool, evidence: dict[str, float], skip: bool) -> Verdict:
         # Order: by onset; at equal onsets a metric's own rule comes before a derived one (skip
         # storms), then higher tiers first, then the rules' evaluation order (a stable sort of
