@@ -140,6 +140,7 @@ _isfinite = math.isfinite
 _nan = math.nan
 _CONTINUE = Action.CONTINUE
 _new_verdict = tuple.__new__  # Verdict(...) without the keyword handling: the hot path
+_NO_EVENTS: tuple[list[Event], ...] = ([], [], [], [])  # a step without events (only ever read)
 
 # Types of StepMetrics fields already seen not to be torch tensors (numpy floats join on first
 # sight), so that the full check costs one set lookup per field.
@@ -168,16 +169,21 @@ def _check_host(m: StepMetrics) -> None:
         h.add(type(value))
 
 
-def _phase(calls: list, x: StepInput, events: tuple[list[Event], ...]) -> None:
+def _phase(calls: list, x: StepInput, events: tuple[list[Event], ...] | None
+           ) -> tuple[list[Event], ...] | None:
     """Run one phase's rules (bound ``update`` methods with their tiers) in declared order,
-    filing their events by tier."""
+    filing their events by tier. Most steps have none, so the four lists are made at the first
+    event: ``events`` is None until then."""
     for call, tier in calls:
         e = call(x)
         if e is not None:
+            if events is None:
+                events = ([], [], [], [])
             if type(e) is list:
                 events[tier].extend(e)
             else:
                 events[tier].append(e)
+    return events
 
 
 def _metric(reason: str) -> str:
@@ -235,9 +241,11 @@ class SpikeDetector:
         self._rules = rules
         self._judge = [r for r in rules.values() if r.phase == "judge"]
         self._after = [r for r in rules.values() if r.phase == "after"]
-        # the hot path's view of them: bound methods with their tiers, and only the folds that
-        # do something (the loop over rules is most of an update's cost)
-        self._judge_calls = [(r.update, r.tier) for r in self._judge]
+        # the hot path's view of them: bound methods with their tiers, and only the rules and
+        # folds that do something (the loop over rules is most of an update's cost); a loss-halt
+        # rule without a vocabulary never fires and need not be called
+        self._judge_calls = [(r.update, r.tier) for r in self._judge
+                             if not (type(r) is LossHalt and not r.on)]
         self._after_calls = [(r.update, r.tier) for r in self._after]
         self._folds = [r.fold for r in self._judge if type(r).fold is not Rule.fold]
         # the rules whose numbers the verdict quotes (evidence and context)
@@ -309,21 +317,24 @@ class SpikeDetector:
             released = blind = self._storm.suspect
         x.released, x.blind = released, released and blind
         x.update_ratio = _nan if update_ratio is None else update_ratio
-        x.i, x.j = self._n_seen, self._n_clean
-        x.armed = x.j >= self._arm_after
+        j = self._n_clean
+        x.i, x.j = self._n_seen, j
+        x.armed = j >= self._arm_after
         self._n_seen += 1
-        events: tuple[list[Event], ...] = ([], [], [], [])  # by tier
-        _phase(self._judge_calls, x, events)
+        events = _phase(self._judge_calls, x, None)
         # a flagged step stays out of every history: the next steps are judged against the
         # run as it was, not against a level the anomaly itself has moved
-        x.kept = not (x.skip or events[3])
-        if x.kept:
+        if x.skip or (events is not None and events[3]):
+            x.kept = False
+            x.t1_onset = events[1][0][0] if x.skip else None
+        else:
+            x.kept = True
             for fold in self._folds:
                 fold(x)
-            self._n_clean += 1
-        x.t1_onset = events[1][0][0] if x.skip else None
-        _phase(self._after_calls, x, events)
-        return self._decide(x, events)
+            self._n_clean = j + 1
+            x.t1_onset = None
+        events = _phase(self._after_calls, x, events)
+        return self._decide(x, events or _NO_EVENTS)
 
     def _decide(self, x: StepInput, events: tuple[list[Event], ...]) -> Verdict:
         """The tier and action from the events, with the evidence behind them. A Tier 2 verdict is

@@ -38,31 +38,34 @@ MAD_SCALE = 1.4826
 DIFF_SCALE = MAD_SCALE / math.sqrt(2.0)
 """Median |difference of two independent draws| -> the standard deviation of one draw."""
 
+_isfinite, _log = math.isfinite, math.log
+
 
 class Spread:
-    """DIFF_SCALE x the running median of |v - previous kept v| (host); NaN while empty."""
+    """DIFF_SCALE x the running median of |v - previous kept v| (host); NaN while empty.
+    ``value`` is kept up to date by ``add`` (a plain attribute, as in ``RunningMedian``)."""
 
-    __slots__ = ("dev", "last")
+    __slots__ = {"dev": None, "last": "The previous kept value (NaN before the first).",
+                 "value": "DIFF_SCALE x the median of the differences; NaN while empty (read it, "
+                          "never set it)."}
 
     def __init__(self, window: int) -> None:
         self.dev = RunningMedian(window)
         self.last = math.nan
-        """The previous kept value (NaN before the first)."""
+        self.value = math.nan
 
     def __len__(self) -> int:
         return len(self.dev)
 
     def add(self, value: float) -> None:
         """Add one kept step's value (a non-finite value is left out and changes nothing)."""
-        if math.isfinite(value):
+        if value - value == 0.0:  # finite
             last = self.last
             if last == last:
-                self.dev.update(abs(value - last))
+                dev = self.dev
+                dev.update(abs(value - last))
+                self.value = DIFF_SCALE * dev.value
             self.last = value
-
-    @property
-    def value(self) -> float:
-        return DIFF_SCALE * self.dev.value
 
     def state_dict(self) -> dict[str, Any]:
         last = self.last
@@ -71,6 +74,7 @@ class Spread:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dev.load_state_dict(state["dev"])
         self.last = math.nan if state["last"] is None else float(state["last"])
+        self.value = DIFF_SCALE * self.dev.value
 
 
 class DeviceSpread:
@@ -114,6 +118,6 @@ class DeviceSpread:
 def log_value(g: float) -> float:
     """log(g), NaN where g is not positive and finite (host): the grad rule's spread is of
     log grad norm."""
-    if g > 0.0 and math.isfinite(g):
-        return math.log(g)
+    if g > 0.0 and _isfinite(g):
+        return _log(g)
     return math.nan

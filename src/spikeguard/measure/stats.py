@@ -35,16 +35,23 @@ class RunningMedian:
     list: O(log window) comparisons and an O(window) move of pointers, all in C (``bisect``,
     ``list.insert``), which for the detector's windows (32 to 5,000) is several times faster
     than two heaps with lazy deletion driven from Python. With an even count the median is the
-    mean of the two middle values (``statistics.median``).
+    mean of the two middle values (``statistics.median``). ``value`` is kept up to date by
+    ``update`` (a plain attribute: the detector reads each median once a step, and a property
+    call there cost more than the median itself).
     """
 
-    __slots__ = ("_fifo", "_sorted", "window")
+    __slots__ = {"_fifo": None, "_mid": None, "_odd": None, "_sorted": None,
+                 "value": "The median of the window; NaN while empty (read it, never set it).",
+                 "window": None}
 
     def __init__(self, window: int = 5000) -> None:
         check_int(window, "window")
         self.window = window
         self._fifo: deque[float] = deque()
         self._sorted: list[float] = []
+        self.value = math.nan
+        # where the median sits once the window is full (the common case: no len() needed)
+        self._mid, self._odd = window >> 1, window & 1
 
     def __len__(self) -> int:
         return len(self._fifo)
@@ -53,24 +60,20 @@ class RunningMedian:
         """Add a finite value; the oldest leaves once the window is full."""
         if type(value) is not float:
             value = float(value)
-        if not _isfinite(value):
+        if value - value != 0.0:  # inf - inf and NaN - NaN are NaN: not finite
             raise ValueError(f"RunningMedian.update({value}): only finite values belong in the history")
-        srt = self._sorted
-        if len(srt) == self.window:
-            del srt[_bisect_left(srt, self._fifo.popleft())]
-        self._fifo.append(value)
+        srt, fifo = self._sorted, self._fifo
+        fifo.append(value)
+        if len(fifo) > self.window:  # full: the oldest leaves
+            del srt[_bisect_left(srt, fifo.popleft())]
+            _insort(srt, value)
+            h = self._mid
+            self.value = srt[h] if self._odd else (srt[h - 1] + srt[h]) / 2.0
+            return
         _insort(srt, value)
-
-    @property
-    def value(self) -> float:
-        """The median of the window; NaN while empty."""
-        srt = self._sorted
         n = len(srt)
-        if n & 1:
-            return srt[n >> 1]
-        if not n:
-            return math.nan
-        return (srt[(n >> 1) - 1] + srt[n >> 1]) / 2.0
+        h = n >> 1
+        self.value = srt[h] if n & 1 else (srt[h - 1] + srt[h]) / 2.0
 
     def values(self) -> list[float]:
         """The window's values, oldest first."""
@@ -92,8 +95,13 @@ class EMA:
     Read ``value`` before ``update`` to get EMA_{t-1} for the ratio at step t. The power
     (1 - alpha)^t is kept as a running product rather than a ``pow`` call, so the device twin
     (``DeviceEMA``) reproduces it bit for bit on any IEEE device (libm and CUDA ``pow`` may differ
-    in the last place).
+    in the last place). ``value`` is kept up to date by ``update`` (a plain attribute, as in
+    ``RunningMedian``).
     """
+
+    __slots__ = {"_decay": None, "_m": None, "alpha": None, "count": None,
+                 "value": "The bias-corrected average; NaN before the first update (read it, "
+                          "never set it)."}
 
     def __init__(self, alpha: float = 1e-3) -> None:
         if not 0.0 < alpha <= 1.0:
@@ -102,21 +110,18 @@ class EMA:
         self._m = 0.0
         self._decay = 1.0  # (1 - alpha) ** count, as a running product
         self.count = 0
+        self.value = math.nan
 
     def update(self, value: float) -> None:
-        value = float(value)
-        if not math.isfinite(value):
+        if type(value) is not float:
+            value = float(value)
+        if value - value != 0.0:  # not finite
             raise ValueError(f"EMA.update({value}): only finite values belong in the history")
-        self._m = (1.0 - self.alpha) * self._m + self.alpha * value
-        self._decay *= 1.0 - self.alpha
+        alpha = self.alpha
+        m = self._m = (1.0 - alpha) * self._m + alpha * value
+        decay = self._decay = self._decay * (1.0 - alpha)
         self.count += 1
-
-    @property
-    def value(self) -> float:
-        """The bias-corrected average; NaN before the first update."""
-        if self.count == 0:
-            return math.nan
-        return self._m / (1.0 - self._decay)
+        self.value = m / (1.0 - decay)
 
     def state_dict(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "m": self._m, "count": self.count, "decay": self._decay}
@@ -127,6 +132,7 @@ class EMA:
         self.count = int(state["count"])
         # state dicts saved before "decay" existed: recompute it
         self._decay = float(state.get("decay", (1.0 - self.alpha) ** self.count))
+        self.value = math.nan if self.count == 0 else self._m / (1.0 - self._decay)
 
 
 class SlidingMin:
@@ -145,12 +151,16 @@ class SlidingMin:
     def min_before(self, i: int) -> tuple[float, int | None]:
         """(minimum value, its step) over the window before push ``i``; (NaN, None) if empty."""
         q = self._q
-        lo = i - self.window
-        while q and q[0][0] < lo:
-            q.popleft()
         if not q:
             return math.nan, None
-        return q[0][1], q[0][2]
+        lo = i - self.window
+        first = q[0]
+        while first[0] < lo:
+            q.popleft()
+            if not q:
+                return math.nan, None
+            first = q[0]
+        return first[1], first[2]
 
     def push(self, i: int, value: float, step: int) -> None:
         q = self._q
