@@ -20,8 +20,9 @@ every 25 steps (keep 5).
   32, 64; dropout 0.1;
 - faults (arms alert, rollback, unguarded): outlier, storm of 5, NaN gradient, LR x50 for 20
   steps, the same sticky, logit drift 0.05, at five timings: ``warmup`` (step 10, inside the
-  warmup), ``arming`` (2 steps after the last rule arms: step 32 on the base; 62 with the
-  warmup given; 202 with the 100-step warmup given), ``mid`` (150), ``cooldown`` (WSD, 10 steps
+  warmup), ``arming`` (2 steps after the earliest step the last rule can arm: step 52 on the
+  base and with the warmup given, 122 with the 100-step warmup given; before the grad rule's
+  quiet arming these were 32, 62 and 202), ``mid`` (150), ``cooldown`` (WSD, 10 steps
   into its cooldown: 254), ``last`` (288, in the last 5%). Outliers and storms also get their
   gap run (unguarded, the stream without the batches they replace). On the other axes, at
   ``mid``: the LR transient and the outlier for SGD, Adafactor, Muon, Adam beta2 0.999, Llama,
@@ -106,7 +107,9 @@ def fault_step(s: dict[str, Any], timing: str) -> int:
     if timing == "arming":
         det = sg.DetectorConfig.for_run(steps, warmup_steps=s["warmup"] if s["warmup_given"]
                                         else None)
-        return max(det.arm_after, det.grad_arm_after) + 2
+        # the earliest step the last rule can turn on: the grad rule counts arm_quiet quiet
+        # updates from max(arm_after, grad_arm_after) on (post-warmup spikes push it later)
+        return max(det.arm_after, det.grad_arm_after) + det.arm_quiet + 2
     if timing == "mid":
         return steps // 2
     if timing == "cooldown":

@@ -415,7 +415,7 @@ def test_loss_ema_is_what_the_next_ratio_divides_by():
 
 def test_version_1_state_is_refused_with_what_to_do():
     old = {"version": 1, "config": DetectorConfig().to_dict(), "scalars": {}, "pending": None}
-    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 6.*fresh "
+    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 7.*fresh "
                                          r"SpikeDetector.*arm_after=50"):
         SpikeDetector().load_state_dict(old)
 

@@ -27,9 +27,6 @@ _WINDOWS = ("median_window", "loss_ema_steps", "recovery_ema_steps", "recovery_s
 # ones (a short log replayed by diagnose)
 _MIN_ARM_AFTER = 10
 
-# for_run's grad_arm_after: the warmup, then as long again and at least this many updates more
-_MIN_GRAD_SETTLE = 40
-
 
 @dataclass(kw_only=True, frozen=True)
 class DetectorConfig:
@@ -43,19 +40,22 @@ class DetectorConfig:
     arm_after: int = 50
     """Rules other than Tier 3 and fp16 overflows stay off until this many unflagged updates."""
     grad_arm_after: int = 0
-    """The grad-norm rule (not the loss rules) stays off until this many unflagged updates too
-    (where larger than arm_after). Set it to the LR warmup plus as long again, at least 40
-    updates more (``for_run``'s ``warmup_steps`` does): as the LR reaches its peak, and for a few
-    dozen updates after, the grad norm of a healthy run spikes 5-160x its median on batches that
-    are fine, and plain AdamW + clipping rides it out. On the tiny model at peak LR 1e-3 to
-    1e-2 such spikes came at steps 15-62 for warmups of 10, 20 and 40 (docs/design.md). Until
-    then a step past the grad bar is skipped only with the loss past half its bar's rise (the
+    """The grad-norm rule (not the loss rules) counts towards its arming only from this many
+    unflagged updates on (where larger than arm_after): the LR warmup (``for_run``'s
+    ``warmup_steps`` sets it), while the grad norm moves with the LR. It then turns on once
+    ``arm_quiet`` judged updates in a row stayed inside its bar: as the LR reaches its peak,
+    and for a few dozen updates after, the grad norm of a healthy run spikes 5-160x its median
+    on batches that are fine (tiny model, peak LR 1e-3 to 1e-2: steps 15-62 for warmups of 10,
+    20 and 40), and plain AdamW + clipping rides it out; each such spike restarts the count, so
+    the rule waits them out whether or not the warmup is given (docs/design.md). Until the rule
+    is on, a step past the grad bar is skipped only with the loss past half its bar's rise (the
     joint test, ``rules.joint_grad_bar``): such spikes come at an ordinary loss."""
     arm_quiet: int = 20
-    """The log Z rules turn on once this many judged updates in a row (after ``arm_after`` and
-    ``grad_arm_after``) stayed inside their bar (the rise rule: its whole window): log Z is in
-    control, whatever the warmup and the optimizer made of the first steps. Under SGD with
-    momentum log Z climbs 2-3 nats in the first 50 steps of a healthy run (docs/design.md)."""
+    """The grad-norm rule and the log Z rules turn on once this many judged updates in a row
+    (after ``arm_after``; the grad rule also after ``grad_arm_after``) stayed inside their bar
+    (the log Z rise rule: its whole window): the statistic is in control, whatever the warmup
+    and the optimizer made of the first steps. Under SGD with momentum log Z climbs 2-3 nats in
+    the first 50 steps of a healthy run (docs/design.md)."""
     median_window: int = 5000
     """Updates in the running medians of grad norm and log Z, and in the loss floor."""
     grad_k: float = 3.0
@@ -197,7 +197,8 @@ class DetectorConfig:
         max(10, total_steps // 10)): the rules start after a tenth of the run (50 updates of a
         100-step run would be half of it), but never on fewer than 10 values (5 for a run
         shorter than 20 steps). With the LR warmup ``warmup_steps`` (in updates) known,
-        ``grad_arm_after`` becomes warmup + max(warmup, 40); unknown (None), it stays 0.
+        ``grad_arm_after`` becomes the warmup; unknown (None), it stays 0. Either way the grad
+        rule turns on only after ``arm_quiet`` quiet updates past it (``grad_arm_after``).
         ``overrides`` are applied on top. From 20,000 steps on, with no warmup given, the
         result is ``DetectorConfig()``.
         """
@@ -210,7 +211,7 @@ class DetectorConfig:
         sizes["arm_after"] = min(cls.arm_after, max(floor, total_steps // 10))
         if warmup_steps is not None:
             check_int(warmup_steps, "DetectorConfig.for_run(warmup_steps)", minimum=0)
-            sizes["grad_arm_after"] = warmup_steps + max(warmup_steps, _MIN_GRAD_SETTLE)
+            sizes["grad_arm_after"] = warmup_steps
         sizes.update(overrides)
         return cls(**sizes)
 

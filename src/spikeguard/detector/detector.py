@@ -63,13 +63,15 @@ from .rules_tier2 import (
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
-_STATE_VERSION = 6
+_STATE_VERSION = 7
 _NEWER_RULES = frozenset({"log_z_jump"})
 """Rules a version-5 state saved before them may lack: they start fresh on load."""
-"""6: the log Z rules keep their quiet count (``arm_quiet``), the skip storm its suspicion of
+"""7: the grad-norm rule keeps its quiet count and whether it is on (``arm_quiet``); 6: the log
+Z rules keep their quiet count (``arm_quiet``), the skip storm its suspicion of
 the weights; 5: adds the update-ratio rule; 4:
 the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the spreads; 2: one
-entry per rule; 1: one flat dict. A version-5 state still loads (``_from_v5``)."""
+entry per rule; 1: one flat dict. Version-5 and 6 states still load (``_from_v5``,
+``_from_v6``)."""
 _QUIET_RULES = ("log_z_drift", "log_z_rise", "log_z_jump")
 
 
@@ -85,6 +87,17 @@ def _from_v5(state: dict[str, Any], config: DetectorConfig) -> dict[str, Any]:
     if "skip_storm" in rules:
         rules["skip_storm"].setdefault("suspect", False)
         rules["skip_storm"].setdefault("calm", 0)
+    return {**state, "version": 6, "rules": rules}
+
+
+def _from_v6(state: dict[str, Any], config: DetectorConfig) -> dict[str, Any]:
+    """A version-6 state as version 7: its grad-norm rule was on once ``arm_after`` and
+    ``grad_arm_after`` kept updates had passed, so it stays on (a resumed run keeps its rules)."""
+    on = int(state["updates"]["kept"]) >= max(config.arm_after, config.grad_arm_after)
+    rules = {name: dict(rule) for name, rule in state["rules"].items()}
+    if "grad_spike" in rules:
+        rules["grad_spike"].setdefault("quiet", 0)
+        rules["grad_spike"].setdefault("on", on)
     return {**state, "version": _STATE_VERSION, "rules": rules}
 
 
@@ -419,6 +432,9 @@ class SpikeDetector:
         version = state.get("version")
         if version == 5:
             state = _from_v5(state, self.config)
+            version = 6
+        if version == 6:
+            state = _from_v6(state, self.config)
             version = _STATE_VERSION
         if version != _STATE_VERSION:
             raise ValueError(

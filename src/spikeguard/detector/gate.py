@@ -3,14 +3,16 @@
 At step t the gate is a 0-d bool tensor, true when the step must not be applied:
 
     not finite(grad_norm) or not finite(loss)
-    or armed and grad armed and grad_norm > median x max(grad_k, exp(grad_z x spread of log g))
+    or armed and grad on and grad_norm > median x max(grad_k, exp(grad_z x spread of log g))
     or armed and loss > its short running median + max(loss_min_rise x median, loss_z x spread)
     or armed and loss / EMA of earlier kept losses > skip_ratio
-    or armed and grad armed and loss past half its bar's rise and grad norm past sqrt(median x bar)
-    or armed and not grad armed and loss past half its bar's rise and grad norm past its bar
+    or armed and grad on and loss past half its bar's rise and grad norm past sqrt(median x bar)
+    or armed and not grad on and loss past half its bar's rise and grad norm past its bar
 
-with ``armed`` = at least ``arm_after`` kept updates so far (``grad armed``: at least
-``grad_arm_after``). It reads the same DetectorConfig as
+with ``armed`` = at least ``arm_after`` kept updates so far and ``grad on`` = the grad rule's
+quiet arming done (``arm_quiet`` finite updates in a row inside the grad bar, counted once
+``armed`` and at least ``grad_arm_after`` kept updates: ``rules.GradSpike``). It reads the same
+DetectorConfig as
 the host SpikeDetector and keeps the same histories (DeviceRunningMedian and DeviceEMA are
 twins of the host statistics: the medians and the EMA bit-identical, the log-spread equal up to
 the last bit of ``log``/``exp``), so on every step of tier <= 1 the gate equals the host
@@ -45,14 +47,16 @@ class DeviceGate:
         self.ema = DeviceEMA(1.0 / config.loss_ema_steps, device=self.device)
         self.level = DeviceRunningMedian(config.loss_window, device=self.device)
         self.loss_spread = DeviceSpread(config.loss_window, device=self.device)
+        self.grad_quiet = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.grad_on = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def armed(self) -> torch.Tensor:
         """0-d bool: enough kept updates for the statistical rules (the detector's ``armed``)."""
         return self.ema.count >= self.config.arm_after
 
     def grad_armed(self) -> torch.Tensor:
-        """0-d bool: enough kept updates for the grad rule (``grad_arm_after``)."""
-        return self.ema.count >= self.config.grad_arm_after
+        """0-d bool: the grad rule is on (its quiet arming done; the host's ``GradSpike.on``)."""
+        return self.grad_on
 
     def test(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """The gate for a step with these numbers (0-d bool), against the histories as they are;
@@ -115,6 +119,14 @@ class DeviceGate:
         gate = self.test(grad_norm, loss)
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
+        # the grad rule's quiet arming (GradSpike.update): a finite step judged while the rule is
+        # off, armed and past grad_arm_after counts as quiet unless past the grad bar; the host
+        # does not judge a non-finite step, which leaves the count alone
+        judged = (~self.grad_on & self.armed() & (self.ema.count >= self.config.grad_arm_after)
+                  & torch.isfinite(g) & torch.isfinite(x))
+        quiet = torch.where(grad_spike(g, self._grad_limit()), 0, self.grad_quiet + 1)
+        self.grad_quiet = torch.where(judged, quiet, self.grad_quiet)
+        self.grad_on = self.grad_on | (judged & (self.grad_quiet >= self.config.arm_quiet))
         ok = (g > 0) & torch.isfinite(g)
         # NaN where the host's log_value gives NaN: never kept
         self.spread.add(torch.where(ok, torch.log(g), math.nan), flagged=gate)
@@ -128,8 +140,15 @@ class DeviceGate:
         """JSON-ready; a host read (for checkpoints, not the step)."""
         return {"median": self.median.state_dict(), "spread": self.spread.state_dict(),
                 "ema": self.ema.state_dict(), "level": self.level.state_dict(),
-                "loss_spread": self.loss_spread.state_dict()}
+                "loss_spread": self.loss_spread.state_dict(),
+                "grad_quiet": int(self.grad_quiet), "grad_on": bool(self.grad_on)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in ("median", "spread", "ema", "level", "loss_spread"):
             getattr(self, name).load_state_dict(state[name])
+        c = self.config
+        # a state saved before quiet arming: its grad rule was on from max(arm_after,
+        # grad_arm_after) kept updates, and a resumed run keeps it on
+        on = state.get("grad_on", int(self.ema.count) >= max(c.arm_after, c.grad_arm_after))
+        self.grad_quiet = torch.tensor(int(state.get("grad_quiet", 0)), device=self.device)
+        self.grad_on = torch.tensor(bool(on), device=self.device)

@@ -106,9 +106,10 @@ class StepInput:
     """One step as every rule sees it. The detector fills the first fields; rules publish the
     rest for the rules after them (named with the rule that writes each)."""
 
-    __slots__ = ("armed", "blind", "ema_prev", "given_ratio", "grad_half", "grad_norm", "i", "j",
-                 "kept", "log_z", "log_z_onset", "loss", "loss_flag", "ratio", "ratio_onset",
-                 "released", "short", "skip", "spike", "step", "t1_onset", "update_ratio")
+    __slots__ = ("armed", "blind", "ema_prev", "given_ratio", "grad_half", "grad_norm", "grad_on",
+                 "i", "j", "kept", "log_z", "log_z_onset", "loss", "loss_flag", "ratio",
+                 "ratio_onset", "released", "short", "skip", "spike", "step", "t1_onset",
+                 "update_ratio")
 
     def __init__(self) -> None:
         self.step = self.i = self.j = 0
@@ -122,6 +123,8 @@ class StepInput:
         """The caller applied this step's update although Tier 1 flags it (the weights, not the
         batch, were at fault; ``blind``: released without a test of the weights): no skip, but
         still out of the histories (the detector)."""
+        self.grad_on = False
+        """Whether the grad rule is on this step (GradSpike: armed and its quiet arming done)."""
         self.grad_half = math.inf
         """The joint test's grad bar (``joint_grad_bar``: halfway in log to the grad bar once
         the grad rule is armed, the grad bar itself before), inf while not armed (GradSpike;
@@ -185,10 +188,11 @@ class GradSpike(Rule):
     """Tier 1 SKIP: grad_norm above ``grad_limit``: grad_k x the running median of the kept grad
     norms, widened to exp(grad_z x spread) x median where the run's log grad norm is noisy
     (``spread``: the robust spread of log grad norm from one kept step to the next,
-    ``measure.spread.Spread``). It arms with the other rules (``arm_after``) and, when
-    ``grad_arm_after`` is larger, only after that many kept updates: right after warmup the grad
-    norm spikes 5-160x on healthy runs (see DetectorConfig.grad_arm_after). Until then its bar
-    serves only the joint test (``joint_grad_bar``), with the loss.
+    ``measure.spread.Spread``). It turns on once ``arm_quiet`` judged updates in a row, from
+    ``arm_after`` and ``grad_arm_after`` kept updates on, stayed inside its bar, and then stays
+    on: right after the warmup the grad norm of a healthy run spikes 5-160x its median, and each
+    such spike restarts the count (see DetectorConfig.grad_arm_after). Until then its bar serves
+    only the joint test (``joint_grad_bar``), with the loss.
 
     ``onset`` is the first step of the current run of norms above grad_elevated x median: a
     blow-up usually climbs for a few steps before it crosses grad_k, and the rollback target must
@@ -199,9 +203,9 @@ class GradSpike(Rule):
     for the next one, and a storm of them would drag the median up until the storm looks normal.
     """
 
-    __slots__ = ("arm", "c", "context", "elevated", "limit", "med", "median", "onset", "reason",
-                 "spread")
-    _scalars = ("onset",)
+    __slots__ = ("arm", "c", "context", "elevated", "limit", "med", "median", "need", "on",
+                 "onset", "quiet", "reason", "spread")
+    _scalars = ("onset", "quiet", "on")
     _stats = ("median", "spread")
     tier, phase = 1, "judge"
 
@@ -212,6 +216,9 @@ class GradSpike(Rule):
         self.median = RunningMedian(c.median_window)
         self.spread = Spread(c.median_window)
         self.onset: int | None = None
+        self.need, self.quiet, self.on = c.arm_quiet, 0, False
+        """Quiet arming: the rule turns on once ``arm_quiet`` judged updates in a row, from
+        ``arm_after`` and ``grad_arm_after`` kept updates on, stayed inside its bar."""
         self.limit = _nan
         """The grad norm this step was judged against (NaN while the median is empty)."""
         self.med = _nan
@@ -228,7 +235,9 @@ class GradSpike(Rule):
         else:
             self.onset = None
         self.limit = limit = grad_limit(med, self.spread.value, self.c)
-        on = x.armed and x.j >= self.arm
+        if not self.on and x.armed and x.j >= self.arm:
+            self.quiet, self.on = quiet_arm(self.quiet, self.need, grad_spike(g, limit))
+        on = x.grad_on = x.armed and self.on
         x.grad_half = joint_grad_bar(med, limit, on) if x.armed else math.inf
         if on and grad_spike(g, limit):
             x.skip = x.spike = True
@@ -256,8 +265,8 @@ class LossSpike(Rule):
     loss, a garbage batch moves both).
     """
 
-    __slots__ = ("c", "early_reason", "grad_arm", "joint_reason", "level", "limit", "med",
-                 "reason", "spread")
+    __slots__ = ("c", "early_reason", "joint_reason", "level", "limit", "med", "reason",
+                 "spread")
     _stats = ("level", "spread")
     tier, phase = 1, "judge"
 
@@ -267,7 +276,6 @@ class LossSpike(Rule):
         self.spread = Spread(c.loss_window)
         self.med = self.limit = _nan
         self.reason = f"loss > median + {c.loss_z:g} spreads"
-        self.grad_arm = c.grad_arm_after
         self.joint_reason = "loss and grad_norm both past half their bars"
         self.early_reason = "loss past half its bar and grad_norm past its bar"
 
@@ -279,7 +287,7 @@ class LossSpike(Rule):
             return (x.step, self.reason)
         if x.armed and joint_spike(x.grad_norm, x.grad_half, x.loss, med, limit):
             x.skip = x.loss_flag = True
-            return (x.step, self.joint_reason if x.j >= self.grad_arm else self.early_reason)
+            return (x.step, self.joint_reason if x.grad_on else self.early_reason)
         return None
 
     def fold(self, x: StepInput) -> None:
