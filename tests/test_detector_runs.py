@@ -58,13 +58,18 @@ def test_a_resumed_detectors_thresholds_equal_the_uninterrupted_ones():
     for i, m in enumerate(metrics):
         m.step = i
     config = sg.DetectorConfig.for_run(len(metrics), warmup_steps=20)
-    assert (config.arm_after, config.grad_arm_after) == (50, 60)
+    # the grad rule counts its quiet updates from 50 and is on from 70 at the earliest
+    assert (config.arm_after, config.grad_arm_after, config.arm_quiet) == (50, 20, 20)
     metrics[56].grad_norm *= 8.0  # a garbage batch before the grad rule arms: both move
     metrics[56].loss *= 1.3
     whole = sg.SpikeDetector(config)
     want = [whole.update(m) for m in metrics]
     assert want[56].skip and want[56].reasons[0] == "loss past half its bar and grad_norm past its bar"
-    for cut in (40, 53, 1500, 3100):
+    whole_state = sg.SpikeDetector(config)
+    on_at = next(i for i, m in enumerate(metrics)
+                 if (whole_state.update(m), whole_state.state_dict()["rules"]["grad_spike"]["on"])[1])
+    assert 69 <= on_at < 200, on_at  # the cut at 60 falls inside its quiet count
+    for cut in (40, 53, 60, 1500, 3100):
         first = sg.SpikeDetector(config)
         for m in metrics[:cut]:
             first.update(m)
@@ -74,6 +79,25 @@ def test_a_resumed_detectors_thresholds_equal_the_uninterrupted_ones():
         assert [(v.step, v.tier, v.action, v.reasons) for v in got] == \
             [(v.step, v.tier, v.action, v.reasons) for v in want[cut:]]
         assert [_limits(v) for v in got] == [_limits(v) for v in want[cut:]]
+
+
+def test_a_version_6_state_loads_with_its_grad_rule_on():
+    """A detector state saved before the grad rule's quiet count (version 6) still restores: its
+    grad rule was on once arm_after and grad_arm_after kept updates had passed, and stays on; one
+    saved before that point resumes counting from zero."""
+    metrics = sc.clean_run(0, steps=400).metrics
+    config = sg.DetectorConfig.for_run(400)
+    for cut, on in ((200, True), (20, False)):
+        d = sg.SpikeDetector(config)
+        for m in metrics[:cut]:
+            d.update(m)
+        state = json.loads(json.dumps(d.state_dict()))
+        state["version"] = 6
+        del state["rules"]["grad_spike"]["quiet"], state["rules"]["grad_spike"]["on"]
+        resumed = sg.SpikeDetector(config)
+        resumed.load_state_dict(state)
+        assert resumed.state_dict()["rules"]["grad_spike"]["on"] is on
+        assert resumed.state_dict()["version"] == 7
 
 
 def test_a_version_5_state_loads_with_its_log_z_rules_on():

@@ -65,24 +65,32 @@ def test_the_grad_bar_stays_tight_while_the_norm_falls_and_a_spike_at_20x_is_ski
     assert 3.0 <= grad_limit(grad.median.value, grad.spread.value, config) / grad.median.value < 5.0
 
 
-def test_the_grad_rule_arms_after_the_warmup_settles_and_the_loss_rules_before():
-    """``for_run(warmup_steps=w)`` holds the grad rule off for w + max(w, 40) kept updates (a
-    healthy run's grad norm spikes 5-160x as the LR peaks and for a few dozen updates after);
-    the loss rules arm as before. Host and device agree on every step."""
+def test_the_grad_rule_turns_on_after_its_quiet_count_and_a_spike_restarts_it():
+    """``for_run(warmup_steps=w)`` has the grad rule count from w kept updates (the loss rules
+    arm as before); it turns on once ``arm_quiet`` updates in a row stayed inside its bar, and
+    a spike before that (a healthy run's grad norm spikes 5-160x as the LR peaks and for a few
+    dozen updates after) is not skipped and restarts the count. Host and device agree on every
+    step."""
     config = sg.DetectorConfig.for_run(160, warmup_steps=20)
-    assert config.grad_arm_after == 60 and config.arm_after == 16
-    assert sg.DetectorConfig.for_run(160, warmup_steps=50).grad_arm_after == 100
+    assert (config.grad_arm_after, config.arm_after, config.arm_quiet) == (20, 16, 20)
+    assert sg.DetectorConfig.for_run(160, warmup_steps=50).grad_arm_after == 50
     assert sg.DetectorConfig.for_run(160).grad_arm_after == 0
-    base = _falling(40)
-    med = sorted(m.grad_norm for m in base[-20:])[10]
-    early = sg.StepMetrics(step=40, loss=base[-1].loss, grad_norm=50.0 * med)
-    assert not _judge(config, [*base, early])[-1].skip  # grad rule not armed yet
-    garbage = sg.StepMetrics(step=40, loss=3.0 * base[-1].loss, grad_norm=base[-1].grad_norm)
-    assert _judge(config, [*base, garbage])[-1].skip  # the loss rules are
-    later = _falling(65)
-    med = sorted(m.grad_norm for m in later[-20:])[10]
-    spike = sg.StepMetrics(step=65, loss=later[-1].loss, grad_norm=50.0 * med)
-    assert _judge(config, [*later, spike])[-1].skip
+    base = _falling(80)
+
+    def spiked(steps):
+        out = list(base)
+        for t in steps:
+            med = sorted(m.grad_norm for m in base[t - 20:t])[10]
+            out[t] = sg.StepMetrics(step=t, loss=base[t].loss, grad_norm=50.0 * med)
+        return out
+    # quiet from 20: on at the 20th quiet update (step 39), so a spike at 45 is skipped
+    assert _judge(config, spiked([45]))[45].skip
+    # a spike at 30 (10 quiet updates in) is let through and restarts the count: the spike at
+    # 45 (14 in) too; the rule is on from step 65 and skips the one at 70
+    v = _judge(config, spiked([30, 45, 70]))
+    assert [v[t].skip for t in (30, 45, 70)] == [False, False, True]
+    garbage = sg.StepMetrics(step=30, loss=3.0 * base[30].loss, grad_norm=base[30].grad_norm)
+    assert _judge(config, [*base[:30], garbage])[-1].skip  # the loss rules are armed
 
 
 def test_the_weights_check_tests_its_reference_against_half_the_loss_bar():
@@ -177,7 +185,9 @@ def test_a_weight_driven_spike_is_let_through_and_the_run_ends_as_unguarded(tmp_
     bare, _ = _run(tmp_path, "bare", steps=300, seed=25, guard=GuardConfig(respond=False))
     default, records = _run(tmp_path, "default", steps=300, seed=25)
     assert default.val_loss == bare.val_loss and not any(r["skipped"] for r in records)
-    armed = GuardConfig(detector=sg.DetectorConfig(grad_arm_after=1))
+    # on at the first quiet update after arm_after (arm_quiet=1), as the grad rule was before
+    # it counted its quiet updates
+    armed = GuardConfig(detector=sg.DetectorConfig(grad_arm_after=1, arm_quiet=1))
     guarded, records = _run(tmp_path, "guard", steps=300, seed=25, guard=armed)
     assert guarded.halted is None and guarded.rollbacks == 0
     weights = [r for r in records if r.get("cause") == "weights"]
@@ -342,33 +352,39 @@ def test_a_garbage_batch_before_the_grad_rule_arms_is_skipped(tmp_path, one_thre
     norm and the loss is a bad batch, not the grad norm's turbulence after warmup (which comes
     on fine batches, at an ordinary loss). Tiny model, batch 8, peak LR 3e-3, warmup 40 given
     to the detector (as ``spikeguard train`` gives it): the loss rules arm at 30 kept updates,
-    the grad rule at 80. Batch 68 is random bytes: its grad norm about 10x the median, its
-    loss about 1.37x the median, under the loss rule's +40% floor and under the loss/EMA alert,
-    so no rule but the joint test with the whole grad bar sees it. It is skipped (Tier 1, cause
-    data); the same run without it has no flag at all in that stretch."""
-    steps, warmup, at = 300, 40, 68
+    the grad rule counts its quiet updates from 40 and is on at step 59 on this run. Batch 57
+    is random bytes: its grad norm over 6x the median, its loss 1.25x the median, under the
+    loss rule's +40% floor and under the loss/EMA alert, so no rule but the joint test with the
+    whole grad bar sees it. It is skipped (Tier 1, cause data); the same run without it has no
+    flag at all."""
+    steps, warmup, early = 300, 40, 57
     config = sg.DetectorConfig.for_run(steps, warmup_steps=warmup)
-    window = range(config.arm_after, config.grad_arm_after)
-    assert at in window and (window.start, window.stop) == (30, 80)
     _, clean = _run(tmp_path, "clean", steps=steps, seed=0, warmup_steps=warmup)
     assert not [r["step"] for r in clean if r["action"] != "continue" or r["skipped"]]
+    detector = sg.SpikeDetector(config)
+    for q in clean:  # where the clean run's grad rule turns on
+        detector.update(sg.StepMetrics(step=q["step"], loss=q["loss"], grad_norm=q["grad_norm"],
+                                       log_z=q["log_z"]), released=False)
+        if detector.state_dict()["rules"]["grad_spike"]["on"]:
+            break
+    assert config.arm_after < early < q["step"], q["step"]
     _, records = _run(tmp_path, "garbage", steps=steps, seed=0, warmup_steps=warmup,
-                      inject=(f"outlier@{at}",))
+                      inject=(f"outlier@{early}",))
     flagged = [(r["step"], r["action"], r["skipped"]) for r in records
                if r["action"] != "continue" or r["skipped"]]
-    assert flagged == [(at, "skip", True)], flagged
-    r = records[at]
-    assert r["reasons"][0] == "loss past half its bar and grad_norm past its bar"
-    assert r["cause"] == "data"
-    # the premise, from the detector's own numbers at that step (a replay of the record)
+    assert flagged == [(early, "skip", True)], flagged
+    assert records[early]["reasons"][0] == "loss past half its bar and grad_norm past its bar"
+    assert records[early]["cause"] == "data"
+    # the premises, from the detector's own numbers at those steps (a replay of the records)
     detector = sg.SpikeDetector(config)
-    v = [detector.update(sg.StepMetrics(step=q["step"], loss=q["loss"],
-                                        grad_norm=q["grad_norm"], log_z=q["log_z"]),
-                         released=False) for q in records[:at + 1]][-1]
-    ev = v.evidence
-    assert v.reasons == tuple(x for x in r["reasons"] if not x.startswith(
-        ("weights check", "rerun", "quarantined")))
-    assert ev["grad_norm"] > 8 * ev["grad_median"], ev  # the grad rule would skip it if armed
-    assert 1.3 * ev["loss_median"] < ev["loss"] < ev["loss_limit"], ev  # under the loss bar
+    verdicts = [detector.update(sg.StepMetrics(step=q["step"], loss=q["loss"],
+                                               grad_norm=q["grad_norm"], log_z=q["log_z"]),
+                                released=not q["skipped"] and q["action"] != "continue")
+                for q in records[:early + 1]]
+    assert verdicts[early].reasons == tuple(x for x in records[early]["reasons"] if not
+                                            x.startswith(("weights check", "rerun", "quarantined")))
+    ev = verdicts[early].evidence
+    assert ev["grad_norm"] > 6.0 * ev["grad_median"], ev
+    assert 1.2 * ev["loss_median"] < ev["loss"] < ev["loss_limit"], ev  # under the loss bar
     assert ev["loss_limit"] == pytest.approx((1 + config.loss_min_rise) * ev["loss_median"])
     assert ev["loss_ema_ratio"] < config.alert_ratio, ev  # no alert from loss / EMA either
