@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import spikeguard as sg
@@ -116,3 +117,19 @@ def test_a_version_5_state_loads_with_its_log_z_rules_on():
     resumed.load_state_dict(state)
     assert all(resumed.state_dict()["rules"][name]["on"]
                for name in ("log_z_drift", "log_z_rise", "log_z_jump"))
+
+
+def test_grad_arm_quiet_zero_turns_the_grad_rule_on_at_its_arming_point_spikes_or_not():
+    """``grad_arm_quiet=0`` (what diagnose uses on another trainer's log): the grad rule is on
+    from max(arm_after, grad_arm_after) kept updates, so a spike right there is skipped; with the
+    default quiet count it is not (and restarts the count). A bad value names the field."""
+    metrics = sc.clean_run(0, steps=200).metrics
+    spike = 12
+    metrics[spike].grad_norm *= 50.0
+    for quiet, skipped in ((0, True), (None, False)):
+        config = sg.DetectorConfig.for_run(200, arm_after=10, grad_arm_quiet=quiet)
+        d = sg.SpikeDetector(config)
+        verdicts = [d.update(m) for m in metrics[:spike + 1]]
+        assert verdicts[spike].skip is skipped, quiet
+    with pytest.raises(ValueError, match="grad_arm_quiet=-1 must be an int >= 0"):
+        sg.DetectorConfig(grad_arm_quiet=-1)

@@ -56,6 +56,11 @@ class DetectorConfig:
     (the log Z rise rule: its whole window): the statistic is in control, whatever the warmup
     and the optimizer made of the first steps. Under SGD with momentum log Z climbs 2-3 nats in
     the first 50 steps of a healthy run (docs/design.md)."""
+    grad_arm_quiet: int | None = None
+    """The grad rule's own quiet count, where it differs from ``arm_quiet`` (None: the same).
+    0 turns its quiet arming off: the rule is on from max(arm_after, grad_arm_after) kept
+    updates on, spikes or not (``spikeguard diagnose`` replays a log from another trainer so:
+    there a grad-norm spike is worth naming whenever it comes)."""
     median_window: int = 5000
     """Updates in the running medians of grad norm and log Z, and in the loss floor."""
     grad_k: float = 3.0
@@ -153,6 +158,11 @@ class DetectorConfig:
                     raise ValueError(f"DetectorConfig.update_jump={v!r} must be a number > 1 "
                                      "(a multiple of the update ratio's median; default 20) "
                                      "or 0 (off)")
+                continue
+            if f.name == "grad_arm_quiet":
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                    raise ValueError(f"DetectorConfig.grad_arm_quiet={v!r} must be an int >= 0 "
+                                     "(0: no quiet arming) or None (the same as arm_quiet)")
                 continue
             if f.name == "vocab_size":
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 2):

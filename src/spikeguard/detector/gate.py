@@ -47,6 +47,8 @@ class DeviceGate:
         self.ema = DeviceEMA(1.0 / config.loss_ema_steps, device=self.device)
         self.level = DeviceRunningMedian(config.loss_window, device=self.device)
         self.loss_spread = DeviceSpread(config.loss_window, device=self.device)
+        self._grad_need = (config.arm_quiet if config.grad_arm_quiet is None
+                           else config.grad_arm_quiet)
         self.grad_quiet = torch.zeros((), dtype=torch.int64, device=self.device)
         self.grad_on = torch.zeros((), dtype=torch.bool, device=self.device)
 
@@ -126,7 +128,7 @@ class DeviceGate:
                   & torch.isfinite(g) & torch.isfinite(x))
         quiet = torch.where(grad_spike(g, self._grad_limit()), 0, self.grad_quiet + 1)
         self.grad_quiet = torch.where(judged, quiet, self.grad_quiet)
-        self.grad_on = self.grad_on | (judged & (self.grad_quiet >= self.config.arm_quiet))
+        self.grad_on = self.grad_on | (judged & (self.grad_quiet >= self._grad_need))
         ok = (g > 0) & torch.isfinite(g)
         # NaN where the host's log_value gives NaN: never kept
         self.spread.add(torch.where(ok, torch.log(g), math.nan), flagged=gate)

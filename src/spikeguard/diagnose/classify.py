@@ -77,7 +77,9 @@ def replay_config(log: MetricsLog, **overrides: Any) -> DetectorConfig:
         cfg = DetectorConfig(**cfg).to_dict()
     else:
         n = max(4, len(log))
-        cfg = DetectorConfig.for_run(n).to_dict()
+        # no quiet arming for the grad rule: a log from another trainer is read for every
+        # grad-norm spike, early ones included (nothing is skipped on its account)
+        cfg = DetectorConfig.for_run(n, grad_arm_quiet=0).to_dict()
         if log.stride > 1:
             full = DetectorConfig()
             for name in _window_fields():
