@@ -9,14 +9,15 @@ under SGD with momentum, Adam with beta2 0.999, Adafactor and AdamW without warm
 The runs are split by seed: even seeds are the tuning half, odd seeds the held-out half
 (tiny 0-9, demo 0-4, the other optimizers 0-3). Each rule's events (one per verdict that names
 the rule's reason) count as false alarms: per 1,000 steps on which the rule could fire (the
-armed steps; for the grad rule the steps from ``grad_arm_after`` kept updates on; for the joint
-test with the whole grad bar the steps before that), and the average run length between them
-(those steps over the alarms).
+armed steps; for the grad rule the steps from its quiet arming on, ``arm_quiet`` updates in a row
+inside its bar counted from ``grad_arm_after`` kept updates; for the joint test with the whole
+grad bar the armed steps before that), and the average run length between them (those steps
+over the alarms).
 
 Detection delay: faults planted in the same recorded streams, at mid-run of the runs of 300 and
 1,000 steps (where every rule is armed; the log Z rules arm once log Z is in control), and, for
-the joint test before the grad rule arms, midway between the two armings of every run with the
-warmup given: the steps from the fault's first step to the first verdict that names each rule
+the joint test before the grad rule arms, midway between the loss rules' arming and the step
+where the run as recorded turns its grad rule on: the steps from the fault's first step to the first verdict that names each rule
 and that the run as recorded does not have at that step (its own false alarms do not count).
 "x1.3" multiplies that step's own loss, "+0.5 nats" adds to every loss from then on.
 
@@ -80,7 +81,7 @@ def _replay(run: dict, warm_given: bool, series: dict | None = None) -> list[tup
     """Per step: (step, the rule labels its verdict names, armed, grad rule armed)."""
     c = _config(run, warm_given)
     labels, d, s = _labels(c), SpikeDetector(c), series or run["s"]
-    out, kept = [], 0
+    out = []
     for t in range(run["steps"]):
         lz = s["log_z"][t]
         armed = d.armed
@@ -88,8 +89,7 @@ def _replay(run: dict, warm_given: bool, series: dict | None = None) -> list[tup
                                  log_z=math.nan if lz is None else lz),
                      update_ratio=s["update_ratio"][t])
         fired = {labels[r] for r in v.reasons if r in labels}
-        out.append((t, fired, armed, armed and kept >= c.grad_arm_after))
-        kept += not (fired.intersection(SKIPS) or v.tier == 3)
+        out.append((t, fired, armed, armed and d._grad.on))  # the grad rule's quiet arming
     return out
 
 
@@ -187,15 +187,14 @@ def delays(runs: list[dict], warm_given: bool) -> dict:
     out: dict = {}
     for name, plant in FAULTS.items():
         early = "before the grad rule" in name
-        if early and not warm_given:
-            continue
         per = out[name] = {h: {"runs": 0, "delay": collections.defaultdict(list)}
                            for h in ("tuning", "held-out")}
         for run in runs:
             c = _config(run, warm_given)
-            if early:
-                t0 = (c.arm_after + c.grad_arm_after) // 2
-                if not c.arm_after < t0 < min(c.grad_arm_after, run["steps"]):
+            if early:  # midway between the loss rules' arming and the grad rule's, as recorded
+                on = next((t for t, _, _, g in _clean(run, warm_given) if g), run["steps"])
+                t0 = (c.arm_after + on) // 2
+                if not c.arm_after < t0 < on:
                     continue
             elif run["steps"] >= 300:
                 t0 = run["steps"] // 2
