@@ -148,38 +148,41 @@ def _same(a, b):
 
 
 def test_an_outlier_batch_is_skipped_and_nothing_moves(tmp_path, caplog):
+    # the outlier 20 steps past OUTLIER: the grad rule turns on only after arm_after (5) and
+    # arm_quiet (20) quiet updates, and the skip here is that rule's
+    steps, at = STEPS + 20, OUTLIER + 20
     probe = Probe()
-    trainer, cb = make_trainer(tmp_path, outlier=OUTLIER, probe=probe)
+    trainer, cb = make_trainer(tmp_path, outlier=at, probe=probe, steps=steps)
     trainer.fit()
     records = read_metrics(tmp_path / "metrics.jsonl")
     # the Trainer's numbers; the skipped update is made up by one more step
-    assert [r["step"] for r in records] == list(range(1, STEPS + 2))
-    assert trainer.global_step == STEPS + 1
-    assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
+    assert [r["step"] for r in records] == list(range(1, steps + 2))
+    assert trainer.global_step == steps + 1
+    assert [r["step"] for r in records if r["skipped"]] == [at]
     # the re-run closure from the train module: the skip is attributed, the weights checked
-    bad = records[OUTLIER - 1]
+    bad = records[at - 1]
     assert bad["cause"] == "data" and "weights check" in "; ".join(bad["reasons"])
     # the skip in OLMo-core's console, a warning of one of its own loggers
     assert [r.getMessage()[:25] for r in caplog.records
-            if r.name == "olmo_core.train.spikeguard"] == [f"spikeguard: step {OUTLIER}: skip"]
-    assert _same(probe.before[OUTLIER], probe.after[OUTLIER])
-    assert not _same(probe.before[OUTLIER - 1], probe.after[OUTLIER - 1])
+            if r.name == "olmo_core.train.spikeguard"] == [f"spikeguard: step {at}: skip"]
+    assert _same(probe.before[at], probe.after[at])
+    assert not _same(probe.before[at - 1], probe.after[at - 1])
     lrs = [r["lr"] for r in records]
     # held: the step after the skip gets the skipped step's LR, the schedule one step behind
-    assert lrs[OUTLIER] == lrs[OUTLIER - 1] != lrs[OUTLIER - 2]
-    assert cb.schedule.held_steps == 1 and cb.guard.applied == STEPS
+    assert lrs[at] == lrs[at - 1] != lrs[at - 2]
+    assert cb.schedule.held_steps == 1 and cb.guard.applied == steps
     assert all(r["log_z"] > 0 for r in records)  # from the logits of the loss's own pass
     # the signals read the update through the optimizer's step hooks (steps are 1-based here)
     ratios = [r.get("update_ratio") for r in records]
-    assert ratios[OUTLIER - 1] == 0
-    assert all(v > 0 for i, v in enumerate(ratios) if i != OUTLIER - 1), ratios
+    assert ratios[at - 1] == 0
+    assert all(v > 0 for i, v in enumerate(ratios) if i != at - 1), ratios
     assert trainer.train_module.optim is cb.parts.optimizer.optimizer  # the plain one is back
     # diagnose replays the run with its own thresholds and checkpoint interval (config.json)
     from spikeguard.diagnose import diagnose
 
     d = diagnose(tmp_path / "metrics.jsonl")
     assert d.replay.config == cb.guard.config.detector and d.ckpt_every == 1000
-    assert OUTLIER in [v.step for v in d.replay.flagged if v.action is sg.Action.SKIP]
+    assert at in [v.step for v in d.replay.flagged if v.action is sg.Action.SKIP]
 
 
 def test_a_nan_gradient_halts_naming_the_tensor_and_raises_out_of_fit(tmp_path):
