@@ -233,10 +233,16 @@ def held_out_loss(trainer):
 def launches(tmp_path, config, *, bad=None, probe=None, lr_scale=0.5):
     """The cross-job recipe: run ``next_config(config)`` until a launch ends without stopping
     for a relaunch (each launch a new Trainer and callback, as a new job would build them)."""
+    # arm_quiet=1: the grad rule turns on after arm_after (5) and one quiet update, as early as
+    # it did before quiet arming, ahead of the faults at steps 7-14; these tests are about the
+    # relaunches, and faults 20 steps later would double the runs and move every checkpoint.
+    # (arm_quiet also sets the skip storm's calm, never reached here: each storm ends the launch)
+    det = sg.DetectorConfig.for_run(STEPS2, arm_after=5, grad_z=0.01, max_consecutive_skips=1,
+                                    arm_quiet=1)
     ran, found = [], []
     while True:
         now = next_config(config)
-        trainer, cb = make_trainer(tmp_path, steps=STEPS2, outlier=bad, config=now, storm=1,
+        trainer, cb = make_trainer(tmp_path, steps=STEPS2, outlier=bad, config=now, detector=det,
                                    cancel_on_tier2=True, out_dir=now.save_folder, probe=probe,
                                    lr_scale=lr_scale)
         try:
@@ -288,7 +294,11 @@ def test_two_tier2s_relaunch_twice_keep_every_checkpoint_and_end_near_clean(tmp_
 
 
 def test_a_fault_that_returns_on_replay_halts_with_its_reason(tmp_path):
-    probe = Probe(scale_at=range(7, 11))  # the gradients x1000 at steps 7-10: not the data
+    # the gradients x1000 at steps 11-14: not the data. Later than arm_after (5) + arm_quiet
+    # (1: launches) so that the checkpoint the relaunch restores (step 8) has the grad rule on:
+    # from step 4's, the replay's first judged update is the fault itself, which restarts the
+    # quiet count, and the fault would come back unseen
+    probe = Probe(scale_at=range(11, 15))
     config = trainer_config(tmp_path / "run", steps=STEPS2, save=4)
     with pytest.raises(sg.TrainingHalted, match="came back on replay"):
         launches(tmp_path / "run", config, probe=probe)
@@ -297,4 +307,4 @@ def test_a_fault_that_returns_on_replay_halts_with_its_reason(tmp_path):
     first = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run" / "save" /
                                                           "metrics.jsonl")}
     again = {r["step"]: r["lr"] for r in read_metrics(relaunch / "metrics.jsonl")}
-    assert again[5] == pytest.approx(0.5 * first[5])  # the replay ramps up from half the LR
+    assert again[9] == pytest.approx(0.5 * first[9])  # the replay ramps up from half the LR
