@@ -83,6 +83,7 @@ def test_two_ranks_an_outlier_is_skipped_untouched_cause_data(launched, phase):
     ranks, records = launched
     (rec,) = _acted(records[phase]).values()
     assert rec["step"] == BAD and rec["action"] == "skip" and rec["cause"] == "data"
+    assert rec["reasons"][0] == "grad_norm > 3x median"
     assert rec["rerun"] == {"loss": rec["loss"], "grad_norm": rec["grad_norm"]}
     for r in ranks:  # every rank: weights and moments bit-identical, the schedule held
         assert r[phase]["untouched"] and r[phase]["held"]

@@ -297,6 +297,7 @@ def test_llama_in_the_readme_loop_clean_takes_no_action_and_an_outlier_is_skippe
     records = read_metrics(tmp_path / "bad" / "metrics.jsonl")
     (rec,) = _acted(records).values()
     assert rec["step"] == 34 and rec["action"] == "skip" and rec["cause"] == "data"
+    assert rec["reasons"][0] == "grad_norm > 3x median"
     # the re-run reproduced the step bit for bit, and a kept batch cleared the weights first
     assert rec["rerun"] == {"loss": rec["loss"], "grad_norm": rec["grad_norm"]}
     assert rec["weights_check"]["weights"] is False
@@ -361,6 +362,7 @@ def test_llama_accumulation_with_dropout_names_the_rows_and_never_guesses_transi
     records = read_metrics(tmp_path / "metrics.jsonl")
     (rec,) = _acted(records).values()
     assert rec["step"] == 34 and rec["action"] == "skip"
+    assert rec["reasons"][0] == "grad_norm > 3x median"
     assert rec["cause"] in ("data", "unknown") and rec["cause"] != "transient"
     assert rec["cause"] == "data"  # here the re-run could be faithful, so it is
     assert same(run["before"][0], run["after"][0])
@@ -388,6 +390,7 @@ def test_llama_in_hf_trainer_clean_takes_no_action_and_an_outlier_is_skipped(tmp
     trainer.train()
     (rec,) = _acted(read_metrics(tmp_path / "bad" / "metrics.jsonl")).values()
     assert rec["step"] == 34 and rec["action"] == "skip"
+    assert rec["reasons"][0] == "grad_norm > 3x median"
     # each micro-batch's closure holds its batch: the weights check and the re-run both ran
     assert rec["cause"] == "data" and rec["weights_check"]["weights"] is False
     p0, m0, pos0, _ = snaps.before[34]
@@ -425,6 +428,7 @@ def test_llama_in_hf_trainer_accumulation_with_dropout_is_never_transient(tmp_pa
     trainer.train()
     (rec,) = _acted(read_metrics(tmp_path / "metrics.jsonl")).values()
     assert rec["step"] == 34 and rec["action"] == "skip"
+    assert rec["reasons"][0] == "grad_norm > 3x median"
     assert rec["cause"] in ("data", "unknown") and rec["cause"] == "data"
 
 

@@ -138,6 +138,7 @@ def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
     # each micro-batch's closure holds its batch: a kept one cleared the weights, so "data"
     assert records[bad]["weights_check"]["weights"] is False
     assert records[bad]["cause"] == "data"
+    assert records[bad]["reasons"][0] == "grad_norm > 3x median"
     window = guard_config(steps).detector.median_window
     prior = sorted(r["grad_norm"] for r in records[bad - window:bad])
     assert records[bad]["grad_norm"] > 3 * (prior[(window - 1) // 2] + prior[window // 2]) / 2

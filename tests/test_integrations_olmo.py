@@ -162,6 +162,7 @@ def test_an_outlier_batch_is_skipped_and_nothing_moves(tmp_path, caplog):
     # the re-run closure from the train module: the skip is attributed, the weights checked
     bad = records[at - 1]
     assert bad["cause"] == "data" and "weights check" in "; ".join(bad["reasons"])
+    assert bad["reasons"][0] == "grad_norm > 3x median"
     # the skip in OLMo-core's console, a warning of one of its own loggers
     assert [r.getMessage()[:25] for r in caplog.records
             if r.name == "olmo_core.train.spikeguard"] == [f"spikeguard: step {at}: skip"]
