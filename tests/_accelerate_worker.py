@@ -69,7 +69,10 @@ def phase(out: Path, name: str, *, ga: int = 1, dropout: float = 0.0, bad: int |
     loader = torch.utils.data.DataLoader(Windows(STEPS * per_step, bad_range, corrupt_at),
                                          batch_size=BATCH)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    det = sg.DetectorConfig.for_run(STEPS, arm_after=5, grad_z=0.01)
+    # arm_quiet=2: the grad rule turns on 2 quiet updates after arm_after (5), before BAD; these
+    # phases test the skip, the rerun and the drop, not arming, and 20 more steps a phase on 2
+    # ranks would double the launch's time
+    det = sg.DetectorConfig.for_run(STEPS, arm_after=5, grad_z=0.01, arm_quiet=2)
     guard = guard_accelerator(accelerator, model, optimizer, scheduler=scheduler,  # sg
                               config=sg.GuardConfig(detector=det, attribution=sg.AttributionConfig(
                                   drop_sequences=corrupt is not None)), out_dir=out / name)

@@ -47,6 +47,11 @@ from spikeguard.integrations.exits import exit_status
 from spikeguard.integrations.torchtitan import GuardedTrainer
 
 NAN_PARAM = "layers.1.feed_forward.w2.weight"
+QUIET = 2
+"""arm_quiet of the outlier, rollback and recurring scenarios: the grad rule turns on 2 quiet
+updates after arm_after (5), before their first fault (guard step 8 or 10). They test the skip,
+the resume and the rollbacks, not arming; faults 20 steps later would move every checkpoint and
+roughly double this job (arm_quiet also arms the log Z rules and calms the skip storm)."""
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -172,7 +177,8 @@ def held_out_loss(trainer: GuardedTrainer, n: int = 16) -> float:
 
 
 def outlier(out: Path, read_lag: int = 0) -> None:
-    guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(16, arm_after=5, grad_z=0.01),
+    guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(16, arm_after=5, grad_z=0.01,
+                                                              arm_quiet=QUIET),
                            read_lag=read_lag)
     first = build(out, 16, guard, poison=(10,), two_optimizers=True)
     first.watch, first.stop_at = (11, 12, 13), 15
@@ -194,7 +200,7 @@ def outlier(out: Path, read_lag: int = 0) -> None:
 
 def rollback(out: Path) -> None:
     steps = 20
-    detector = sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01)
+    detector = sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01, arm_quiet=QUIET)
     # the clean run through examples/torchtitan_train.py (torchtitan's train.py shape)
     from examples import torchtitan_train
 
@@ -219,7 +225,8 @@ def recurring(out: Path) -> None:
     """The gradients x1000 at torchtitan's steps 9-16 (guard 8-15), whatever the batch: the
     first storm rolls back, the replay meets it again, and the run halts saying so."""
     steps = 16
-    guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01),
+    guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01,
+                                                              arm_quiet=QUIET),
                            tier2="rollback", rollback_lr_scale=1.0, weights_check=False)
     trainer = build(out, steps, guard)
     trainer.scale_at = tuple(range(9, 17))

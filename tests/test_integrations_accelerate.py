@@ -83,6 +83,7 @@ def test_two_ranks_an_outlier_is_skipped_untouched_cause_data(launched, phase):
     ranks, records = launched
     (rec,) = _acted(records[phase]).values()
     assert rec["step"] == BAD and rec["action"] == "skip" and rec["cause"] == "data"
+    assert rec["reasons"][0] == "grad_norm > 3x median"
     assert rec["rerun"] == {"loss": rec["loss"], "grad_norm": rec["grad_norm"]}
     for r in ranks:  # every rank: weights and moments bit-identical, the schedule held
         assert r[phase]["untouched"] and r[phase]["held"]
@@ -142,7 +143,11 @@ def test_fp16_adopts_accelerates_grad_scaler(tmp_path, one_thread, fresh_state):
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
     model, optimizer = accelerator.prepare(model, optimizer)
-    det = sg.DetectorConfig.for_run(20, arm_after=5, grad_z=0.01)
+    # arm_quiet=2: the grad rule on 2 quiet updates after arm_after (5), before the outlier at
+    # 14 (this test is about the scaler, not arming). With the default 20 it stays off here
+    # for long: in a 40-step run a grad-only spike at step 22 kept it off past an outlier at
+    # step 34, which the loss rule skipped instead
+    det = sg.DetectorConfig.for_run(20, arm_after=5, grad_z=0.01, arm_quiet=2)
     guard = guard_accelerator(accelerator, model, optimizer, out_dir=tmp_path,
                               config=sg.GuardConfig(detector=det, read_lag=0))
     assert guard.precision.scaler is accelerator.scaler
@@ -170,6 +175,7 @@ def test_fp16_adopts_accelerates_grad_scaler(tmp_path, one_thread, fresh_state):
     assert acted[8]["tier"] == 0 and acted[8]["action"] == "skip"
     assert scales[8] == scales[7] / 2
     assert acted[14]["action"] == "skip" and acted[14]["cause"] == "data"
+    assert acted[14]["reasons"][0] == "grad_norm > 3x median"
     assert set(acted) == {8, 14}
     assert all(r["grad_norm"] < 1e3 for r in records if r["step"] not in (8,))
 

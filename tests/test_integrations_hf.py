@@ -118,52 +118,56 @@ class Snapshots(transformers.TrainerCallback):
 
 
 def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
+    # the outlier 20 steps past OUTLIER: the grad rule turns on only after arm_after (5) and
+    # arm_quiet (20) quiet updates, and this test is about that rule's skip
+    steps, bad = STEPS + 20, OUTLIER + 20
     snaps = Snapshots()
-    trainer = make_trainer(tmp_path, outlier=OUTLIER, callbacks=[snaps], logging_steps=4)
+    trainer = make_trainer(tmp_path, steps=steps, outlier=bad, callbacks=[snaps],
+                           logging_steps=4)
     snaps.trainer = trainer
-    callback = sg_hf.guard_trainer(trainer, config=guard_config())
+    callback = sg_hf.guard_trainer(trainer, config=guard_config(steps))
     assert isinstance(trainer.lr_scheduler, HeldScheduler)
     trainer.train()
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(STEPS))
-    assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
-    assert records[OUTLIER]["action"] == "skip"
+    assert [r["step"] for r in records] == list(range(steps))
+    assert [r["step"] for r in records if r["skipped"]] == [bad]
+    assert records[bad]["action"] == "skip"
     # why: its grad norm is over 3x the median of the norms of the window before it
-    window = guard_config().detector.median_window
-    prior = sorted(r["grad_norm"] for r in records[OUTLIER - window:OUTLIER])
+    window = guard_config(steps).detector.median_window
+    prior = sorted(r["grad_norm"] for r in records[bad - window:bad])
     median = (prior[(window - 1) // 2] + prior[window // 2]) / 2
-    assert records[OUTLIER]["grad_norm"] > 3 * median
-    assert records[OUTLIER]["reasons"][0].startswith("grad_norm")
+    assert records[bad]["grad_norm"] > 3 * median
+    assert records[bad]["reasons"][0].startswith("grad_norm")
     # the guard reads the signals through the optimizer's step hooks: each applied update
     # moved the weights, the withheld one reads 0 (the update-ratio rule sees this framework too)
     ratios = [r.get("update_ratio") for r in records]
-    assert ratios[OUTLIER] == 0 and all(v > 0 for i, v in enumerate(ratios) if i != OUTLIER)
+    assert ratios[bad] == 0 and all(v > 0 for i, v in enumerate(ratios) if i != bad)
     # the skipped step: params, AdamW moments and step count, schedule position, all unchanged
-    p0, m0, pos0, lr0 = snaps.before[OUTLIER]
-    p1, m1, pos1, lr1 = snaps.after[OUTLIER]
+    p0, m0, pos0, lr0 = snaps.before[bad]
+    p1, m1, pos1, lr1 = snaps.after[bad]
     assert same(p0, p1) and same_moments(m0, m1)
     assert pos1 == pos0 and lr1 == lr0
     # a normal step moves all three (the comparison above is not vacuous)
-    q0, n0, qpos0, _ = snaps.before[OUTLIER - 1]
-    q1, n1, qpos1, _ = snaps.after[OUTLIER - 1]
+    q0, n0, qpos0, _ = snaps.before[bad - 1]
+    q1, n1, qpos1, _ = snaps.after[bad - 1]
     assert not same(q0, q1) and not same_moments(n0, n1) and qpos1 == qpos0 + 1
     # the schedule position is the count of applied updates: step t used lr_lambda(applied)
     applied = 0
     for r in records:
         assert r["lr"] == pytest.approx(LR * lr_lambda(applied), rel=1e-12)
         applied += not r["skipped"]
-    assert trainer.lr_scheduler.scheduler.last_epoch == applied == STEPS - 1
+    assert trainer.lr_scheduler.scheduler.last_epoch == applied == steps - 1
     assert trainer.lr_scheduler.held_steps == 1 and callback.guard.applied == applied
     # the five metrics reached the Trainer's log at every 4th step, and at the skip (a forced
     # entry), equal to the guard's record of that step
     logged = {h["step"] - 1: h for h in trainer.state.log_history if "spikeguard/loss" in h}
-    assert sorted(logged) == sorted({*range(3, STEPS, 4), OUTLIER})
+    assert sorted(logged) == sorted({*range(3, steps, 4), bad})
     for t, h in logged.items():
         for key in METRICS:
             assert h[f"spikeguard/{key}"] == pytest.approx(records[t][key], rel=1e-12)
-        assert h["spikeguard/skipped"] == float(t == OUTLIER)
-    assert logged[OUTLIER]["spikeguard/loss_ema_ratio"] > 1.0  # the NUL batch's loss jumped
-    assert logged[STEPS - 1]["spikeguard/skips"] == 1.0
+        assert h["spikeguard/skipped"] == float(t == bad)
+    assert logged[bad]["spikeguard/loss_ema_ratio"] > 1.0  # the NUL batch's loss jumped
+    assert logged[steps - 1]["spikeguard/skips"] == 1.0
     assert callback.halted is None and callback.report_path is None
 
 
@@ -285,12 +289,15 @@ def _acted(records):
 
 def test_llama_in_the_readme_loop_clean_takes_no_action_and_an_outlier_is_skipped(tmp_path,
                                                                                  one_thread):
-    clean = readme_loop(tmp_path / "clean")
+    # the outlier at step 34 of 40: past arm_after (5) and the grad rule's arm_quiet (20) quiet
+    # updates after it, so the skip is the grad rule's, as before quiet arming
+    clean = readme_loop(tmp_path / "clean", steps=40)
     assert _acted(read_metrics(tmp_path / "clean" / "metrics.jsonl")) == {}
-    run = readme_loop(tmp_path / "bad", bad=14)
+    run = readme_loop(tmp_path / "bad", steps=40, bad=34)
     records = read_metrics(tmp_path / "bad" / "metrics.jsonl")
     (rec,) = _acted(records).values()
-    assert rec["step"] == 14 and rec["action"] == "skip" and rec["cause"] == "data"
+    assert rec["step"] == 34 and rec["action"] == "skip" and rec["cause"] == "data"
+    assert rec["reasons"][0] == "grad_norm > 3x median"
     # the re-run reproduced the step bit for bit, and a kept batch cleared the weights first
     assert rec["rerun"] == {"loss": rec["loss"], "grad_norm": rec["grad_norm"]}
     assert rec["weights_check"]["weights"] is False
@@ -298,7 +305,7 @@ def test_llama_in_the_readme_loop_clean_takes_no_action_and_an_outlier_is_skippe
     assert same_moments(run["before"][1], run["after"][1])
     # the steps before it are the clean run's, bit for bit (the guard changed nothing there)
     clean_records = read_metrics(tmp_path / "clean" / "metrics.jsonl")
-    assert [r["loss"] for r in records[:14]] == [r["loss"] for r in clean_records[:14]]
+    assert [r["loss"] for r in records[:34]] == [r["loss"] for r in clean_records[:34]]
     del clean
 
 
@@ -343,46 +350,51 @@ def test_llama_a_corrupt_sample_is_quarantined_not_a_halt_under_drop_sequences(t
 def test_llama_accumulation_with_dropout_names_the_rows_and_never_guesses_transient(
         tmp_path, one_thread, dropout):
     """k = 2 micro-batches of 4 rows, HF attention dropout (functional: no nn.Dropout) at 0.1,
-    rows 5-7 of step 14's batch garbage (micro-batch 1, rows 1-3). The guard noted each
+    rows 5-7 of step 34's batch garbage (micro-batch 1, rows 1-3). The guard noted each
     forward's RNG state itself (no guard.autocast in the loop), so its re-run draws the same
     masks: the step reproduces and the cause is data; quarantine.jsonl names the stream batch,
     the rows in it, the micro-batch and the rows within that."""
     from spikeguard.guard.micro import stochastic
 
-    run = readme_loop(tmp_path, k=2, dropout=dropout, bad=14, bad_rows=slice(5, 8))
+    # step 34 of 40 (was 14 of 20): past arm_after (5) and the grad rule's arm_quiet (20)
+    run = readme_loop(tmp_path, steps=40, k=2, dropout=dropout, bad=34, bad_rows=slice(5, 8))
     assert (stochastic(run["model"]) is not None) == (dropout > 0)
     records = read_metrics(tmp_path / "metrics.jsonl")
     (rec,) = _acted(records).values()
-    assert rec["step"] == 14 and rec["action"] == "skip"
+    assert rec["step"] == 34 and rec["action"] == "skip"
+    assert rec["reasons"][0] == "grad_norm > 3x median"
     assert rec["cause"] in ("data", "unknown") and rec["cause"] != "transient"
     assert rec["cause"] == "data"  # here the re-run could be faithful, so it is
     assert same(run["before"][0], run["after"][0])
     quarantined = [json.loads(line) for line in
                    (tmp_path / "quarantine.jsonl").read_text().splitlines()]
     assert [(q["step"], q["stream_index"], q["row"], q["micro_batch"], q["micro_row"])
-            for q in quarantined] == [(14, 14, r, 1, r - 4) for r in (5, 6, 7)]
+            for q in quarantined] == [(34, 34, r, 1, r - 4) for r in (5, 6, 7)]
 
 
 # -- the same Llama in HF Trainer -------------------------------------------------------------
 def test_llama_in_hf_trainer_clean_takes_no_action_and_an_outlier_is_skipped(tmp_path,
                                                                             one_thread):
-    steps = 18
+    # the outlier at step 34 of 38 (was 14 of 18): past arm_after (5) and the grad rule's
+    # arm_quiet (20) quiet updates after it
+    steps = 38
     trainer = make_trainer(tmp_path / "clean", steps=steps, model=llama())
     sg_hf.guard_trainer(trainer, config=guard_config(steps))
     trainer.train()
     assert _acted(read_metrics(tmp_path / "clean" / "metrics.jsonl")) == {}
     snaps = Snapshots()
-    trainer = make_trainer(tmp_path / "bad", steps=steps, model=llama(), outlier=14,
+    trainer = make_trainer(tmp_path / "bad", steps=steps, model=llama(), outlier=34,
                            callbacks=[snaps])
     snaps.trainer = trainer
     sg_hf.guard_trainer(trainer, config=guard_config(steps))
     trainer.train()
     (rec,) = _acted(read_metrics(tmp_path / "bad" / "metrics.jsonl")).values()
-    assert rec["step"] == 14 and rec["action"] == "skip"
+    assert rec["step"] == 34 and rec["action"] == "skip"
+    assert rec["reasons"][0] == "grad_norm > 3x median"
     # each micro-batch's closure holds its batch: the weights check and the re-run both ran
     assert rec["cause"] == "data" and rec["weights_check"]["weights"] is False
-    p0, m0, pos0, _ = snaps.before[14]
-    p1, m1, pos1, _ = snaps.after[14]
+    p0, m0, pos0, _ = snaps.before[34]
+    p1, m1, pos1, _ = snaps.after[34]
     assert same(p0, p1) and same_moments(m0, m1) and pos1 == pos0
 
 
@@ -405,17 +417,18 @@ def test_llama_in_hf_trainer_halts_on_nan_naming_the_module(tmp_path, one_thread
 
 def test_llama_in_hf_trainer_accumulation_with_dropout_is_never_transient(tmp_path,
                                                                          one_thread):
-    """2 micro-batches a step, attention dropout 0.1 (functional, no nn.Dropout), step 14's
+    """2 micro-batches a step, attention dropout 0.1 (functional, no nn.Dropout), step 34's
     micro-batches a run of NUL bytes: each micro-batch's closure re-runs under the RNG state its
     forward started from, so the step reproduces: cause data (before, the re-run drew other
     masks, and a guess said transient). A few corrupt rows are too few to flag on this model
     this early in the Trainer's schedule; README's loop test names such rows."""
-    steps = 18
-    trainer = make_trainer(tmp_path, steps=steps, model=llama(dropout=0.1), ga=2, outlier=14)
+    steps = 38  # the outlier at 34 (was 14 of 18): past arm_after (5) and arm_quiet (20)
+    trainer = make_trainer(tmp_path, steps=steps, model=llama(dropout=0.1), ga=2, outlier=34)
     sg_hf.guard_trainer(trainer, config=guard_config(steps))
     trainer.train()
     (rec,) = _acted(read_metrics(tmp_path / "metrics.jsonl")).values()
-    assert rec["step"] == 14 and rec["action"] == "skip"
+    assert rec["step"] == 34 and rec["action"] == "skip"
+    assert rec["reasons"][0] == "grad_norm > 3x median"
     assert rec["cause"] in ("data", "unknown") and rec["cause"] == "data"
 
 

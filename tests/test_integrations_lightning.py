@@ -119,51 +119,56 @@ class HookCount(L.Callback):
 
 
 def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
-    guard_cb, hooks = sg_lightning.SpikeguardCallback(config=guard_config()), HookCount()
+    # the outlier 20 steps past OUTLIER: the grad rule turns on only after arm_after (5) and
+    # arm_quiet (20) quiet updates, and the skip here is that rule's
+    steps, bad = STEPS + 20, OUTLIER + 20
+    guard_cb = sg_lightning.SpikeguardCallback(config=guard_config(steps))
+    hooks = HookCount()
     module = LitGPT(guard_cb)
-    trainer, loader = make_trainer(tmp_path, guard_cb, outlier=OUTLIER)
+    trainer, loader = make_trainer(tmp_path, guard_cb, steps=steps, outlier=bad)
     trainer.callbacks.append(hooks)
     trainer.fit(module, loader)
     # the skip's re-run is training_step and backward only: no callback hook ran twice
-    assert hooks.backward == hooks.before_step == STEPS
+    assert hooks.backward == hooks.before_step == steps
     out = tmp_path / "run" / "version_0"
     records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(STEPS))
-    assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
-    assert records[OUTLIER]["rerun"] is not None  # the skip was re-run (attribution)
+    assert [r["step"] for r in records] == list(range(steps))
+    assert [r["step"] for r in records if r["skipped"]] == [bad]
+    assert records[bad]["rerun"] is not None  # the skip was re-run (attribution)
     # each micro-batch's closure holds its batch: a kept one cleared the weights, so "data"
-    assert records[OUTLIER]["weights_check"]["weights"] is False
-    assert records[OUTLIER]["cause"] == "data"
-    window = guard_config().detector.median_window
-    prior = sorted(r["grad_norm"] for r in records[OUTLIER - window:OUTLIER])
-    assert records[OUTLIER]["grad_norm"] > 3 * (prior[(window - 1) // 2] + prior[window // 2]) / 2
+    assert records[bad]["weights_check"]["weights"] is False
+    assert records[bad]["cause"] == "data"
+    assert records[bad]["reasons"][0] == "grad_norm > 3x median"
+    window = guard_config(steps).detector.median_window
+    prior = sorted(r["grad_norm"] for r in records[bad - window:bad])
+    assert records[bad]["grad_norm"] > 3 * (prior[(window - 1) // 2] + prior[window // 2]) / 2
     # the guard reads the signals through the optimizer's step hooks: each applied update
     # moved the weights, the withheld one reads 0 (the update-ratio rule sees this framework too)
     ratios = [r.get("update_ratio") for r in records]
-    assert ratios[OUTLIER] == 0 and all(v > 0 for i, v in enumerate(ratios) if i != OUTLIER)
+    assert ratios[bad] == 0 and all(v > 0 for i, v in enumerate(ratios) if i != bad)
     # the skipped step: params, AdamW moments and step count, schedule position, all unchanged
-    p0, m0, pos0, lr0 = module.snaps["before"][OUTLIER]
-    p1, m1, pos1, lr1 = module.snaps["after"][OUTLIER]
+    p0, m0, pos0, lr0 = module.snaps["before"][bad]
+    p1, m1, pos1, lr1 = module.snaps["after"][bad]
     assert same(p0, p1) and same_moments(m0, m1) and pos1 == pos0 and lr1 == lr0
-    q0, n0, qpos0, _ = module.snaps["before"][OUTLIER - 1]
-    q1, n1, qpos1, _ = module.snaps["after"][OUTLIER - 1]
+    q0, n0, qpos0, _ = module.snaps["before"][bad - 1]
+    q1, n1, qpos1, _ = module.snaps["after"][bad - 1]
     assert not same(q0, q1) and not same_moments(n0, n1) and qpos1 == qpos0 + 1
     applied = 0
     for r in records:
         assert r["lr"] == pytest.approx(LR * lr_lambda(applied), rel=1e-12)
         applied += not r["skipped"]
-    assert module.sched.last_epoch == applied == STEPS - 1 == guard_cb.guard.applied
-    assert trainer.global_step == STEPS  # Lightning counted every optimizer call
+    assert module.sched.last_epoch == applied == steps - 1 == guard_cb.guard.applied
+    assert trainer.global_step == steps  # Lightning counted every optimizer call
     # the five metrics went through Lightning's logger (CSVLogger), equal to the guard's record
     rows = logged_rows(tmp_path)
-    assert len(rows) == STEPS
+    assert len(rows) == steps
     for row, r in zip(rows, records):
         for key in METRICS:  # loss_ema_ratio is NaN at step 0 (no EMA yet)
             assert float(row[f"spikeguard/{key}"]) == pytest.approx(r[key], rel=1e-6, nan_ok=True)
-    assert float(rows[OUTLIER]["spikeguard/loss_ema_ratio"]) > 1.0  # the NUL batch's loss jumped
+    assert float(rows[bad]["spikeguard/loss_ema_ratio"]) > 1.0  # the NUL batch's loss jumped
     # the EMA of the one loss before step 1 is that loss
     assert records[1]["loss_ema_ratio"] == pytest.approx(records[1]["loss"] / records[0]["loss"])
-    assert float(rows[OUTLIER]["spikeguard/skipped"]) == 1.0
+    assert float(rows[bad]["spikeguard/skipped"]) == 1.0
     assert float(rows[-1]["spikeguard/skips"]) == 1.0
     assert guard_cb.halted is None and not (out / "report.json").exists()
 

@@ -148,38 +148,42 @@ def _same(a, b):
 
 
 def test_an_outlier_batch_is_skipped_and_nothing_moves(tmp_path, caplog):
+    # the outlier 20 steps past OUTLIER: the grad rule turns on only after arm_after (5) and
+    # arm_quiet (20) quiet updates, and the skip here is that rule's
+    steps, at = STEPS + 20, OUTLIER + 20
     probe = Probe()
-    trainer, cb = make_trainer(tmp_path, outlier=OUTLIER, probe=probe)
+    trainer, cb = make_trainer(tmp_path, outlier=at, probe=probe, steps=steps)
     trainer.fit()
     records = read_metrics(tmp_path / "metrics.jsonl")
     # the Trainer's numbers; the skipped update is made up by one more step
-    assert [r["step"] for r in records] == list(range(1, STEPS + 2))
-    assert trainer.global_step == STEPS + 1
-    assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
+    assert [r["step"] for r in records] == list(range(1, steps + 2))
+    assert trainer.global_step == steps + 1
+    assert [r["step"] for r in records if r["skipped"]] == [at]
     # the re-run closure from the train module: the skip is attributed, the weights checked
-    bad = records[OUTLIER - 1]
+    bad = records[at - 1]
     assert bad["cause"] == "data" and "weights check" in "; ".join(bad["reasons"])
+    assert bad["reasons"][0] == "grad_norm > 3x median"
     # the skip in OLMo-core's console, a warning of one of its own loggers
     assert [r.getMessage()[:25] for r in caplog.records
-            if r.name == "olmo_core.train.spikeguard"] == [f"spikeguard: step {OUTLIER}: skip"]
-    assert _same(probe.before[OUTLIER], probe.after[OUTLIER])
-    assert not _same(probe.before[OUTLIER - 1], probe.after[OUTLIER - 1])
+            if r.name == "olmo_core.train.spikeguard"] == [f"spikeguard: step {at}: skip"]
+    assert _same(probe.before[at], probe.after[at])
+    assert not _same(probe.before[at - 1], probe.after[at - 1])
     lrs = [r["lr"] for r in records]
     # held: the step after the skip gets the skipped step's LR, the schedule one step behind
-    assert lrs[OUTLIER] == lrs[OUTLIER - 1] != lrs[OUTLIER - 2]
-    assert cb.schedule.held_steps == 1 and cb.guard.applied == STEPS
+    assert lrs[at] == lrs[at - 1] != lrs[at - 2]
+    assert cb.schedule.held_steps == 1 and cb.guard.applied == steps
     assert all(r["log_z"] > 0 for r in records)  # from the logits of the loss's own pass
     # the signals read the update through the optimizer's step hooks (steps are 1-based here)
     ratios = [r.get("update_ratio") for r in records]
-    assert ratios[OUTLIER - 1] == 0
-    assert all(v > 0 for i, v in enumerate(ratios) if i != OUTLIER - 1), ratios
+    assert ratios[at - 1] == 0
+    assert all(v > 0 for i, v in enumerate(ratios) if i != at - 1), ratios
     assert trainer.train_module.optim is cb.parts.optimizer.optimizer  # the plain one is back
     # diagnose replays the run with its own thresholds and checkpoint interval (config.json)
     from spikeguard.diagnose import diagnose
 
     d = diagnose(tmp_path / "metrics.jsonl")
     assert d.replay.config == cb.guard.config.detector and d.ckpt_every == 1000
-    assert OUTLIER in [v.step for v in d.replay.flagged if v.action is sg.Action.SKIP]
+    assert at in [v.step for v in d.replay.flagged if v.action is sg.Action.SKIP]
 
 
 def test_a_nan_gradient_halts_naming_the_tensor_and_raises_out_of_fit(tmp_path):
@@ -230,10 +234,16 @@ def held_out_loss(trainer):
 def launches(tmp_path, config, *, bad=None, probe=None, lr_scale=0.5):
     """The cross-job recipe: run ``next_config(config)`` until a launch ends without stopping
     for a relaunch (each launch a new Trainer and callback, as a new job would build them)."""
+    # arm_quiet=1: the grad rule turns on after arm_after (5) and one quiet update, as early as
+    # it did before quiet arming, ahead of the faults at steps 7-14; these tests are about the
+    # relaunches, and faults 20 steps later would double the runs and move every checkpoint.
+    # (arm_quiet also sets the skip storm's calm, never reached here: each storm ends the launch)
+    det = sg.DetectorConfig.for_run(STEPS2, arm_after=5, grad_z=0.01, max_consecutive_skips=1,
+                                    arm_quiet=1)
     ran, found = [], []
     while True:
         now = next_config(config)
-        trainer, cb = make_trainer(tmp_path, steps=STEPS2, outlier=bad, config=now, storm=1,
+        trainer, cb = make_trainer(tmp_path, steps=STEPS2, outlier=bad, config=now, detector=det,
                                    cancel_on_tier2=True, out_dir=now.save_folder, probe=probe,
                                    lr_scale=lr_scale)
         try:
@@ -285,7 +295,11 @@ def test_two_tier2s_relaunch_twice_keep_every_checkpoint_and_end_near_clean(tmp_
 
 
 def test_a_fault_that_returns_on_replay_halts_with_its_reason(tmp_path):
-    probe = Probe(scale_at=range(7, 11))  # the gradients x1000 at steps 7-10: not the data
+    # the gradients x1000 at steps 11-14: not the data. Later than arm_after (5) + arm_quiet
+    # (1: launches) so that the checkpoint the relaunch restores (step 8) has the grad rule on:
+    # from step 4's, the replay's first judged update is the fault itself, which restarts the
+    # quiet count, and the fault would come back unseen
+    probe = Probe(scale_at=range(11, 15))
     config = trainer_config(tmp_path / "run", steps=STEPS2, save=4)
     with pytest.raises(sg.TrainingHalted, match="came back on replay"):
         launches(tmp_path / "run", config, probe=probe)
@@ -294,4 +308,4 @@ def test_a_fault_that_returns_on_replay_halts_with_its_reason(tmp_path):
     first = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run" / "save" /
                                                           "metrics.jsonl")}
     again = {r["step"]: r["lr"] for r in read_metrics(relaunch / "metrics.jsonl")}
-    assert again[5] == pytest.approx(0.5 * first[5])  # the replay ramps up from half the LR
+    assert again[9] == pytest.approx(0.5 * first[9])  # the replay ramps up from half the LR

@@ -15,7 +15,9 @@ from spikeguard.sinks import read_metrics
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=4,
             gradient_accumulation_steps=2, eval_iters=1, eval_interval=100, log_interval=1000,
             warmup_iters=2, lr_decay_iters=20, max_iters=12)
-POISON = 12
+POISON = 36
+"""The outlier iteration, the last: for_run(36) arms after 10 kept updates, and the grad rule
+(the skip's reason) only once arm_quiet (20) updates after that stayed inside its bar."""
 
 
 def _state(model, opt):
@@ -32,12 +34,14 @@ def _same(a, b):
 
 
 def test_an_outlier_batch_is_skipped_and_changes_nothing(tmp_path):
-    model, opt, guard, _ = main(**TINY, out_dir=str(tmp_path / "a"), poison_iter=POISON)
-    clean = main(**{**TINY, "max_iters": POISON - 1}, out_dir=str(tmp_path / "b"))
+    run = {**TINY, "max_iters": POISON, "lr_decay_iters": 40}  # the LR still moves at POISON
+    model, opt, guard, _ = main(**run, out_dir=str(tmp_path / "a"), poison_iter=POISON)
+    clean = main(**{**run, "max_iters": POISON - 1}, out_dir=str(tmp_path / "b"))
     assert _same(_state(model, opt), _state(clean[0], clean[1]))  # the last step changed nothing
     records = read_metrics(tmp_path / "a" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(POISON + 1))
     assert [r["step"] for r in records if r["skipped"]] == [POISON]
+    assert records[POISON]["reasons"][0] == "grad_norm > 3x median"
     # the schedule counts applied updates: the next update gets the skipped step's LR
     assert guard.applied == clean[2].applied == POISON
     assert records[POISON]["lr"] != records[POISON - 1]["lr"]

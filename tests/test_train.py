@@ -188,21 +188,23 @@ def test_a_directory_of_another_config_is_refused_unless_fresh(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_under_torchrun_skip_an_outlier_on_rank_1_together(tmp_path, sub_env):
     # half the global batch garbage moves its loss less than the loss rule's 40%, so the grad
-    # rule catches it: armed here at step 20 (for_run would wait out the warmup's aftermath)
+    # rule catches it: it counts quiet updates from step 20 (the warmup) and is on after
+    # arm_quiet (20) of them in a row, so the outlier comes at step 50 of 60
     env = {**sub_env, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", "-m", "spikeguard", "train", *TINY,
-                        "--steps", "40", "--grad-arm-after", "20", "--inject", "outlier@30",
+                        "--steps", "60", "--grad-arm-after", "20", "--inject", "outlier@50",
                         "--inject-rank", "1", "--parallel", "ddp", "--out", str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
     records = read_metrics(tmp_path / "metrics.jsonl")
     # one record for the job; both ranks make up the withheld update with one more batch
-    assert [x["step"] for x in records] == list(range(41))
-    assert [x["step"] for x in records if x["skipped"]] == [30]
+    assert [x["step"] for x in records] == list(range(61))
+    assert [x["step"] for x in records if x["skipped"]] == [50]
+    assert records[50]["reasons"][0] == "grad_norm > 3x median"
     ranks = [json.loads((tmp_path / "ranks" / f"rank{i}.json").read_text()) for i in (0, 1)]
-    assert ranks[0]["skipped"] == ranks[1]["skipped"] == [30]
-    assert ranks[0]["applied"] == ranks[1]["applied"] == 40
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == [50]
+    assert ranks[0]["applied"] == ranks[1]["applied"] == 60
     assert ranks[0]["made_up"] == ranks[1]["made_up"] == 1
     assert os.path.getsize(tmp_path / "config.json") > 0
 
