@@ -165,23 +165,28 @@ def cells(seeds: list[int] | None = None) -> list[dict[str, Any]]:
     return [j for _, j in sorted(jobs, key=lambda kj: kj[0])]
 
 
-SMOKE = {"steps": 40, "warmup": 5}
-"""The CI smoke cells' changes: 40 steps, a 5-step warmup."""
+SMOKE = {"steps": 60, "warmup": 5}
+"""The CI smoke cells' changes: 60 steps, a 5-step warmup."""
+SMOKE_FAULT = 55
+"""The smoke outlier's step: after the grad rule's quiet arming (on from step 47 in the 60-step
+base run: post-warmup spikes restart its count; in 40 steps it never turned on), since the
+garbage batch moves the grad norm (27x), not the loss (1.04x the EMA)."""
 
 
 def smoke() -> list[dict[str, Any]]:
-    """A few tiny cells for CI (seed 0): the base clean and with an outlier at step 30 (with its
-    gap run), Muon and Llama clean; 40 steps each."""
+    """A few tiny cells for CI (seed 0): the base clean and with an outlier at ``SMOKE_FAULT``
+    (with its gap run), Muon and Llama clean; ``SMOKE["steps"]`` steps each."""
     jobs = []
     for name, arms in (("base", ("alert", "unguarded")), ("muon", ("alert", "unguarded")),
                        ("llama", ("alert",))):
         for arm in arms:
             jobs.append(_job("clean", f"clean/{name}", name, 0, arm))
-    common = {"fault": "outlier", "timing": "smoke", "fault_step": 30, "fault_len": 1}
+    common = {"fault": "outlier", "timing": "smoke", "fault_step": SMOKE_FAULT,
+              "fault_len": 1}
     jobs.append(_job("fault", "fault/base@smoke/outlier", "base", 0, "alert",
-                     fault_spec="outlier@30", **common))
+                     fault_spec=f"outlier@{SMOKE_FAULT}", **common))
     jobs.append(_job("gap", "gap/base@smoke/outlier", "base", 0, "unguarded",
-                     fault_spec="gap@30:1", **common))
+                     fault_spec=f"gap@{SMOKE_FAULT}:1", **common))
     for j in jobs:
         j["setting"].update(SMOKE)
         j["steps"] = SMOKE["steps"]

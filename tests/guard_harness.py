@@ -98,7 +98,9 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                 batch: int = 8, lr: float = 3e-3, max_rollbacks: int = 3,
                 config: sg.GPTConfig | None = None, resume: bool = False,
                 stop_at: int | None = None, watch: tuple[int, ...] = (),
-                signals: bool = True, lr_jump: float = 2.0) -> Run:
+                signals: bool = True, lr_jump: float = 2.0,
+                detector: dict[str, Any] | None = None) -> Run:
+    """``detector``: DetectorConfig fields set over ``for_run(steps)``."""
     torch.manual_seed(seed)
     cfg = config or sg.GPTConfig.tiny()
     model = sg.GPT(cfg)
@@ -109,8 +111,9 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
     data = sg.TokenStream.from_corpus("pydoc", batch_size=batch, seq_len=cfg.seq_len, seed=seed)
     ckpt = sg.CheckpointManager(out / "ckpt", every=every, keep=20) if out is not None else None
     sinks = [sg.JsonlSink(out / "metrics.jsonl")] if out is not None else None
+    det = sg.DetectorConfig.for_run(steps, **(detector or {}))
     guard = Guard(model, opt, scheduler=sched, data=data, checkpoints=ckpt, sinks=sinks,
-                  config=GuardConfig(detector=sg.DetectorConfig.for_run(steps), tier2=tier2,
+                  config=GuardConfig(detector=det, tier2=tier2,
                                      read_lag=read_lag, max_rollbacks=max_rollbacks,
                                      signals=signals, lr_jump=lr_jump))
     run = Run(guard=guard, model=model)

@@ -24,7 +24,10 @@ def _run(tmp_path=None, *, seed=0, name="m.jsonl"):
     model = sg.GPT(sg.GPTConfig.tiny(seq_len=16))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = sg.TokenStream.from_corpus("pydoc", batch_size=4, seq_len=16, seed=seed)
-    det = sg.DetectorConfig.for_run(STEPS, arm_after=5, grad_z=0.01)
+    # arm_quiet=2: the grad rule turns on 2 quiet updates after arm_after (step 6), before the
+    # outlier at step 9; these tests are about decide() and the adapters, not the arming, and
+    # a run long enough for the default 20 quiet updates would be 3x slower
+    det = sg.DetectorConfig.for_run(STEPS, arm_after=5, grad_z=0.01, arm_quiet=2)
     cfg = sg.GuardConfig(detector=det, read_lag=0, weights_check=False)
     sinks = [sg.JsonlSink(tmp_path / name)] if tmp_path is not None else None
     guard = sg.Guard(model, opt, config=cfg, data=data, sinks=sinks)

@@ -77,9 +77,13 @@ def test_the_guards_rollbacks_lose_no_checkpoint(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
     data = sg.TokenStream.from_corpus("pydoc", batch_size=8, seq_len=cfg.seq_len, seed=0)
     ckpt = sg.CheckpointManager(tmp_path / "ckpt", every=every, keep=50)
+    # arm_quiet=2: the grad rule on 2 quiet updates after step 10, well before the fault. With
+    # the default 20 a grad spike at step 20 restarts its count (and, not skipped, stays in its
+    # history), it turns on only at step 40 as the LR starts rising, and the run ends after one
+    # rollback; the test is about the checkpoints, and a later fault would need a longer run
+    det = sg.DetectorConfig.for_run(steps, arm_after=10, arm_quiet=2)
     guard = sg.Guard(model, opt, data=data, checkpoints=ckpt,
-                     config=sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps, arm_after=10),
-                                           tier2="rollback", max_rollbacks=2))
+                     config=sg.GuardConfig(detector=det, tier2="rollback", max_rollbacks=2))
     seen: dict[int, str] = {}
     before_rollbacks: list[dict[int, str]] = []
     rollbacks = 0

@@ -17,7 +17,11 @@ import torch
 
 import spikeguard as sg
 
-STEPS, FAULT, LENGTH, WARMUP = 120, 40, 20, 20
+# the fault meets a detector with every rule on, as a mid-run fault does: the grad rule turns on
+# arm_quiet (20) quiet updates after the warmup (20), at step 39 at the earliest. At step 40 (the
+# fault's step before the quiet arming, when the grad rule stayed off until step 60) it lands on
+# that switch; at 60, with 80 steps after it as before, it does not
+STEPS, FAULT, LENGTH, WARMUP = 140, 60, 20, 20
 
 
 def _run(seed: int, detect: bool) -> tuple[float, int]:

@@ -44,19 +44,29 @@ def test_for_run_arms_after_a_tenth_of_the_run_between_10_and_50():
     assert DetectorConfig.for_run(100, arm_after=30).arm_after == 30  # overrides win
 
 
-def test_a_100_step_run_catches_an_outlier_at_step_20():
-    # noisy flat stream (grad norm 1.0 +- 10%), a 6x outlier at step 20
+def test_a_100_step_run_catches_an_outlier_soon_after_a_tenth_of_it():
+    # noisy flat stream (grad norm 1.0 +- 10%): a short run's rules arm after a tenth of it
+    # (arm_after=10). A 2x loss outlier at step 20 is caught there by the loss rules; a
+    # grad-only 6x outlier waits for the grad rule's quiet arming (arm_quiet=20 quiet updates
+    # from step 10: on from step 29), so it sits at step 40 (it sat at step 20 before the quiet
+    # arming; until the rule is on a grad-only spike is not skipped, by design)
+    assert DetectorConfig.for_run(100).arm_quiet == 20
     rng = np.random.default_rng(0)
-    metrics = [StepMetrics(step=s, loss=2.4 + 0.01 * rng.standard_normal(),
-                           grad_norm=(6.0 if s == 20 else 1.0) * math.exp(0.1 * rng.standard_normal()),
-                           log_z=7.0) for s in range(100)]
-    short = SpikeDetector(DetectorConfig.for_run(100))
-    verdicts = [short.update(m) for m in metrics]
-    assert [(v.step, v.action) for v in verdicts if v.action is not Action.CONTINUE] == \
-        [(20, Action.SKIP)]
-    # the defaults (arm_after=50) would let it through: half of this run is over before they arm
-    default = SpikeDetector()
-    assert all(default.update(m).action is Action.CONTINUE for m in metrics)
+    noise = [(0.01 * rng.standard_normal(), math.exp(0.1 * rng.standard_normal()))
+             for _ in range(100)]
+    for kind, at in (("loss", 20), ("grad", 40)):
+        metrics = [StepMetrics(step=s, loss=(2.0 if kind == "loss" and s == at else 1.0)
+                               * (2.4 + e), grad_norm=(6.0 if kind == "grad" and s == at
+                                                       else 1.0) * g, log_z=7.0)
+                   for s, (e, g) in enumerate(noise)]
+        short = SpikeDetector(DetectorConfig.for_run(100))
+        verdicts = [short.update(m) for m in metrics]
+        assert [(v.step, v.action) for v in verdicts if v.action is not Action.CONTINUE] == \
+            [(at, Action.SKIP)], kind
+        # the defaults (arm_after=50) would let it through: half of this run is over before
+        # they arm
+        default = SpikeDetector()
+        assert all(default.update(m).action is Action.CONTINUE for m in metrics), kind
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -23,7 +23,11 @@ def _parts(steps=30, **guard_kw):
     model = sg.GPT(sg.GPTConfig.tiny(seq_len=16))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = sg.TokenStream.from_corpus("pydoc", batch_size=4, seq_len=16, seed=0)
-    det = sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01, max_consecutive_skips=2)
+    # arm_quiet=2 (here and in the detectors below): the grad rule on 2 quiet updates after
+    # arm_after (step 6), before the poisoned batches (from step 8 or at 11); these tests are
+    # about the warnings and the reasons, and the default 20 would need runs 3x as long
+    det = sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01, max_consecutive_skips=2,
+                                    arm_quiet=2)
     cfg = sg.GuardConfig(detector=det, read_lag=0, weights_check=False,
                          **guard_kw.pop("config", {}))
     return model, opt, data, cfg
@@ -177,7 +181,7 @@ def test_a_gradient_clipped_before_the_guard_is_told_and_a_clip_by_the_guard_is_
 
 def test_a_record_whose_weights_check_could_not_run_says_why(tmp_path):
     model, opt, data, _ = _parts()
-    det = sg.DetectorConfig.for_run(30, arm_after=5, grad_z=0.01)
+    det = sg.DetectorConfig.for_run(30, arm_after=5, grad_z=0.01, arm_quiet=2)
     guard = sg.Guard(model, opt, config=sg.GuardConfig(detector=det, read_lag=0), data=data)
     for i in range(12):  # no rerun=: the step that is skipped cannot be checked, and says so
         (v,) = guard.step(_batch(model, data, poisoned=i == 11))
@@ -201,7 +205,7 @@ def test_a_stochastic_forward_the_guard_did_not_see_is_unknown_never_transient()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = sg.TokenStream.from_corpus("pydoc", batch_size=4, seq_len=16, seed=0)
-    det = sg.DetectorConfig.for_run(30, arm_after=5, grad_z=0.01)
+    det = sg.DetectorConfig.for_run(30, arm_after=5, grad_z=0.01, arm_quiet=2)
     guard = sg.Guard(model, opt, config=sg.GuardConfig(detector=det, read_lag=0), data=data)
 
     def forward_backward(x, y):

@@ -39,7 +39,12 @@ def test_an_early_alert_that_healed_does_not_stop_the_rollback_to_the_checkpoint
     update ratio sees it, after the fact) at step 40, after an early alert that marked the only
     checkpoint before the onset unhealthy: the alert healed (no flag for 10+ steps before the
     onset), so the guard rolls back to that checkpoint."""
-    run = guarded_run(steps=90, out=tmp_path, every=25, tier2="rollback",
+    # arm_quiet=2: the grad rule on 2 quiet updates after arm_after (step 11), before EARLY at
+    # the warmup's end; the early alert is a grad-norm flag the weights check released, and
+    # with the default 20 quiet updates the rule is not on yet at step 19 (EARLY cannot move
+    # later: it is about the warmup's end, and the onset must come after a checkpoint)
+    quick = {"arm_quiet": 2}
+    run = guarded_run(steps=90, out=tmp_path, every=25, tier2="rollback", detector=quick,
                       faults=[EARLY, Fault("lr", 40, mult=50.0, length=20, ramp=4)])
     records = _records(run)
     ckpt25 = _infos(run)[25]
@@ -52,7 +57,7 @@ def test_an_early_alert_that_healed_does_not_stop_the_rollback_to_the_checkpoint
     assert not any(alerts[-1] < r["step"] < rb["summary"]["onset_step"] and r["tier"] >= 1
                    for r in records[:records.index(rb)]), "premise: healed before the onset"
     assert run.halted is None and run.guard.rollbacks == 1
-    clean = guarded_run(steps=90, faults=[EARLY])
+    clean = guarded_run(steps=90, faults=[EARLY], detector=quick)
     # 90 steps: the replay from 25 at half the LR is a fifth of the run (the 2% target is for
     # full runs: BENCHMARKS.md)
     assert abs(run.final_loss() / clean.final_loss() - 1) < 0.05
