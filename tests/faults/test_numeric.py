@@ -68,3 +68,18 @@ def test_a_numerical_fault_is_caught_by_its_tier_and_no_weight_goes_nonfinite(ki
         broken = _promises(o)
         run.held = not broken
     assert not broken and run.lost == 0, (o.kind, o.seed, o.step, o.place, broken, run.lost)
+
+
+@pytest.mark.parametrize("seed", [9, 13])
+def test_a_huge_gradient_is_not_blamed_on_weights_that_fail_an_old_batch_a_little(seed):
+    """Seeds 9 and 13 plant the 1e6 gradient at steps 20 and 17, when the weights check's
+    oldest reference is the batch of step 3 or 0, from the untrained start: it fails the gate
+    under today's weights at a few times the median, which used to say "the weights" and send
+    the clipped 1e6 update through. A step that many times its reference's norm is its batch."""
+    o = numeric_run("big-grad", seed=seed)
+    assert not _promises(o) and _lost(o) == 0, _promises(o)
+    rec = {r["step"]: r for r in o.records}[o.step]
+    check = rec["weights_check"]
+    assert check["weights"] is False and check["outsized"] > 1e4, check
+    assert any(x.startswith("weights check:") and x.endswith("x that: the batch")
+               for x in rec["reasons"]), rec["reasons"]

@@ -43,6 +43,8 @@ where they are).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,11 +83,16 @@ class WeightsCheck:
     second: dict[str, Any] | None = None
     """The second reference (``reference_step``, ``grad_norm``, ``loss``), asked when the first
     passed the gate but its grad norm was elevated; None when none was asked."""
+    outsized: float | None = None
+    """The flagged step's grad norm over the failing reference's, where it is past the grad
+    bar's own multiple of the median: weights that fail an old batch at a few times the median
+    do not explain a step a thousand times it (``weights`` is then False: the batch)."""
 
     def record(self) -> dict[str, Any]:
         """The record's ``weights_check`` entry."""
         return {"reference_step": self.reference_step, "grad_norm": self.grad_norm,
-                "loss": self.loss, "weights": self.weights, "second": self.second}
+                "loss": self.loss, "weights": self.weights, "second": self.second,
+                "outsized": self.outsized}
 
 
 def weights_reason(check: dict[str, Any], why: str | None = None) -> str:
@@ -94,6 +101,10 @@ def weights_reason(check: dict[str, Any], why: str | None = None) -> str:
     if check["weights"] is None:
         return f"weights: not checked ({why or 'no kept batch with rerun= to test with yet'})"
     fails, second = check["weights"], check.get("second")
+    if check.get("outsized"):
+        return (f"weights check: the batch of step {check['reference_step']} fails the gate "
+                f"(grad norm {check['grad_norm']:.4g}, loss {check['loss']:.4g}), but this "
+                f"step's grad norm is {check['outsized']:.4g}x that: the batch")
     also = "" if second is None else (
         f"; elevated, so the batch of step {second['reference_step']} was asked too (grad norm "
         f"{second['grad_norm']:.4g}, loss {second['loss']:.4g})")
@@ -144,7 +155,7 @@ class WeightsProbe:
         if self._refs:
             aside = self.updater.set_aside(self.probes)
             try:
-                check = self.check()
+                check = self._sized(self.check(), reading.grad_norm)
             finally:
                 aside.restore(stale=False)
         fault = check.weights if check.weights is not None else (
@@ -163,6 +174,22 @@ class WeightsProbe:
             second = {"reference_step": step2, "grad_norm": norm2, "loss": loss2}
         return WeightsCheck(weights=fails, reference_step=step, grad_norm=norm, loss=loss,
                             second=second)
+
+    def _sized(self, check: WeightsCheck, norm: float) -> WeightsCheck:
+        """``check``, its "the weights" withdrawn when the flagged step's grad norm ``norm`` is
+        past the grad bar's multiple (bar over median, the run's own noise) of the failing
+        reference's: such a step is its batch, not the weights (tiny, a 1e6 gradient element at
+        step 17: the oldest reference, the batch of step 0, failed the gate at 7.4, and the
+        clipped 1e6 update went through as "the weights")."""
+        if not check.weights:
+            return check
+        ref = check.second["grad_norm"] if check.second is not None else check.grad_norm
+        gate = self.updater.gate
+        mult = float(gate._grad_limit() / gate.median.value)
+        ratio = norm / ref if ref > 0.0 else math.inf
+        if not ratio > mult:
+            return check
+        return dataclasses.replace(check, weights=False, outsized=ratio)
 
     def _rerun(self, i: int) -> tuple[int, float, float, torch.Tensor, bool]:
         """Re-run remembered batch ``i`` (0: the oldest): its step, loss, grad norm (a float and
