@@ -196,6 +196,11 @@ class DetectorConfig:
                 raise ValueError(f"DetectorConfig.{name}={getattr(self, name)} must be < 1 "
                                  f"(default {getattr(type(self), name)})")
 
+    @property
+    def grad_quiet_need(self) -> int:
+        """The grad rule's quiet count: ``grad_arm_quiet``, or ``arm_quiet`` where that is None."""
+        return self.arm_quiet if self.grad_arm_quiet is None else self.grad_arm_quiet
+
     @classmethod
     def for_run(cls, total_steps: int, *, warmup_steps: int | None = None,
                 **overrides: Any) -> DetectorConfig:

@@ -47,8 +47,6 @@ class DeviceGate:
         self.ema = DeviceEMA(1.0 / config.loss_ema_steps, device=self.device)
         self.level = DeviceRunningMedian(config.loss_window, device=self.device)
         self.loss_spread = DeviceSpread(config.loss_window, device=self.device)
-        self._grad_need = (config.arm_quiet if config.grad_arm_quiet is None
-                           else config.grad_arm_quiet)
         self.grad_quiet = torch.zeros((), dtype=torch.int64, device=self.device)
         self.grad_on = torch.zeros((), dtype=torch.bool, device=self.device)
 
@@ -65,11 +63,15 @@ class DeviceGate:
         nothing is folded in (a re-run's check uses this)."""
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
+        return self._test(g, x, self._grad_limit())
+
+    def _test(self, g: torch.Tensor, x: torch.Tensor, glimit: torch.Tensor) -> torch.Tensor:
+        """``test`` on float64 0-d tensors, with the grad bar as it is (``_grad_limit``)."""
         ema = self.ema.value
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
         grad_on = self.grad_armed()
-        glimit, llimit, med = self._grad_limit(), self._loss_limit(), self.median.value
+        llimit, med = self._loss_limit(), self.median.value
         # rules.joint_grad_bar: the midpoint once the grad rule is armed, the bar before
         half = torch.where(med > 0, torch.where(grad_on, torch.sqrt(med * glimit), glimit),
                            math.inf)
@@ -103,6 +105,11 @@ class DeviceGate:
         mid = torch.sqrt(self.median.value * self._grad_limit())
         return self.armed() & self.grad_armed() & (g > mid)
 
+    def grad_multiple(self) -> torch.Tensor:
+        """0-d: the grad bar over the median, the multiple a grad norm must pass (NaN while the
+        median is empty)."""
+        return self._grad_limit() / self.median.value
+
     def _grad_limit(self) -> torch.Tensor:
         """rules.grad_limit on the device."""
         c, s = self.config, self.spread.value
@@ -118,17 +125,18 @@ class DeviceGate:
     def __call__(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """The gate for this step (0-d bool); then fold the step into the histories unless
         it is flagged. Call once per step, in order."""
-        gate = self.test(grad_norm, loss)
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
+        glimit = self._grad_limit()
+        gate = self._test(g, x, glimit)
         # the grad rule's quiet arming (GradSpike.update): a finite step judged while the rule is
         # off, armed and past grad_arm_after counts as quiet unless past the grad bar; the host
         # does not judge a non-finite step, which leaves the count alone
         judged = (~self.grad_on & self.armed() & (self.ema.count >= self.config.grad_arm_after)
                   & torch.isfinite(g) & torch.isfinite(x))
-        quiet = torch.where(grad_spike(g, self._grad_limit()), 0, self.grad_quiet + 1)
+        quiet = torch.where(grad_spike(g, glimit), 0, self.grad_quiet + 1)
         self.grad_quiet = torch.where(judged, quiet, self.grad_quiet)
-        self.grad_on = self.grad_on | (judged & (self.grad_quiet >= self._grad_need))
+        self.grad_on = self.grad_on | (judged & (self.grad_quiet >= self.config.grad_quiet_need))
         ok = (g > 0) & torch.isfinite(g)
         # NaN where the host's log_value gives NaN: never kept
         self.spread.add(torch.where(ok, torch.log(g), math.nan), flagged=gate)

@@ -216,7 +216,7 @@ class GradSpike(Rule):
         self.median = RunningMedian(c.median_window)
         self.spread = Spread(c.median_window)
         self.onset: int | None = None
-        self.need = c.arm_quiet if c.grad_arm_quiet is None else c.grad_arm_quiet
+        self.need = c.grad_quiet_need
         self.quiet, self.on = 0, False
         """Quiet arming: the rule turns on once ``arm_quiet`` judged updates in a row, from
         ``arm_after`` and ``grad_arm_after`` kept updates on, stayed inside its bar."""

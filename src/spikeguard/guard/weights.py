@@ -184,8 +184,7 @@ class WeightsProbe:
         if not check.weights:
             return check
         ref = check.second["grad_norm"] if check.second is not None else check.grad_norm
-        gate = self.updater.gate
-        mult = float(gate._grad_limit() / gate.median.value)
+        mult = float(self.updater.gate.grad_multiple())
         ratio = norm / ref if ref > 0.0 else math.inf
         if not ratio > mult:
             return check
