@@ -460,3 +460,40 @@ def test_bench_guard_smoke_prints_a_finite_share(sub_env):
     ratio = re.search(r"step ratio guard/base ([\d.]+)\s+A/A base2/base ([\d.]+)", r.stdout)
     assert share and ratio, r.stdout
     assert math.isfinite(float(share.group(1))) and float(ratio.group(1)) > 0
+
+
+def test_the_gate_judges_the_step_that_turns_the_grad_rule_on_as_the_host_does():
+    """The update that completes the grad rule's quiet count is judged with the rule on, on the
+    host and on the device: with a grad norm past the joint test's midpoint (but inside the
+    grad bar) and the loss past half its bar, both skip it. Before, the device judged it with
+    the rule still off (the whole grad bar), let it through, and the record said skip (a
+    natural-instability run of the zoo, seed 2, step 49)."""
+    import copy
+
+    from .verdict_streams import SMALL, random_stream
+
+    config = sg.DetectorConfig(**SMALL)
+    base = random_stream(2, n=400)
+    probe = sg.SpikeDetector(config)
+    turn = None
+    for m in base:  # the step at which the host turns the grad rule on
+        probe.update(copy.copy(m), released=False)
+        if turn is None and probe.state_dict()["rules"]["grad_spike"]["on"]:
+            turn = m.step
+    assert turn is not None
+    found = False
+    for gmul, lmul in [(g, x) for g in (1.6, 1.9, 2.2, 2.5) for x in (1.15, 1.25, 1.35)]:
+        metrics = [copy.copy(m) for m in base]
+        metrics[turn].grad_norm *= gmul
+        metrics[turn].loss *= lmul
+        detector, gate = sg.SpikeDetector(config), DeviceGate(config)
+        for m in metrics:
+            g = bool(gate(torch.tensor(m.grad_norm, dtype=torch.float64),
+                          torch.tensor(m.loss, dtype=torch.float64)))
+            v = detector.update(m, released=False)
+            if v.tier <= 1:
+                assert g == v.skip, (gmul, lmul, m.step)
+            if (m.step == turn and "loss and grad_norm both past half their bars" in v.reasons
+                    and f"grad_norm > {config.grad_k:g}x median" not in v.reasons):
+                found = True  # inside the grad bar, past the midpoint: skipped by the joint test
+    assert found, "no multiplier put the arming step between the joint midpoint and the bar"

@@ -128,15 +128,16 @@ class DeviceGate:
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
         glimit = self._grad_limit()
-        gate = self._test(g, x, glimit)
         # the grad rule's quiet arming (GradSpike.update): a finite step judged while the rule is
         # off, armed and past grad_arm_after counts as quiet unless past the grad bar; the host
-        # does not judge a non-finite step, which leaves the count alone
+        # does not judge a non-finite step, which leaves the count alone. The step that completes
+        # the count is judged with the rule on, as on the host (before the test)
         judged = (~self.grad_on & self.armed() & (self.ema.count >= self.config.grad_arm_after)
                   & torch.isfinite(g) & torch.isfinite(x))
         quiet = torch.where(grad_spike(g, glimit), 0, self.grad_quiet + 1)
         self.grad_quiet = torch.where(judged, quiet, self.grad_quiet)
         self.grad_on = self.grad_on | (judged & (self.grad_quiet >= self.config.grad_quiet_need))
+        gate = self._test(g, x, glimit)
         ok = (g > 0) & torch.isfinite(g)
         # NaN where the host's log_value gives NaN: never kept
         self.spread.add(torch.where(ok, torch.log(g), math.nan), flagged=gate)
