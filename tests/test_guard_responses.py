@@ -85,6 +85,19 @@ def test_the_lr_multiplier_is_the_product_of_its_stretches_and_a_replay_replaces
     assert again.stretches == lr.stretches
 
 
+def test_a_replay_ramp_that_settles_below_1_keeps_its_level_for_good():
+    lr = LrScale()
+    lr.add(Stretch(first=10, last=13, scale=0.25, ramp=True, kind="replay", settle=0.5))
+    assert [lr.factor(s) for s in range(9, 16)] == [1.0, 0.25, 0.3125, 0.375, 0.4375, 0.5, 0.5]
+    assert lr.factor(10_000) == 0.5
+    again = LrScale()  # the state keeps it; a state written before ``settle`` settles at 1
+    again.load_state_dict(json.loads(json.dumps(lr.state_dict())))
+    assert again.stretches == lr.stretches
+    old = [{k: v for k, v in s.items() if k != "settle"} for s in lr.state_dict()]
+    again.load_state_dict(old)
+    assert again.factor(14) == 1.0
+
+
 def test_the_tier_2_response_is_the_policy_s_not_the_detector_s():
     from spikeguard.guard.responses.alert import Alert
     from spikeguard.guard.responses.halt import Halt

@@ -166,3 +166,33 @@ def test_the_lr_jump_bar_is_the_schedules_own_largest_ratio():
         assert not jump.test(lrs[-1] * 0.99 * jump.bar)[0]
         withheld, why = jump.test(lrs[-1] * 0.99 * jump.bar * 50)
         assert withheld and why.startswith("lr jump")
+
+
+def test_a_rollback_into_the_last_replay_keeps_the_lr_lower_for_good_and_the_table_says_so(
+        tmp_path):
+    """A sticky LR ramp at 150 (it fires every time training passes it): the first rollback
+    (154 -> 125) replays at 0.5x ramping back to 1x; the trouble comes back inside that replay,
+    so the second (-> 150) starts at 0.25x and settles at 0.5x for good (``lr_kept``), which
+    the record and spikeguard train's end table say."""
+    run = guarded_run(steps=300, out=tmp_path, tier2="rollback", max_rollbacks=2,
+                      faults=[Fault("lr", 150, mult=50.0, length=20, ramp=4, sticky=True)])
+    records = _records(run)
+    rollbacks = [r for r in records if r["action"] == "rollback"]
+    assert [r.get("lr_kept") for r in rollbacks] == [None, 0.5]
+    assert [r["replay_lr_scale"] for r in rollbacks] == [0.5, 0.25]
+    assert run.guard.updater.lr.factor(10_000) == 0.5  # the schedule's tail, for good
+    second = rollbacks[1]
+    after = next(r for r in records[records.index(second) + 1:])
+    assert after["step"] == second["rollback_to"] + 1
+    sched = sg.schedules.warmup_cosine(warmup_steps=20, total_steps=300, min_ratio=0.1)
+    fault = 50.0 ** (min(4, after["step"] - 150 + 1) / 4)
+    assert after["lr"] == pytest.approx(3e-3 * sched(after["step"]) * fault * 0.25, rel=1e-9)
+    console = Console(record=True, width=200, force_terminal=False)
+    sink = ProgressSink(console, total=300, start=0, tokens_per_step=1, bar=False,
+                        print_every=10**9)
+    for r in records:
+        sink.log(r, r["step"])
+    console.print(summary_table(sink, applied=run.guard.applied, made_up=0,
+                                rollbacks=run.guard.rollbacks, val_loss=1.0, seconds=1.0,
+                                halted=run.halted is not None))
+    assert "LR kept at this multiple of the schedule for good" in console.export_text()

@@ -35,6 +35,10 @@ class GuardConfig:
     """A rollback replays the steps it rolled back at this multiple of the LR, ramping back to
     1 linearly by the step that detected the anomaly (a second rollback into the same stretch
     multiplies it again), so the replay does not retrace the path that failed."""
+    rollback_lr_keep: bool = True
+    """A rollback into the stretch the last one replayed (the trouble came back once the LR was
+    back) keeps the LR at the last level times ``rollback_lr_scale`` for good: 0.5x, then
+    0.25x (the record's ``lr_kept``). False: every replay ramps back to the scheduled LR."""
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     """Which probes run and how often, when the guard is built with probes=True."""
     signals: bool = True
@@ -81,7 +85,7 @@ class GuardConfig:
         if self.rollback_lr_scale > 1.0:
             raise ValueError(f"GuardConfig.rollback_lr_scale={self.rollback_lr_scale} must be "
                              "<= 1 (1 replays at the scheduled LR; 0.5 is the default)")
-        for name in ("weights_check", "signals"):
+        for name in ("weights_check", "signals", "rollback_lr_keep"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GuardConfig.{name}={getattr(self, name)!r} must be True "
                                  "or False")

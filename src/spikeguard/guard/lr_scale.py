@@ -2,9 +2,11 @@
 scheduled LR over ranges of steps, owned by the step part (``Updater.lr``).
 
 A ``Stretch`` multiplies the LR of steps ``first`` to ``last`` (None: for good) by ``scale``,
-or, with ``ramp``, by ``scale`` rising linearly back to 1 at ``last + 1``. A rollback's replay is
-a ramp (``GuardConfig.rollback_lr_scale``, replacing the last replay's), a reconfigured resume a
-stretch for good, the lower-LR response (``responses/lower_lr.py``) a flat stretch of N steps.
+or, with ``ramp``, by ``scale`` rising linearly to ``settle`` at ``last + 1`` and staying at
+``settle`` after (1, the default: back to the schedule). A rollback's replay is a ramp
+(``GuardConfig.rollback_lr_scale``, replacing the last replay's; after a repeated rollback it
+settles below 1: ``responses/rollback.py``), a reconfigured resume a stretch for good, the
+lower-LR response (``responses/lower_lr.py``) a flat stretch of N steps.
 The factor of a step is the product of the stretches that cover it. It is applied around the
 optimizer step only (``Updater``): the scheduler never sees it, and under ``guard.decide()`` the
 framework gets it as ``Decision.lr_factor``.
@@ -29,16 +31,21 @@ class Stretch:
     scale: float
     """The multiplier (at ``first``, for a ramp)."""
     ramp: bool = False
-    """Rise linearly from ``scale`` at ``first`` to 1 at ``last + 1`` (needs ``last``)."""
+    """Rise linearly from ``scale`` at ``first`` to ``settle`` at ``last + 1`` (needs ``last``)."""
     kind: str = "scale"
     """Who asked: a new stretch of kind ``replay`` replaces the previous replay's."""
+    settle: float = 1.0
+    """A ramp's multiplier from ``last + 1`` on, for good (1: back to the schedule)."""
 
     def factor(self, step: int) -> float:
-        if step < self.first or (self.last is not None and step > self.last):
+        if step < self.first:
             return 1.0
+        if self.last is not None and step > self.last:
+            return self.settle if self.ramp else 1.0
         if not self.ramp or self.last is None:
             return self.scale
-        return self.scale + (1.0 - self.scale) * (step - self.first) / (self.last - self.first + 1)
+        return self.scale + (self.settle - self.scale) * (step - self.first) / (
+            self.last - self.first + 1)
 
 
 class LrScale:
@@ -60,22 +67,16 @@ class LrScale:
             f *= s.factor(step)
         return f
 
-    def replay(self) -> tuple[int, int, float] | None:
-        """(first, last, scale) of the replay ramp in force, or None."""
-        for s in self.stretches:
-            if s.kind == "replay":
-                return (s.first, s.last if s.last is not None else s.first, s.scale)
-        return None
-
     def state_dict(self) -> list[dict[str, Any]]:
         return [{"first": s.first, "last": s.last, "scale": s.scale, "ramp": s.ramp,
-                 "kind": s.kind} for s in self.stretches]
+                 "kind": s.kind, "settle": s.settle} for s in self.stretches]
 
     def load_state_dict(self, state: list[dict[str, Any]] | None) -> None:
         self.stretches = [Stretch(first=int(s["first"]),
                                   last=None if s["last"] is None else int(s["last"]),
                                   scale=float(s["scale"]), ramp=bool(s["ramp"]),
-                                  kind=str(s["kind"])) for s in state or ()]
+                                  kind=str(s["kind"]),
+                                  settle=float(s.get("settle", 1.0))) for s in state or ()]
 
 
 def stretches_v2(ramp: Any) -> list[dict[str, Any]]:

@@ -37,6 +37,8 @@ class ProgressSink:
         self.last: dict[str, Any] = {}
         self.no_target: list[int] = []
         """Steps of a Tier 2 rollback that found no checkpoint before the onset (alerted)."""
+        self.lr_kept: tuple[int, float] | None = None
+        """(step, multiple) of the last rollback that kept the LR lower for good."""
 
     def tokens_per_s(self) -> float:
         if len(self._times) < 2:
@@ -50,6 +52,8 @@ class ProgressSink:
         self.actions[action] += 1
         if record.get("rollback_failed"):
             self.no_target.append(step)
+        if record.get("lr_kept") is not None:
+            self.lr_kept = (step, float(record["lr_kept"]))
         if action != "continue":
             reasons = "; ".join(record.get("reasons") or [])
             extra = f" -> step {record['rollback_to']}" if record.get("rollback_to") is not None else ""
@@ -91,6 +95,10 @@ def summary_table(progress: ProgressSink, *, applied: int, made_up: int, rollbac
         more = f" (+{len(progress.no_target) - 5})" if len(progress.no_target) > 5 else ""
         table.add_row(f"rollbacks not made: no checkpoint precedes the onset (steps {steps}{more};"
                       " alerted, went on)", f"{len(progress.no_target)}")
+    if progress.lr_kept is not None:
+        step, kept = progress.lr_kept
+        table.add_row(f"LR kept at this multiple of the schedule for good (the trouble came back "
+                      f"after a rollback; step {step})", f"{kept:g}x")
     table.add_row("held-out loss (nats)", "halted" if halted else f"{val_loss:.4f}")
     table.add_row("seconds", f"{seconds:,.1f}")
     return table

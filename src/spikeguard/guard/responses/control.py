@@ -38,8 +38,9 @@ class RunControl:
         self.keep_on_rollback = dict(keep_on_rollback or {})
         self.rollbacks = 0
         """Rollbacks and reconfigured resumes so far."""
-        self.replay: tuple[int, int, float] | None = None
-        """(restored step, detection step, LR scale) of the last rollback."""
+        self.replay: tuple[int, int, float, float] | None = None
+        """(restored step, detection step, LR scale, LR kept after the replay) of the last
+        rollback (``responses/rollback.py``)."""
         self._summary: tuple[int, dict[str, Any]] | None = None
         self.heal_steps = heal_steps
         self.flagged: list[int] = []
@@ -132,4 +133,5 @@ class RunControl:
         # replay is outside the timeline a rollback restores
         self.rollbacks = max(self.rollbacks, int(state["rollbacks"]))
         if self.replay is None and state.get("replay"):
-            self.replay = tuple(state["replay"])
+            r = state["replay"]  # saved before the kept LR existed: 3 entries, the LR back to 1
+            self.replay = (int(r[0]), int(r[1]), float(r[2]), float(r[3]) if len(r) > 3 else 1.0)

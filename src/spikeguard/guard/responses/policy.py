@@ -33,8 +33,9 @@ class Policy:
                  reconfigure: Callable[[HaltReport], Mapping[str, Any] | None] | None = None
                  ) -> None:
         halt = Halt(reconfigure)
-        first: Response = (Rollback(config.rollback_lr_scale, halt) if config.tier2 == "rollback"
-                           else Ask() if config.tier2 == "ask" else Alert())
+        first: Response = (
+            Rollback(config.rollback_lr_scale, halt, keep=config.rollback_lr_keep)
+            if config.tier2 == "rollback" else Ask() if config.tier2 == "ask" else Alert())
         self.tiers: dict[int, list[Response]] = {2: [first], 3: [halt]}
         for f in fields(config):
             value = getattr(config, f.name)

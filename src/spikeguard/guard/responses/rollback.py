@@ -1,6 +1,11 @@
 """The Tier 2 rollback (``GuardConfig(tier2="rollback")``): restore the newest healthy checkpoint
 before the onset, leave the anomaly's batches out (or only their quarantined rows), and replay
 at a reduced LR ramping back to 1 by the detection step; within a budget, past which it halts.
+A rollback to a step inside the stretch the last one replayed, or as many steps past its end as
+that replay was long, means the same trouble came back once the LR was back: with ``GuardConfig.rollback_lr_keep`` (the default) that replay's ramp stops at the last
+level times ``rollback_lr_scale`` and the LR stays there for good (0.5, then 0.25: a run unstable
+at its LR is not saved by replaying it at that LR, which OPT-175B's logbook also found, Zhang et
+al. 2022, section 2.5), and the record and the summary table say so.
 With nothing sound to go back to (``control.py``: healthy, or its anomaly healed before the
 onset) it alerts, training goes on (a halt would lose the run), and the record and the summary
 say that no checkpoint precedes the onset. An incident whose update was withheld before it was
@@ -31,8 +36,8 @@ class Rollback:
     action = Action.ROLLBACK
     """What it does to the step when it acts (``Policy.intended``)."""
 
-    def __init__(self, lr_scale: float, halt: Halt) -> None:
-        self.lr_scale, self.halt = lr_scale, halt
+    def __init__(self, lr_scale: float, halt: Halt, *, keep: bool = True) -> None:
+        self.lr_scale, self.halt, self.keep = lr_scale, halt, keep
 
     def respond(self, incident: Incident, control: Any) -> Reply:
         from ...checkpoint.info import CheckpointError
@@ -68,20 +73,32 @@ class Rollback:
         if skip is not None and ledger.can_skip:
             ledger.skip(*skip)
         ledger.resync()
-        scale = self._replay_scale(control, info.step, step)
+        scale, kept = self._replay_scale(control, info.step, step)
         record.update(rollback_to=info.step, skip_range=list(skip) if skip else None,
                       rollbacks=control.rollbacks, replay_lr_scale=scale)
+        if kept != 1.0:
+            record["lr_kept"] = kept
         log.warning("spikeguard: Tier 2 at step %d: rolled back to step %d, skipping batches %s",
                     step, info.step, skip)
         return Reply(Action.ROLLBACK, record=record,
                      lr=Stretch(first=info.step + 1, last=step, scale=scale, ramp=True,
-                                kind="replay"))
+                                kind="replay", settle=kept))
 
-    def _replay_scale(self, control: Any, restored: int, detection: int) -> float:
-        """The LR scale of this replay: ``lr_scale``, times the last one when this rollback
-        lands in the stretch the last one replayed (the same trouble came back: go lower)."""
+    def _replay_scale(self, control: Any, restored: int, detection: int) -> tuple[float, float]:
+        """(the LR scale this replay starts at, the LR multiple it settles at for good). When
+        this rollback lands in the stretch the last one replayed or as far past its end as it
+        was long (the same trouble came back: go lower), the start is ``lr_scale`` times the
+        last start; with ``keep`` the level kept after it drops by ``lr_scale`` too, and the
+        start stays below the new level."""
         last, scale = control.replay, self.lr_scale
-        if last is not None and restored <= last[1]:
-            scale *= last[2]
-        control.replay = (restored, detection, scale)
-        return scale
+        kept = last[3] if last is not None else 1.0
+        if last is not None and restored <= last[1] + (last[1] - last[0]):
+            if self.keep:
+                kept *= self.lr_scale
+                scale = min(scale * last[2], self.lr_scale * kept)
+            else:
+                scale *= last[2]
+        else:
+            scale *= kept
+        control.replay = (restored, detection, scale, kept)
+        return scale, kept
