@@ -415,7 +415,7 @@ def test_loss_ema_is_what_the_next_ratio_divides_by():
 
 def test_version_1_state_is_refused_with_what_to_do():
     old = {"version": 1, "config": DetectorConfig().to_dict(), "scalars": {}, "pending": None}
-    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 7.*fresh "
+    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 8.*fresh "
                                          r"SpikeDetector.*arm_after=50"):
         SpikeDetector().load_state_dict(old)
 
@@ -524,7 +524,9 @@ def test_log_z_jump_fires_where_a_float64_median_of_the_last_32_says():
     # the reference: every step is kept (loss and grad norm are flat)
     devs = [log_z[t] - statistics.median(log_z[t - 32:t]) if t >= 32 else math.nan
             for t in range(n)]
-    first = next(t for t in range(50, n) if devs[t] > 1.0)
+    # an update past the bar with another of the two before it (log_z_jump_run = 2)
+    first = next(t for t in range(52, n)
+                 if devs[t] > 1.0 and (devs[t - 1] > 1.0 or devs[t - 2] > 1.0))
     onset = max(t for t in range(first + 1) if not devs[t] > 0.5) + 1
     assert first > 400 and fired[0] == (first, onset)
     assert len(fired) <= 2 and all(b > a + 20 for (a, _), (b, _) in zip(fired, fired[1:]))
@@ -532,6 +534,14 @@ def test_log_z_jump_fires_where_a_float64_median_of_the_last_32_says():
     healthy = [sg.StepMetrics(step=t, loss=2.4, grad_norm=1.0, log_z=log_z[t]) for t in range(400)]
     d = SpikeDetector(cfg)
     assert not [v for v in (d.update(m) for m in healthy) if v.tier == 2]
+    # one update 1.5 above (a batch of easy text) is no logit growth; two of three are
+    for blips, want in (((300,), []), ((300, 301), [301]), ((300, 302), [302]),
+                        ((300, 303), [])):
+        d = SpikeDetector(cfg)
+        got = [v.step for v in (d.update(sg.StepMetrics(
+            step=t, loss=2.4, grad_norm=1.0, log_z=log_z[t] + 1.5 * (t in blips)))
+            for t in range(400)) if reason in v.reasons]
+        assert got == want, blips
     # it turns on once arm_quiet updates in a row after grad_arm_after stayed inside its bar:
     # counted from 25 before the crossing, it is on in time; from 10 before, the excursion
     # starts before log Z has shown itself in control, and it stays off
@@ -558,13 +568,23 @@ def test_log_z_jump_state_round_trip_and_a_state_saved_before_it():
     metrics = [sg.StepMetrics(step=t, loss=2.4, grad_norm=1.0, log_z=z) for t, z in enumerate(log_z)]
     cfg = DetectorConfig.for_run(1000, arm_after=20)
     whole = [(v.step, v.tier, v.reasons) for v in run(metrics, cfg)]
-    d = SpikeDetector(cfg)
-    run(metrics[:112], detector=d)
-    assert d.state_dict()["rules"]["log_z_jump"]["fired"] is True
-    resumed = SpikeDetector(cfg)
-    resumed.load_state_dict(json.loads(json.dumps(d.state_dict())))
-    assert [(v.step, v.tier, v.reasons) for v in run(metrics[112:], detector=resumed)] == \
-        whole[112:]
+    # cut between the first and the second update past the bar, and after it fired
+    for cut, above, fired in ((112, 0b1, False), (113, 0b11, True)):
+        d = SpikeDetector(cfg)
+        run(metrics[:cut], detector=d)
+        jump = d.state_dict()["rules"]["log_z_jump"]
+        assert (jump["above"], jump["fired"]) == (above, fired)
+        resumed = SpikeDetector(cfg)
+        resumed.load_state_dict(json.loads(json.dumps(d.state_dict())))
+        assert [(v.step, v.tier, v.reasons) for v in run(metrics[cut:], detector=resumed)] == \
+            whole[cut:]
+    v7 = json.loads(json.dumps(d.state_dict()))  # saved before the run count: loads at 0
+    v7["version"] = 7
+    del v7["rules"]["log_z_jump"]["above"]
+    before = SpikeDetector(cfg)
+    before.load_state_dict(v7)
+    assert before.state_dict()["rules"]["log_z_jump"]["above"] == 0
+    assert before.state_dict()["version"] == 8
     old = d.state_dict()
     del old["rules"]["log_z_jump"]
     fresh = SpikeDetector(cfg)

@@ -63,15 +63,17 @@ from .rules_tier2 import (
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
-_STATE_VERSION = 7
+_STATE_VERSION = 8
 _NEWER_RULES = frozenset({"log_z_jump"})
 """Rules a version-5 state saved before them may lack: they start fresh on load."""
-"""7: the grad-norm rule keeps its quiet count and whether it is on (``arm_quiet``); 6: the log
+"""8: the log Z jump rule keeps which of its last updates were past the bar
+(``log_z_jump_run``); 7: the
+grad-norm rule keeps its quiet count and whether it is on (``arm_quiet``); 6: the log
 Z rules keep their quiet count (``arm_quiet``), the skip storm its suspicion of
 the weights; 5: adds the update-ratio rule; 4:
 the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the spreads; 2: one
-entry per rule; 1: one flat dict. Version-5 and 6 states still load (``_from_v5``,
-``_from_v6``)."""
+entry per rule; 1: one flat dict. Version-5 to 7 states still load (``_from_v5``,
+``_from_v6``, ``_from_v7``)."""
 _QUIET_RULES = ("log_z_drift", "log_z_rise", "log_z_jump")
 
 
@@ -98,6 +100,15 @@ def _from_v6(state: dict[str, Any], config: DetectorConfig) -> dict[str, Any]:
     if "grad_spike" in rules:
         rules["grad_spike"].setdefault("quiet", 0)
         rules["grad_spike"].setdefault("on", on)
+    return {**state, "version": 7, "rules": rules}
+
+
+def _from_v7(state: dict[str, Any]) -> dict[str, Any]:
+    """A version-7 state as version 8: its log Z jump rule fired on the first update past the
+    bar, so none is on record (an excursion it fired on stays ``fired``)."""
+    rules = {name: dict(rule) for name, rule in state["rules"].items()}
+    if "log_z_jump" in rules:
+        rules["log_z_jump"].setdefault("above", 0)
     return {**state, "version": _STATE_VERSION, "rules": rules}
 
 
@@ -435,6 +446,9 @@ class SpikeDetector:
             version = 6
         if version == 6:
             state = _from_v6(state, self.config)
+            version = 7
+        if version == 7:
+            state = _from_v7(state)
             version = _STATE_VERSION
         if version != _STATE_VERSION:
             raise ValueError(

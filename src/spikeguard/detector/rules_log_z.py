@@ -139,11 +139,14 @@ class LogZJump(Rule):
     log Z is back within log_z_onset of it. Waits for a full window, and arms with the grad rule
     (``grad_arm_after`` kept updates when the warmup is known): through the warmup log Z moves as
     fast as the grad norm does (the clean runs stood up to 0.92 above their median at step 32,
-    at most 0.78 from step 40 on). A missing log Z leaves it untouched. 0: off."""
+    at most 0.78 from step 40 on). Fires on an update past the bar when log_z_jump_run (2) of
+    the last three were past it: on a tiny GPT without z-loss at LR 1.0, one batch of easy text
+    stood 1.26 nats above the median at a loss 0.7 below its own, and the next update was back;
+    growing logits stay up. A missing log Z leaves it untouched. 0: off."""
 
-    __slots__ = ("arm", "dev", "fired", "jump", "median", "need", "on", "onset", "onset_dev",
-                 "quiet", "reason", "window")
-    _scalars = ("onset", "fired", "quiet", "on")
+    __slots__ = ("above", "arm", "dev", "fired", "jump", "median", "need", "on", "onset",
+                 "onset_dev", "mask", "quiet", "reason", "run", "window")
+    _scalars = ("onset", "fired", "quiet", "on", "above")
     _stats = ("median",)
 
     def __init__(self, c: DetectorConfig) -> None:
@@ -155,6 +158,10 @@ class LogZJump(Rule):
         self.onset_dev = min(c.log_z_onset, c.log_z_jump)
         self.onset: int | None = None
         self.fired = False
+        self.run = c.log_z_jump_run
+        self.mask = (1 << (c.log_z_jump_run + 1)) - 1
+        self.above = 0
+        """Which of the last log_z_jump_run + 1 updates were past the bar (bit 0: this one)."""
         self.dev = _nan
         """log Z minus the short median at this update; NaN until the window is full."""
         self.reason = f"log_z > median of last {c.log_z_jump_window} + {c.log_z_jump:g}"
@@ -173,7 +180,9 @@ class LogZJump(Rule):
             self.fired = False
         event = None
         if self.on:
-            if dev > self.jump and not self.fired:
+            past = dev > self.jump
+            self.above = ((self.above << 1) | past) & self.mask
+            if past and self.above.bit_count() >= self.run and not self.fired:
                 self.fired = True
                 event = (self.onset, self.reason)
         elif x.armed and x.j >= self.arm and dev == dev:
