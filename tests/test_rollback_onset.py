@@ -172,15 +172,15 @@ def test_a_rollback_into_the_last_replay_keeps_the_lr_lower_for_good_and_the_tab
         tmp_path):
     """A sticky LR ramp at 150 (it fires every time training passes it): the first rollback
     (154 -> 125) replays at 0.5x ramping back to 1x; the trouble comes back inside that replay,
-    so the second (-> 150) starts at 0.25x and settles at 0.5x for good (``lr_kept``), which
-    the record and spikeguard train's end table say."""
+    so the second (-> 150) replays at 0.25x and keeps it for good (``lr_kept``), which the
+    record and spikeguard train's end table say."""
     run = guarded_run(steps=300, out=tmp_path, tier2="rollback", max_rollbacks=2,
                       faults=[Fault("lr", 150, mult=50.0, length=20, ramp=4, sticky=True)])
     records = _records(run)
     rollbacks = [r for r in records if r["action"] == "rollback"]
-    assert [r.get("lr_kept") for r in rollbacks] == [None, 0.5]
+    assert [r.get("lr_kept") for r in rollbacks] == [None, 0.25]
     assert [r["replay_lr_scale"] for r in rollbacks] == [0.5, 0.25]
-    assert run.guard.updater.lr.factor(10_000) == 0.5  # the schedule's tail, for good
+    assert run.guard.updater.lr.factor(10_000) == 0.25  # the schedule's tail, for good
     second = rollbacks[1]
     after = next(r for r in records[records.index(second) + 1:])
     assert after["step"] == second["rollback_to"] + 1

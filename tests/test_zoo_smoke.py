@@ -176,7 +176,7 @@ def test_the_zoo_targets_a_page_on_a_clean_run_and_the_natural_instabilities():
 def test_a_natural_instability_under_rollback_keeps_the_lower_lr_and_ends_better():
     """Wortsman et al.'s attention-logit proxy (tiny GPT without QK-norm at LR 1.0), seed 0.
     The trouble comes back each time a replay's LR returns to the schedule; the second
-    rollback into the same stretch keeps the LR at 0.5x for good (``rollback_lr_keep``). Before,
+    rollback into the same stretch keeps the LR at 0.25x for good (``rollback_lr_keep``). Before,
     each replay ramped back to 1x, and the third rollback spent the budget: a halt at step 81."""
     from benchmarks.zoo_run import run_one
 

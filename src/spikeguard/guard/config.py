@@ -37,8 +37,8 @@ class GuardConfig:
     multiplies it again), so the replay does not retrace the path that failed."""
     rollback_lr_keep: bool = True
     """A rollback into the stretch the last one replayed (the trouble came back once the LR was
-    back) keeps the LR at the last level times ``rollback_lr_scale`` for good: 0.5x, then
-    0.25x (the record's ``lr_kept``). False: every replay ramps back to the scheduled LR."""
+    back) keeps its replay's LR for good instead of ramping back: 0.25x, then 0.125x (the
+    record's ``lr_kept``). False: every replay ramps back to the scheduled LR."""
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     """Which probes run and how often, when the guard is built with probes=True."""
     signals: bool = True

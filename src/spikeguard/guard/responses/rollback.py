@@ -2,10 +2,12 @@
 before the onset, leave the anomaly's batches out (or only their quarantined rows), and replay
 at a reduced LR ramping back to 1 by the detection step; within a budget, past which it halts.
 A rollback to a step inside the stretch the last one replayed, or as many steps past its end as
-that replay was long, means the same trouble came back once the LR was back: with ``GuardConfig.rollback_lr_keep`` (the default) that replay's ramp stops at the last
-level times ``rollback_lr_scale`` and the LR stays there for good (0.5, then 0.25: a run unstable
-at its LR is not saved by replaying it at that LR, which OPT-175B's logbook also found, Zhang et
-al. 2022, section 2.5), and the record and the summary table say so.
+that replay was long, means the same trouble came back once the LR was back. It replays at
+``rollback_lr_scale`` times the last replay's start (0.25x), and with
+``GuardConfig.rollback_lr_keep`` (the default) it keeps that LR for good instead of ramping back
+(0.25x, then 0.125x: a run unstable at its LR is not saved by replaying it at that LR, which
+OPT-175B's logbook also found, Zhang et al. 2022, section 2.5); the record and the summary table
+say so.
 With nothing sound to go back to (``control.py``: healthy, or its anomaly healed before the
 onset) it alerts, training goes on (a halt would lose the run), and the record and the summary
 say that no checkpoint precedes the onset. An incident whose update was withheld before it was
@@ -88,16 +90,14 @@ class Rollback:
         """(the LR scale this replay starts at, the LR multiple it settles at for good). When
         this rollback lands in the stretch the last one replayed or as far past its end as it
         was long (the same trouble came back: go lower), the start is ``lr_scale`` times the
-        last start; with ``keep`` the level kept after it drops by ``lr_scale`` too, and the
-        start stays below the new level."""
+        last start (and below the LR kept so far), and with ``keep`` the LR stays there for
+        good; any other starts at ``lr_scale`` times the LR kept and ramps back to it."""
         last, scale = control.replay, self.lr_scale
         kept = last[3] if last is not None else 1.0
         if last is not None and restored <= last[1] + (last[1] - last[0]):
+            scale = min(scale * last[2], self.lr_scale * kept)
             if self.keep:
-                kept *= self.lr_scale
-                scale = min(scale * last[2], self.lr_scale * kept)
-            else:
-                scale *= last[2]
+                kept = scale
         else:
             scale *= kept
         control.replay = (restored, detection, scale, kept)
