@@ -144,8 +144,23 @@ class LogZJump(Rule):
     stood 1.26 nats above the median at a loss 0.7 below its own, and the next update was back;
     growing logits stay up. A missing log Z leaves it untouched. 0: off."""
 
-    __slots__ = ("above", "arm", "dev", "fired", "jump", "median", "need", "on", "onset",
-                 "onset_dev", "mask", "quiet", "reason", "run", "window")
+    __slots__ = (
+        "above",
+        "arm",
+        "dev",
+        "fired",
+        "jump",
+        "mask",
+        "median",
+        "need",
+        "on",
+        "onset",
+        "onset_dev",
+        "quiet",
+        "reason",
+        "run",
+        "window",
+    )
     _scalars = ("onset", "fired", "quiet", "on", "above")
     _stats = ("median",)
 
