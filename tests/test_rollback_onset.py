@@ -124,6 +124,19 @@ def _same(pair):
     return unchanged(*pair)
 
 
+def _end_table(run, records, *, total):
+    """spikeguard train's end table of a run's records, as text."""
+    console = Console(record=True, width=200, force_terminal=False)
+    sink = ProgressSink(console, total=total, start=0, tokens_per_step=1, bar=False,
+                        print_every=10**9)
+    for r in records:
+        sink.log(r, r["step"])
+    console.print(summary_table(sink, applied=run.guard.applied, made_up=0,
+                                rollbacks=run.guard.rollbacks, val_loss=1.0, seconds=1.0,
+                                halted=run.halted is not None))
+    return console.export_text()
+
+
 def test_with_no_checkpoint_before_the_onset_the_summary_and_the_table_say_so(tmp_path):
     """The ramp at step 12, before the first checkpoint (25): Tier 2 cannot roll back; the
     record, the Tier 2 summary and spikeguard train's end table say that no checkpoint precedes
@@ -137,15 +150,7 @@ def test_with_no_checkpoint_before_the_onset_the_summary_and_the_table_say_so(tm
     assert "no checkpoint precedes the onset" in rec["rollback_failed"]
     assert rec["summary"]["rollback"] == "no checkpoint precedes the onset"
     assert rec["summary"]["rollback_checkpoint"] is None
-    console = Console(record=True, width=200, force_terminal=False)
-    sink = ProgressSink(console, total=60, start=0, tokens_per_step=1, bar=False,
-                        print_every=10**9)
-    for r in records:
-        sink.log(r, r["step"])
-    console.print(summary_table(sink, applied=run.guard.applied, made_up=0,
-                                rollbacks=run.guard.rollbacks, val_loss=1.0, seconds=1.0,
-                                halted=False))
-    text = console.export_text()
+    text = _end_table(run, records, total=60)
     assert "no checkpoint precedes the onset" in text and "None" not in text
     assert f"steps {rec['step']}" in text
 
@@ -187,12 +192,5 @@ def test_a_rollback_into_the_last_replay_keeps_the_lr_lower_for_good_and_the_tab
     sched = sg.schedules.warmup_cosine(warmup_steps=20, total_steps=300, min_ratio=0.1)
     fault = 50.0 ** (min(4, after["step"] - 150 + 1) / 4)
     assert after["lr"] == pytest.approx(3e-3 * sched(after["step"]) * fault * 0.25, rel=1e-9)
-    console = Console(record=True, width=200, force_terminal=False)
-    sink = ProgressSink(console, total=300, start=0, tokens_per_step=1, bar=False,
-                        print_every=10**9)
-    for r in records:
-        sink.log(r, r["step"])
-    console.print(summary_table(sink, applied=run.guard.applied, made_up=0,
-                                rollbacks=run.guard.rollbacks, val_loss=1.0, seconds=1.0,
-                                halted=run.halted is not None))
-    assert "LR kept at this multiple of the schedule for good" in console.export_text()
+    assert "LR kept at this multiple of the schedule for good" in _end_table(run, records,
+                                                                             total=300)
