@@ -16,9 +16,8 @@ STEPS, OUTLIER, N, SCALE = 84, 70, 7, 0.25
 
 def _storm_run(tmp_path, lower_lr):
     """A small run with a batch of random bytes at step 70 (Tier 2: its log Z jumps past the
-    median of the last 32 kept steps + 1; one update past that bar is enough here,
-    ``log_z_jump_run=1``, where by default it takes two of three). Returns the records and, per
-    step, the LR the optimizer stepped with and the LR the schedule gave."""
+    median of the last 32 kept steps + 1). Returns the records and, per step, the LR the
+    optimizer stepped with and the LR the schedule gave."""
     torch.manual_seed(0)
     cfg = sg.GPTConfig.tiny(n_layer=1, d_model=32, seq_len=32)
     model = sg.GPT(cfg)
@@ -28,7 +27,7 @@ def _storm_run(tmp_path, lower_lr):
     data = sg.TokenStream.from_corpus("pydoc", batch_size=4, seq_len=cfg.seq_len, seed=0)
     guard = Guard(model, opt, scheduler=sched, data=data,
                   sinks=[sg.JsonlSink(tmp_path / "metrics.jsonl")],
-                  config=GuardConfig(detector=sg.DetectorConfig.for_run(STEPS, log_z_jump_run=1),
+                  config=GuardConfig(detector=sg.DetectorConfig.for_run(STEPS),
                                      lower_lr=lower_lr))
     lrs: dict[int, tuple[float, float]] = {}
     opt.register_step_pre_hook(lambda o, args, kwargs: lrs.__setitem__(

@@ -114,11 +114,11 @@ class DetectorConfig:
     a 0.05-a-step logit drift crossed it 7-14 updates in). 0: off."""
     log_z_jump_window: int = 32
     """Kept updates in the log Z jump rule's median; the rule waits for a full window."""
-    log_z_jump_run: int = 2
+    log_z_jump_run: int = 1
     """The log Z jump fires on an update past its bar when this many of the last
-    log_z_jump_run + 1 updates were (1: the first update past it): one batch of easy text lifts
-    log Z by more than a nat at a loss below its median (a run without z-loss), while growing
-    logits stay up."""
+    log_z_jump_run + 1 updates were (1: the first update past it). 2 waits out one batch of easy
+    text, which can lift a noisy log Z (a run without z-loss) by more than a nat, at the price
+    of later pages on a drift."""
     z_loss_advice_log_z: float = 12.0
     """Above this log Z, still rising over the median window, the verdict advises z-loss."""
     max_consecutive_skips: int = 5

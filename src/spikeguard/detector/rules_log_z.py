@@ -139,10 +139,9 @@ class LogZJump(Rule):
     log Z is back within log_z_onset of it. Waits for a full window, and arms with the grad rule
     (``grad_arm_after`` kept updates when the warmup is known): through the warmup log Z moves as
     fast as the grad norm does (the clean runs stood up to 0.92 above their median at step 32,
-    at most 0.78 from step 40 on). Fires on an update past the bar when log_z_jump_run (2) of
-    the last three were past it: on a tiny GPT without z-loss at LR 1.0, one batch of easy text
-    stood 1.26 nats above the median at a loss 0.7 below its own, and the next update was back;
-    growing logits stay up. A missing log Z leaves it untouched. 0: off."""
+    at most 0.78 from step 40 on). Fires on an update past the bar when log_z_jump_run (1) of
+    the last log_z_jump_run + 1 were past it (2: two of three, which waits out one batch of easy
+    text: docs/design.md). A missing log Z leaves it untouched. 0: off."""
 
     __slots__ = (
         "above",
