@@ -52,8 +52,10 @@ at the start) are above it."""
 
 def foreign_scaler() -> torch.amp.GradScaler | None:
     """A live, enabled ``torch.amp.GradScaler`` that no spikeguard precision runtime owns and
-    that has scaled a loss (its scale is set), or None. Walks the live objects once (tens of
+    that has scaled a loss (its scale is set), or None. Collects garbage first (a dropped
+    scaler caught in a reference cycle is not in use), then walks the live objects once (tens of
     milliseconds to a few tenths of a second in a large process)."""
+    gc.collect()
     scalers, owned = [], set()
     for obj in gc.get_objects():
         kind = type(obj)  # not isinstance: that reads __class__, which some proxies warn about
