@@ -33,12 +33,13 @@ log = logging.getLogger("spikeguard")
 
 class Rollback:
     """The rollback response (module docstring); ``lr_scale`` is the replay's starting LR
-    multiple (``GuardConfig.rollback_lr_scale``); ``halt`` answers once the budget is spent."""
+    multiple (``GuardConfig.rollback_lr_scale``); ``halt`` answers once the budget is spent;
+    ``keep``: ``GuardConfig.rollback_lr_keep``."""
 
     action = Action.ROLLBACK
     """What it does to the step when it acts (``Policy.intended``)."""
 
-    def __init__(self, lr_scale: float, halt: Halt, *, keep: bool = True) -> None:
+    def __init__(self, lr_scale: float, halt: Halt, *, keep: bool) -> None:
         self.lr_scale, self.halt, self.keep = lr_scale, halt, keep
 
     def respond(self, incident: Incident, control: Any) -> Reply:
