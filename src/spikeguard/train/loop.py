@@ -224,10 +224,17 @@ def train(cfg: TrainConfig, *, echo: bool = True) -> TrainResult:
     before = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    # under torchrun, the process group this run makes is this run's to take down: left to the
+    # interpreter's exit, gloo's threads can be torn down mid-join and abort a finished rank
+    # (SIGABRT, "terminate called without an active exception"), which the elastic agent
+    # takes for a failure
+    owned = not _dist.is_dist()
     try:
         return _train(cfg.resolved(), echo=echo, torch_threads=before)
     finally:
         torch.set_num_threads(before)
+        if owned and _dist.is_dist():
+            torch.distributed.destroy_process_group()
 
 
 def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
