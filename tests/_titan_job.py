@@ -221,13 +221,16 @@ def rollback(out: Path) -> None:
         (out / "rollback.json").write_text(json.dumps(result))
 
 
-def recurring(out: Path) -> None:
+def recurring(out: Path, lr_scale: float = 1.0, max_rollbacks: int = 3) -> None:
     """The gradients x1000 at torchtitan's steps 9-16 (guard 8-15), whatever the batch: the
-    first storm rolls back, the replay meets it again, and the run halts saying so."""
+    first storm rolls back, the replay meets it again. At a replay LR of 1x the run halts
+    saying so; below 1x (``recurring_keep``) it rolls back again at a lower LR kept for good,
+    until the budget is spent."""
     steps = 16
     guard = sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01,
                                                               arm_quiet=QUIET),
-                           tier2="rollback", rollback_lr_scale=1.0, weights_check=False)
+                           tier2="rollback", rollback_lr_scale=lr_scale, weights_check=False,
+                           max_rollbacks=max_rollbacks)
     trainer = build(out, steps, guard)
     trainer.scale_at = tuple(range(9, 17))
     try:
@@ -302,7 +305,9 @@ def main() -> None:
             folder = out / name
             folder.mkdir(parents=True, exist_ok=True)
             {"outlier": outlier, "outlier_lag1": lambda f: outlier(f, read_lag=1),
-             "rollback": rollback, "recurring": recurring, "example": example,
+             "rollback": rollback, "recurring": recurring,
+             "recurring_keep": lambda f: recurring(f, lr_scale=0.5, max_rollbacks=2),
+             "example": example,
              "refusals": refusals, "nan": nan}[name](folder)
             if dist.get_rank() == 0:
                 (folder / "done").write_text(", ".join(titan_cpu.PATCHES))

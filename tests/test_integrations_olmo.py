@@ -118,7 +118,8 @@ def trainer_config(tmp_path, *, probe=None, steps=STEPS, save=None):
 
 
 def make_trainer(tmp_path, *, outlier=None, probe=None, steps=STEPS, save=None, config=None,
-                 storm=2, lr_scale=0.5, seed=0, detector=None, respond=True, **guard_kw):
+                 storm=2, lr_scale=0.5, seed=0, detector=None, respond=True, keep=True,
+                 max_rollbacks=3, **guard_kw):
     torch.manual_seed(seed)
     model = TransformerConfig.llama_like(vocab_size=256, d_model=32, n_layers=1,
                                          n_heads=2).build(init_device="cpu")
@@ -134,7 +135,8 @@ def make_trainer(tmp_path, *, outlier=None, probe=None, steps=STEPS, save=None, 
     det = detector or sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01,
                                                 max_consecutive_skips=storm)
     cb = SpikeguardCallback(config=sg.GuardConfig(detector=det, rollback_lr_scale=lr_scale,
-                                                  respond=respond),
+                                                  rollback_lr_keep=keep,
+                                                  max_rollbacks=max_rollbacks, respond=respond),
                             out_dir=guard_kw.pop(
         "out_dir", tmp_path), **guard_kw)
     trainer.add_callback("spikeguard", cb)
@@ -231,7 +233,7 @@ def held_out_loss(trainer):
     return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()))
 
 
-def launches(tmp_path, config, *, bad=None, probe=None, lr_scale=0.5):
+def launches(tmp_path, config, *, bad=None, probe=None, lr_scale=0.5, **guard):
     """The cross-job recipe: run ``next_config(config)`` until a launch ends without stopping
     for a relaunch (each launch a new Trainer and callback, as a new job would build them)."""
     # arm_quiet=1: the grad rule turns on after arm_after (5) and one quiet update, as early as
@@ -245,7 +247,7 @@ def launches(tmp_path, config, *, bad=None, probe=None, lr_scale=0.5):
         now = next_config(config)
         trainer, cb = make_trainer(tmp_path, steps=STEPS2, outlier=bad, config=now, detector=det,
                                    cancel_on_tier2=True, out_dir=now.save_folder, probe=probe,
-                                   lr_scale=lr_scale)
+                                   lr_scale=lr_scale, **guard)
         try:
             trainer.fit()
         finally:
@@ -298,14 +300,62 @@ def test_a_fault_that_returns_on_replay_halts_with_its_reason(tmp_path):
     # the gradients x1000 at steps 11-14: not the data. Later than arm_after (5) + arm_quiet
     # (1: launches) so that the checkpoint the relaunch restores (step 8) has the grad rule on:
     # from step 4's, the replay's first judged update is the fault itself, which restarts the
-    # quiet count, and the fault would come back unseen
+    # quiet count, and the fault would come back unseen. Without rollback_lr_keep a relaunch
+    # would replay it at the same LR: the chain halts at once
     probe = Probe(scale_at=range(11, 15))
     config = trainer_config(tmp_path / "run", steps=STEPS2, save=4)
     with pytest.raises(sg.TrainingHalted, match="came back on replay"):
-        launches(tmp_path / "run", config, probe=probe)
+        launches(tmp_path / "run", config, probe=probe, keep=False)
     relaunch = tmp_path / "run" / "save-relaunch1"
     assert "not the data" in (relaunch / "report.txt").read_text()
     first = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run" / "save" /
                                                           "metrics.jsonl")}
     again = {r["step"]: r["lr"] for r in read_metrics(relaunch / "metrics.jsonl")}
     assert again[9] == pytest.approx(0.5 * first[9])  # the replay ramps up from half the LR
+
+
+def test_a_fault_that_returns_on_replay_is_relaunched_at_a_kept_lower_lr(tmp_path):
+    # the default (rollback_lr_keep): a Tier 2 that came back on the replay (the x1000 gradients
+    # of steps 11-14 at 13, after the first relaunch left out 11-12) is relaunched again, from
+    # 0.25x the LR, kept there for good, as the guard's own rollback does
+    probe = Probe(scale_at=range(11, 15))
+    config = trainer_config(tmp_path / "run", steps=STEPS2, save=4)
+    ran, _ = launches(tmp_path / "run", config, probe=probe)
+    assert len(ran) == 3
+    root = tmp_path / "run"
+    one, two = (RunLedger.read(root / f"save-relaunch{n}") for n in (1, 2))
+    assert one.launch["lr_ramp"][2:] == [0.5, 1.0]  # the first ramps back to the schedule
+    assert two.launch["lr_ramp"][2:] == [0.25, 0.25]  # the second stays at its start
+    clean, _ = make_trainer(tmp_path / "clean", steps=STEPS2, config=trainer_config(
+        tmp_path / "clean", steps=STEPS2, save=4))
+    clean.fit()
+    want = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "clean" / "metrics.jsonl")}
+    again = read_metrics(root / "save-relaunch2" / "metrics.jsonl")
+    start, end = two.launch["lr_ramp"][:2]
+    # against the clean run's LR at the same schedule position (the steps left out hold it)
+    left = {r["step"]: sum(max(0, min(r["step"], b) - a) for a, b in two.launch["steps_to_skip"])
+            for r in again}
+    ratios = {r["step"]: r["lr"] / want[r["step"] - left[r["step"]]] for r in again
+              if r["step"] >= start}
+    assert ratios[start] == pytest.approx(0.25)
+    after = [v for s, v in ratios.items() if s > end]
+    assert len(after) >= 5 and all(v == pytest.approx(0.25) for v in after), ratios
+    assert again[-1]["step"] == STEPS2 + sum(b - a for a, b in two.launch["steps_to_skip"])
+
+
+def test_the_relaunch_chain_stops_at_a_recurrence_it_cannot_cure_or_at_its_budget(tmp_path):
+    from spikeguard.integrations._incidents import Incident
+
+    run = RunLedger(folder=tmp_path, lr_scale=0.5, lr_keep=True, max_rollbacks=2,
+                    incidents=[Incident(onset=11, detection=12, restored=8, skipped=2)])
+    assert run.stopped(13) is None  # came back, but a relaunch keeps the LR lower
+    run.lr_keep = False
+    assert run.stopped(13) == "came back"
+    assert run.stopped(30) is None  # a new anomaly, after the replay: the data's
+    run.lr_keep, run.lr_scale = True, 1.0  # a replay at the same LR cures nothing
+    assert run.stopped(13) == "came back"
+    run.lr_scale = 0.5
+    run.incidents.append(Incident(onset=13, detection=14, restored=8, skipped=2))
+    assert run.stopped(30).startswith("rollback budget of 2 exhausted")
+    run.write()
+    assert RunLedger.read(tmp_path).max_rollbacks == 2 and RunLedger.read(tmp_path).lr_keep

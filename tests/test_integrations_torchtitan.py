@@ -53,7 +53,7 @@ def job(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={WORLD}",
            "-m", "tests._titan_job", str(out), "outlier", "outlier_lag1", "rollback", "recurring",
-           "example", "refusals", "nan"]
+           "recurring_keep", "example", "refusals", "nan"]
     # its own session: a job that hangs is killed whole (torchrun and every rank)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -66,7 +66,8 @@ def job(tmp_path_factory):
         log, _ = proc.communicate(timeout=60)
         pytest.fail(f"the torchtitan job hung for 300 s:\n{log[-4000:]}")
     (out / "torchrun.log").write_text(log)
-    for name in ("outlier", "outlier_lag1", "rollback", "recurring", "example", "refusals"):
+    for name in ("outlier", "outlier_lag1", "rollback", "recurring", "recurring_keep", "example",
+                 "refusals"):
         assert (out / name / "done").exists(), f"scenario {name} did not finish:\n{log[-4000:]}"
     return proc.returncode, out, log
 
@@ -212,6 +213,19 @@ def test_a_fault_that_returns_on_replay_halts_early_with_its_reason(job):
     assert "came back on replay" in result["halt"] and "not the data" in result["halt"]
     records = read_metrics(out / "recurring" / "metrics.jsonl")
     assert [r["step"] for r in records if r["action"] == "rollback"] == [13, 13]
+
+
+def test_a_fault_that_returns_on_replay_is_rolled_back_at_a_kept_lower_lr_within_budget(job):
+    # rollback_lr_scale 0.5: the fault that came back gets the lower LR the guard keeps (no
+    # halt for coming back), and the budget (2 here) halts it after that
+    _, out, _ = job
+    result = json.loads((out / "recurring_keep" / "recurring.json").read_text())
+    assert result["rollbacks"] == 2
+    assert "budget of 2 exhausted" in result["halt"] and "came back" not in result["halt"]
+    records = read_metrics(out / "recurring_keep" / "metrics.jsonl")
+    rolled = [r for r in records if r["action"] == "rollback"]
+    assert [(r["replay_lr_scale"], r.get("lr_kept")) for r in rolled] == [(0.5, None),
+                                                                        (0.25, 0.25)]
 
 
 def test_the_example_runs_as_documented_on_cpu_ranks(job):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LrScale", "Stretch", "stretches_v2"]
+__all__ = ["LrScale", "Stretch", "replay_scale", "stretches_v2"]
 
 
 @dataclass(frozen=True)
@@ -86,3 +86,22 @@ def stretches_v2(ramp: Any) -> list[dict[str, Any]]:
         return []
     return [{"first": int(ramp[0]), "last": int(ramp[1]), "scale": float(ramp[2]), "ramp": True,
              "kind": "replay"}]
+
+
+def replay_scale(lr_scale: float, keep: bool, last: tuple[int, int, float, float] | None,
+                 restored: int) -> tuple[float, float]:
+    """(the LR multiple a rollback's replay starts at, the multiple it settles at for good),
+    for a rollback to step ``restored`` whose last replay was ``last`` = (its restored step,
+    its detection step, its start, its settle), None before any. A rollback that lands in the
+    stretch the last one replayed, or as far past its end as it was long, met the same trouble
+    once the LR was back: it starts at ``lr_scale`` times the last start (and below the LR kept
+    so far) and, with ``keep`` (``GuardConfig.rollback_lr_keep``), stays there for good; any
+    other starts at ``lr_scale`` times the LR kept so far and ramps back to it. One rule for the
+    guard's own rollback and OLMo-core's relaunch."""
+    kept = last[3] if last is not None else 1.0
+    if last is not None and restored <= last[1] + (last[1] - last[0]):
+        scale = min(lr_scale * last[2], lr_scale * kept)
+        if keep:
+            kept = scale
+        return scale, kept
+    return lr_scale * kept, kept

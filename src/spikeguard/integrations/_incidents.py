@@ -3,8 +3,11 @@
 A rollback leaves the anomaly's data out and replays from a healthy checkpoint. When a Tier 2
 comes back before the replay is back where the last one was detected, the new data did not
 help: the fault is not in the data (a learning rate, the weights, an optimizer state, a
-machine), and another rollback would spend the budget on the same failure. The integrations
-then halt with that reason instead (``recurring``).
+machine). When the next rollback would replay at a lower LR kept for good (``lowers_lr``: the
+defaults), the integrations roll back again, as the guard's own rollback does, until the
+budget (``max_rollbacks``) is spent: a run unstable at its LR is what that cures. Otherwise
+another rollback would spend the budget on the same failure, and they halt with that reason
+instead (``recurring``).
 
 "Back where it was": the replay has trained as many updates past the restored checkpoint as the
 run had when it detected the anomaly. Where the framework numbers its steps by batch (OLMo-core:
@@ -17,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Incident", "recurring", "recurring_report"]
+__all__ = ["Incident", "lowers_lr", "recurring", "recurring_report"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,14 @@ def recurring(incidents: list[Incident], onset: int) -> Incident | None:
         return None
     last = incidents[-1]
     return last if last.restored < onset <= last.detection + last.skipped else None
+
+
+def lowers_lr(keep: bool, lr_scale: float) -> bool:
+    """Whether a rollback after a fault that came back replays at a lower LR kept for good
+    (``GuardConfig.rollback_lr_keep`` with a ``rollback_lr_scale`` below 1): the cure for a run
+    unstable at its LR, which other data alone cannot give. Then a recurring fault is rolled
+    back again (within ``max_rollbacks``) instead of halting the run."""
+    return keep and lr_scale < 1.0
 
 
 def recurring_report(step: int, onset: int, last: Incident, reasons: Any, *,

@@ -26,7 +26,8 @@ from typing import Any
 
 from .. import _dist
 from ..checkpoint.info import rollback_target
-from ._incidents import Incident, recurring
+from ..guard.lr_scale import replay_scale
+from ._incidents import Incident, lowers_lr, recurring
 
 __all__ = ["LEDGER", "RunLedger", "fresh_callbacks", "next_config", "relaunch_config"]
 
@@ -51,6 +52,11 @@ class RunLedger:
     """A relaunch's ``load_path``, ``steps_to_skip``, ``made_up`` and ``lr_ramp``."""
     lr_scale: float = 0.5
     """GuardConfig.rollback_lr_scale of the run (the relaunch's replay LR)."""
+    lr_keep: bool = False
+    """GuardConfig.rollback_lr_keep of the run (a record written before it: False, the rule
+    of then: a fault that came back on a relaunch halted)."""
+    max_rollbacks: int = 3
+    """GuardConfig.max_rollbacks of the run: the relaunches a chain may make."""
     tier2: dict[str, Any] | None = None
     """The Tier 2 summary this launch stopped at, for a relaunch (None: it did not)."""
     relaunched_to: str | None = None
@@ -66,7 +72,9 @@ class RunLedger:
         return cls(folder=Path(folder), root=d["root"], checkpoints=d["checkpoints"],
                    superseded=d["superseded"],
                    incidents=[Incident.from_dict(i) for i in d["incidents"]],
-                   launch=d["launch"], lr_scale=float(d["lr_scale"]), tier2=d["tier2"],
+                   launch=d["launch"], lr_scale=float(d["lr_scale"]),
+                   lr_keep=bool(d.get("lr_keep", False)),
+                   max_rollbacks=int(d.get("max_rollbacks", 3)), tier2=d["tier2"],
                    relaunched_to=d["relaunched_to"])
 
     def write(self) -> None:
@@ -77,7 +85,8 @@ class RunLedger:
         doc = {"format": _FORMAT, "root": self.root, "checkpoints": self.checkpoints,
                "superseded": self.superseded,
                "incidents": [i.to_dict() for i in self.incidents], "launch": self.launch,
-               "lr_scale": self.lr_scale, "tier2": self.tier2,
+               "lr_scale": self.lr_scale, "lr_keep": self.lr_keep,
+               "max_rollbacks": self.max_rollbacks, "tier2": self.tier2,
                "relaunched_to": self.relaunched_to}
         tmp = self.folder / f".{LEDGER}.tmp"
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
@@ -91,6 +100,18 @@ class RunLedger:
         self.checkpoints.append({"step": int(step), "path": p, "healthy": not alerts,
                                  "alerts": list(alerts)})
         return True
+
+    def stopped(self, onset: int) -> str | None:
+        """None when a Tier 2 whose anomaly began at ``onset`` may be relaunched; else why not:
+        "came back" (during the last relaunch's replay, and a relaunch would not keep the LR
+        lower: ``lowers_lr``), or the relaunch budget (``max_rollbacks``) is spent."""
+        last = recurring(self.incidents, onset)
+        if last is not None and not lowers_lr(self.lr_keep, self.lr_scale):
+            return "came back"
+        if len(self.incidents) >= self.max_rollbacks:
+            return (f"rollback budget of {self.max_rollbacks} exhausted (the relaunches so far "
+                    f"restored steps {[i.restored for i in self.incidents]})")
+        return None
 
     def target(self, onset: int) -> dict[str, Any] | None:
         """The newest healthy checkpoint at or before ``onset - 2`` still on disk."""
@@ -134,11 +155,14 @@ def _launch_config(config: Any, folder: Path, launch: dict[str, Any]) -> Any:
 def _relaunch(config: Any, run: RunLedger, summary: dict[str, Any],
               save_folder: str | Path | None) -> Any:
     onset, detected = int(summary["onset_step"]), int(summary["step"])
-    last = recurring(run.incidents, onset)
-    if last is not None:
+    why = run.stopped(onset)
+    if why == "came back":
+        last = recurring(run.incidents, onset)
         raise ValueError(f"the Tier 2 from step {onset} came back during the replay of the "
                          f"rollback to step {last.restored}: not the data, so no relaunch "
                          "(the run halted with this reason; see its report.txt)")
+    if why is not None:
+        raise ValueError(f"no relaunch for the Tier 2 from step {onset}: {why}")
     target = run.target(onset)
     if target is None:
         found = sorted(c["step"] for c in run.checkpoints)
@@ -152,12 +176,14 @@ def _relaunch(config: Any, run: RunLedger, summary: dict[str, Any],
                          "checkpoint would win over load_path; give a new folder")
     before = run.launch or {"steps_to_skip": [], "made_up": 0, "lr_ramp": None}
     restored = int(target["step"])
-    ramp = before["lr_ramp"]
-    scale = run.lr_scale * (ramp[2] if ramp is not None and restored <= ramp[1] else 1.0)
+    ramp = before["lr_ramp"]  # (first, last, start[, settle]) of the last replay
+    last = None if ramp is None else (int(ramp[0]) - 1, int(ramp[1]), float(ramp[2]),
+                                      float(ramp[3]) if len(ramp) > 3 else 1.0)
+    scale, settle = replay_scale(run.lr_scale, run.lr_keep, last, restored)
     launch = {"load_path": target["path"],
               "steps_to_skip": [*before["steps_to_skip"], [onset, detected + 1]],
               "made_up": before["made_up"] + detected + 1 - onset,
-              "lr_ramp": [restored + 1, detected, scale]}
+              "lr_ramp": [restored + 1, detected, scale, settle]}
     nxt = RunLedger(folder=folder, root=run.root,
                     checkpoints=[c for c in run.checkpoints if c["step"] <= restored],
                     superseded=[*run.superseded,
@@ -165,7 +191,8 @@ def _relaunch(config: Any, run: RunLedger, summary: dict[str, Any],
                     incidents=[*run.incidents, Incident(onset=onset, detection=detected,
                                                         restored=restored,
                                                         skipped=detected + 1 - onset)],
-                    launch=launch, lr_scale=run.lr_scale)
+                    launch=launch, lr_scale=run.lr_scale, lr_keep=run.lr_keep,
+                    max_rollbacks=run.max_rollbacks)
     nxt.write()
     run.relaunched_to = str(folder.resolve())
     run.write()
@@ -187,9 +214,12 @@ def relaunch_config(config: Any, summary: dict[str, Any] | None = None, *,
     relaunches, the steps ``onset..detection`` of the Tier 2 ``summary`` (default: the one the
     launch stopped at, from its record) left out with the earlier ranges, as many steps added
     to ``max_duration`` (in steps) as are left out, the replay's LR ramping from
-    ``rollback_lr_scale`` back to 1 by the detection step, new callbacks, and a new
+    ``rollback_lr_scale`` back to 1 by the detection step (after a Tier 2 that came back on the
+    last replay: from a lower start, kept for good under ``rollback_lr_keep``, as the guard's
+    own rollback does: ``guard.lr_scale.replay_scale``), new callbacks, and a new
     ``save_folder`` (default ``<original>-relaunch<n>``). ValueError when the Tier 2 recurred on
-    a replay (the run halted instead) or no healthy checkpoint is old enough."""
+    a replay and the LR is not kept lower (the run halted instead), the relaunch budget
+    (``max_rollbacks``) is spent, or no healthy checkpoint is old enough."""
     run = _read(config.save_folder)
     summary = summary if summary is not None else run.tier2
     if summary is None:

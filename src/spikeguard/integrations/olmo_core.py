@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 from ..checkpoint import retention
-from ..guard import GuardConfig, GuardedOptimizer, TrainingHalted
+from ..guard import GuardConfig, GuardedOptimizer, HaltReport, TrainingHalted
+from ..guard.lr_scale import Stretch
 from ..prevent.losses import LossOutput
 from ._common import GuardParts, build_guard, logger_metrics, write_report, write_run_config
 from ._incidents import recurring, recurring_report
@@ -87,22 +88,24 @@ class HeldSchedule:
     step a relaunch leaves out) does not advance the schedule. ``held_steps`` and
     ``held_tokens`` are checkpointed with the callback. On a relaunch, ``made_up`` steps added
     to the run's length are left out of its ``max_steps``, and the replay's steps
-    ``lr_ramp = (first, last, scale)`` run at ``scale`` of the scheduled LR, rising linearly
-    back to 1 after ``last`` (the guard's own rollback does the same)."""
+    ``lr_ramp = (first, last, scale, settle)`` run at ``scale`` of the scheduled LR, rising
+    linearly to ``settle`` after ``last`` and staying there (the guard's own rollback does the
+    same: ``guard.lr_scale.Stretch``; a ramp saved with three entries settles at 1)."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self.held_steps = 0
         self.held_tokens = 0
         self.made_up = 0
-        self.lr_ramp: tuple[int, int, float] | None = None
+        self.lr_ramp: tuple[float, ...] | None = None
 
     def factor(self, step: int) -> float:
         """The multiple of the scheduled LR at the Trainer's ``step``."""
-        if self.lr_ramp is None or not self.lr_ramp[0] <= step <= self.lr_ramp[1]:
+        if self.lr_ramp is None:
             return 1.0
-        first, last, scale = self.lr_ramp
-        return scale + (1.0 - scale) * (step - first) / (last - first + 1)
+        first, last, scale, *settle = self.lr_ramp
+        return Stretch(first=int(first), last=int(last), scale=scale, ramp=True,
+                       settle=settle[0] if settle else 1.0).factor(step)
 
     def set_lr(self, group: dict[str, Any], trainer: Any) -> Any:
         lr = self.scheduler.set_lr(group, _Shifted(trainer, self.held_steps, self.held_tokens,
@@ -247,6 +250,8 @@ class _OlmoGuardLogic:
         save = Path(self.trainer.save_folder)
         self.record = RunLedger.read(save) or RunLedger(folder=save, root=str(save.resolve()))
         self.record.lr_scale = guard.config.rollback_lr_scale
+        self.record.lr_keep = guard.config.rollback_lr_keep
+        self.record.max_rollbacks = guard.config.max_rollbacks
         self.record.write()
         launch = self.record.launch or {}
         self._launch_made_up = int(launch.get("made_up", 0))
@@ -267,11 +272,17 @@ class _OlmoGuardLogic:
     def _alert(self, summary: dict[str, Any]) -> None:
         self.tier2_summary = summary
         onset = int(summary.get("onset_step") or summary["step"])
-        last = recurring(self.record.incidents if self.record else [], onset)
-        if last is not None:  # raised after the step's record, from post_train_batch
-            report = recurring_report(int(summary["step"]), onset, last, summary["reasons"],
-                                      summary=summary)
+        why = self.record.stopped(onset) if self.record else None
+        if why == "came back":  # raised after the step's record, from post_train_batch
+            report = recurring_report(int(summary["step"]), onset,
+                                      recurring(self.record.incidents, onset),
+                                      summary["reasons"], summary=summary)
             self._halt = TrainingHalted(report)
+            return
+        if why is not None and self.cancel_on_tier2:  # a relaunch was what it would get
+            self._halt = TrainingHalted(HaltReport(
+                step=int(summary["step"]), reasons=tuple(summary["reasons"]), summary=summary,
+                detail=f"no relaunch: {why}"))
             return
         if self._on_alert is not None:
             self._on_alert(summary)

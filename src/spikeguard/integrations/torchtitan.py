@@ -48,7 +48,7 @@ from ..guard import Guard, GuardConfig, TrainingHalted
 from ..prevent.losses import LossOutput, cross_entropy
 from ..sinks import JsonlSink
 from ._common import RecordSink, write_report, write_run_config
-from ._incidents import Incident, recurring, recurring_report
+from ._incidents import Incident, lowers_lr, recurring, recurring_report
 from ._titan import OptimizersView, TitanBatches, TitanCheckpoints, scaled_lr
 
 __all__ = ["GuardedTrainer", "SpikeguardLoss", "TitanSteps", "guarded"]
@@ -255,8 +255,9 @@ class GuardedTrainer(Trainer):
 
     def _check_recurring(self) -> None:
         """After a rollback: a Tier 2 that came back before the replay was back where the last
-        one was detected is not the data; halt (``TrainingHalted``) instead of rolling back
-        again (integrations/_incidents.py)."""
+        one was detected is not the data; unless this rollback keeps the LR lower (the guard
+        chose it: ``lowers_lr``), halt (``TrainingHalted``) instead of rolling back again
+        (integrations/_incidents.py)."""
         ck = self.guard.checkpoints
         if ck is None or self.guard.rollbacks == self._rollbacks_seen:
             return
@@ -270,7 +271,8 @@ class GuardedTrainer(Trainer):
         log.warning("spikeguard: rolled back to torchtitan's step-%d (the guard's step %d) at "
                     "torchtitan's step %d", restored + 1, restored, detection + 1)
         last = recurring(ck.incidents, onset)
-        if last is not None:
+        c = self.guard.config
+        if last is not None and not lowers_lr(c.rollback_lr_keep, c.rollback_lr_scale):
             raise TrainingHalted(recurring_report(
                 detection, onset, last, record.get("reasons") or (), summary=summary,
                 numbering=f" (torchtitan's step {onset + 1})"))

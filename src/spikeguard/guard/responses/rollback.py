@@ -21,7 +21,7 @@ import logging
 from typing import Any
 
 from ...record import Action
-from ..lr_scale import Stretch
+from ..lr_scale import Stretch, replay_scale
 from .alert import page
 from .base import Incident, Reply
 from .halt import Halt
@@ -88,18 +88,8 @@ class Rollback:
                                 kind="replay", settle=kept))
 
     def _replay_scale(self, control: Any, restored: int, detection: int) -> tuple[float, float]:
-        """(the LR scale this replay starts at, the LR multiple it settles at for good). When
-        this rollback lands in the stretch the last one replayed or as far past its end as it
-        was long (the same trouble came back: go lower), the start is ``lr_scale`` times the
-        last start (and below the LR kept so far), and with ``keep`` the LR stays there for
-        good; any other starts at ``lr_scale`` times the LR kept and ramps back to it."""
-        last, scale = control.replay, self.lr_scale
-        kept = last[3] if last is not None else 1.0
-        if last is not None and restored <= last[1] + (last[1] - last[0]):
-            scale = min(scale * last[2], self.lr_scale * kept)
-            if self.keep:
-                kept = scale
-        else:
-            scale *= kept
+        """(the LR scale this replay starts at, the LR multiple it settles at for good):
+        ``lr_scale.replay_scale``; remembered for the next rollback."""
+        scale, kept = replay_scale(self.lr_scale, self.keep, control.replay, restored)
         control.replay = (restored, detection, scale, kept)
         return scale, kept
