@@ -39,9 +39,10 @@ def departure(losses: list[float]) -> int | None:
     return None
 
 
-def run_one(job: dict[str, Any]) -> dict[str, Any]:
+def run_one(job: dict[str, Any], records: list | None = None) -> dict[str, Any]:
     """Train ``job`` (a zoo job dict) in a temporary directory (deleted after) and return its
-    summary line (spikeguard.testing.detection.summarize_run's keys plus the zoo's)."""
+    summary line (spikeguard.testing.detection.summarize_run's keys plus the zoo's); the run's
+    metrics records are added to ``records`` when given."""
     import torch
 
     import spikeguard as sg
@@ -86,7 +87,10 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
                              extra_state={"faults": injector}, keep_on_rollback=("faults",))
             losses, halted = _loop(guard, model, optimizer, stream, injector, steps)
             val = None if halted else evaluate(model, data.val)
-        records = read_metrics(out / "metrics.jsonl")
+        read = read_metrics(out / "metrics.jsonl")
+        if records is not None:
+            records.extend(read)
+        records = read
     finally:
         shutil.rmtree(out, ignore_errors=True)
         torch.set_num_threads(threads)

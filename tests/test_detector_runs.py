@@ -65,7 +65,7 @@ def test_a_resumed_detectors_thresholds_equal_the_uninterrupted_ones():
     metrics[56].loss *= 1.3
     whole = sg.SpikeDetector(config)
     want = [whole.update(m) for m in metrics]
-    assert want[56].skip and want[56].reasons[0] == "loss past half its bar and grad_norm past its bar"
+    assert want[56].skip and want[56].reasons[0] == "loss and grad_norm both past half their bars, grad rule not on"
     whole_state = sg.SpikeDetector(config)
     on_at = next(i for i, m in enumerate(metrics)
                  if (whole_state.update(m), whole_state.state_dict()["rules"]["grad_spike"]["on"])[1])

@@ -373,7 +373,7 @@ def test_a_garbage_batch_before_the_grad_rule_arms_is_skipped(tmp_path, one_thre
     flagged = [(r["step"], r["action"], r["skipped"]) for r in records
                if r["action"] != "continue" or r["skipped"]]
     assert flagged == [(early, "skip", True)], flagged
-    assert records[early]["reasons"][0] == "loss past half its bar and grad_norm past its bar"
+    assert records[early]["reasons"][0] == "loss and grad_norm both past half their bars, grad rule not on"
     assert records[early]["cause"] == "data"
     # the premises, from the detector's own numbers at those steps (a replay of the records)
     detector = sg.SpikeDetector(config)

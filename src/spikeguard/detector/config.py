@@ -48,8 +48,9 @@ class DetectorConfig:
     on batches that are fine (tiny model, peak LR 1e-3 to 1e-2: steps 15-62 for warmups of 10,
     20 and 40), and plain AdamW + clipping rides it out; each such spike restarts the count, so
     the rule waits them out whether or not the warmup is given (docs/design.md). Until the rule
-    is on, a step past the grad bar is skipped only with the loss past half its bar's rise (the
-    joint test, ``rules.joint_grad_bar``): such spikes come at an ordinary loss."""
+    is on, a grad norm is skipped only with the loss past half its bar's rise and the grad norm
+    past half its bar (the joint test, ``rules.joint_grad_bar``): such spikes come at an
+    ordinary loss."""
     arm_quiet: int = 20
     """The grad-norm rule and the log Z rules turn on once this many judged updates in a row
     (after ``arm_after``; the grad rule also after ``grad_arm_after``) stayed inside their bar

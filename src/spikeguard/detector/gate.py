@@ -6,8 +6,7 @@ At step t the gate is a 0-d bool tensor, true when the step must not be applied:
     or armed and grad on and grad_norm > median x max(grad_k, exp(grad_z x spread of log g))
     or armed and loss > its short running median + max(loss_min_rise x median, loss_z x spread)
     or armed and loss / EMA of earlier kept losses > skip_ratio
-    or armed and grad on and loss past half its bar's rise and grad norm past sqrt(median x bar)
-    or armed and not grad on and loss past half its bar's rise and grad norm past its bar
+    or armed and loss past half its bar's rise and grad norm past sqrt(median x bar)
 
 with ``armed`` = at least ``arm_after`` kept updates so far and ``grad on`` = the grad rule's
 quiet arming done (``arm_quiet`` finite updates in a row inside the grad bar, counted once
@@ -72,9 +71,8 @@ class DeviceGate:
         ratio = torch.where(ema > 0, x / ema, math.nan)
         grad_on = self.grad_armed()
         llimit, med = self._loss_limit(), self.median.value
-        # rules.joint_grad_bar: the midpoint once the grad rule is armed, the bar before
-        half = torch.where(med > 0, torch.where(grad_on, torch.sqrt(med * glimit), glimit),
-                           math.inf)
+        # rules.joint_grad_bar: the midpoint of the median and the grad bar
+        half = torch.where(med > 0, torch.sqrt(med * glimit), math.inf)
         joint = joint_spike(g, half, x, self.level.value, llimit)
         spike = ((grad_spike(g, glimit) & grad_on) | loss_spike(x, llimit) | joint
                  | ratio_spike(ratio, self.config))
