@@ -186,3 +186,20 @@ def test_a_natural_instability_under_rollback_keeps_the_lower_lr_and_ends_better
     assert not guarded["halted"] and guarded["result_rollbacks"] >= 2
     assert guarded["first_tier2"] < unguarded["departure"]  # rolled back before the departure
     assert guarded["val_loss"] < unguarded["val_loss"]  # ends better than unguarded
+
+
+def test_a_garbage_batch_before_the_grad_rule_is_on_is_skipped_inside_a_wide_grad_bar():
+    """Zoo seed 3 (held-out), a batch of random token ids at step 52: post-warmup spikes had
+    restarted the grad rule's quiet arming (17 of 20 there), and this run's noisy grad norm had
+    widened the grad bar to 10.5x its median. The batch stood at 4.7x the median grad norm and
+    1.24x the median loss (under the +40% floor): the joint test with the whole grad bar let it
+    through; at the midpoint of the median and the bar, as once the rule is on, it is skipped,
+    and its run equals the run whose stream never held it."""
+    from benchmarks.zoo_run import run_one
+
+    jobs = [j for j in zoo.cells([3]) if j["cell"].endswith("base@arming/outlier")
+            and (j["kind"], j["arm"]) in (("fault", "alert"), ("gap", "unguarded"))]
+    got = {(j["kind"], j["arm"]): run_one(j) for j in jobs}
+    guarded = got[("fault", "alert")]
+    assert guarded["skip_steps"] == [52] and not guarded["alerts"]
+    assert guarded["val_loss"] == got[("gap", "unguarded")]["val_loss"]  # bit for bit
