@@ -170,3 +170,32 @@ def test_lr_ramp_multiplies_the_lr_by_a_rising_factor_that_stays_at_mult():
     expected = [0.1, 0.1] + [0.1 * 16 ** min(1.0, (t - 1) / 4) for t in range(2, 8)]
     assert used == pytest.approx(expected, rel=1e-12)
     assert used[-1] == pytest.approx(1.6) and used[3] == pytest.approx(0.4)
+
+
+def test_a_logit_drift_ended_by_a_rollback_keeps_the_scale_the_restored_weights_trained_under():
+    # logit-drift@5:0.1 scales the head's input by 1 + 0.1 (t - 5) from step 5. A rollback that
+    # restores the weights of step 10 (training goes back to step 11) ends the growth, and the
+    # input stays at 1.5x, the scale those weights last trained under; a later rollback to step
+    # 3 (before the drift) leaves it at 1x. A resumed injector keeps it.
+    x = y = torch.zeros(1, 4, dtype=torch.long)
+    one = torch.ones(3)
+
+    def scale(inj, model, t):
+        inj.begin(t, model, x, y)
+        return float(model.ln_f(one)[0])
+
+    def head():
+        model = torch.nn.Module()
+        model.ln_f = torch.nn.Identity()
+        return model
+
+    model, inj = head(), Injector(["logit-drift@5:0.1"], rank=0, only_rank=None, vocab_size=8,
+                                  seed=0)
+    assert [scale(inj, model, t) for t in range(0, 16)] == pytest.approx(
+        [1.0] * 5 + [1 + 0.1 * k for k in range(11)])
+    assert [scale(inj, model, t) for t in range(11, 20)] == pytest.approx([1.5] * 9)
+    # a new process: a new model, no hook yet, the injector's state from the checkpoint
+    again = Injector(["logit-drift@5:0.1"], rank=0, only_rank=None, vocab_size=8, seed=0)
+    again.load_state_dict(json.loads(json.dumps(inj.state_dict())))
+    assert scale(again, head(), 20) == pytest.approx(1.5)
+    assert [scale(inj, model, t) for t in range(4, 8)] == pytest.approx([1.0] * 4)

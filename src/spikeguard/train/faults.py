@@ -28,6 +28,10 @@ Specs (several may be given; a trailing ``!`` makes a fault sticky):
 
 A fault fires the first time training passes its step and not again after a rollback (training
 that goes back ends a transient fault); a sticky one fires every time training passes its steps.
+A logit drift that a rollback ends stops growing but keeps the scale the restored weights last
+trained under (none when they predate it): those weights were fitted to the scaled input, as a
+real drift's weights carry their growth, and dropping the scale at once would be a jump in the
+loss that no real drift makes.
 The injector shares no state with the guard; its own state (which faults have fired) is saved in
 the checkpoints so that a resumed run does not fire them twice.
 """
@@ -75,6 +79,11 @@ class Fault:
         if self.kind == "lr-ramp":
             return float(self.args[0]) ** min(1.0, (t - self.step + 1) / int(self.args[1]))
         return float(self.args[0])
+
+
+def _drift_eps(f: Fault) -> float:
+    """A logit drift's growth a step (``logit-drift@S:EPS``; 2e-3 without EPS)."""
+    return float(f.args[0]) if f.args else 2e-3
 
 
 def parse_fault(spec: str) -> Fault:
@@ -128,6 +137,7 @@ class Injector:
         self._gen = torch.Generator().manual_seed(seed + 7919)
         self._left: dict[int, int] = {}    # fault index -> steps left once fired
         self._last: dict[int, int] = {}    # fault index -> last step it was active
+        self._frozen: dict[int, int] = {}  # logit drift ended by a rollback -> its steps kept
         self._active: list[Fault] = []
         self._lr_saved: list[float] | None = None
         self._lr_mult = 1.0
@@ -152,7 +162,11 @@ class Injector:
             self._left[i] = f.length
         elif t <= self._last[i]:  # training went back: a transient fault is over
             self._left[i] = 0
+            if f.kind == "logit-drift":  # the restored weights trained at step t - 1
+                self._frozen[i] = max(0, min(t - 1 - f.step, self._frozen.get(i, t)))
         if self._left[i] <= 0:
+            if i in self._frozen:  # a later rollback may go back further still
+                self._last[i] = t
             return False
         self._left[i] -= 1
         self._last[i] = t
@@ -165,8 +179,11 @@ class Injector:
         self._active = [f for i, f in enumerate(self.faults) if self._is_active(i, f, t)]
         self._t = t
         drift = next((f for f in self._active if f.kind == "logit-drift"), None)
-        self._drift = (float(drift.args[0]) if drift.args else 2e-3, t - drift.step) if drift else None
-        if drift is not None and self._hook is None:
+        self._drift = (_drift_eps(drift), t - drift.step) if drift else None
+        if drift is None:
+            self._drift = next(((_drift_eps(self.faults[i]), k) for i, k in self._frozen.items()
+                                if k > 0), None)
+        if self._drift is not None and self._hook is None:
             self._hook = model.ln_f.register_forward_hook(self._scale_hidden)
         # a poisoned row stays poisoned through its step's re-runs (read one step late on a GPU)
         self._poison = [(s, row) for s, row in self._poison if t - 1 <= s <= t]
@@ -268,8 +285,10 @@ class Injector:
 
     def state_dict(self) -> dict[str, Any]:
         return {"left": {str(k): v for k, v in self._left.items()},
-                "last": {str(k): v for k, v in self._last.items()}}
+                "last": {str(k): v for k, v in self._last.items()},
+                "frozen": {str(k): v for k, v in self._frozen.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._left = {int(k): int(v) for k, v in state["left"].items()}
         self._last = {int(k): int(v) for k, v in state["last"].items()}
+        self._frozen = {int(k): int(v) for k, v in state.get("frozen", {}).items()}
