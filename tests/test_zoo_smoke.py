@@ -203,3 +203,20 @@ def test_a_garbage_batch_before_the_grad_rule_is_on_is_skipped_inside_a_wide_gra
     guarded = got[("fault", "alert")]
     assert guarded["skip_steps"] == [52] and not guarded["alerts"]
     assert guarded["val_loss"] == got[("gap", "unguarded")]["val_loss"]  # bit for bit
+
+
+def test_the_gpu_zoo_script_runs_its_cells_on_the_cpu_and_meets_their_targets(tmp_path):
+    """benchmarks/gpu_zoo.py is for a lent GPU; its --smoke mode (the tiny GPT, 60 steps) runs
+    the same cells on any device, so the script is known to work before a device is."""
+    import json
+
+    from benchmarks import gpu_zoo
+
+    out = tmp_path / "gpu_zoo.jsonl"
+    assert gpu_zoo.main(["--device", "cpu", "--smoke", "--json", str(out)]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["cell"], x["arm"]) for x in lines] == [
+        ("clean", "alert"), ("clean", "unguarded"), ("outlier", "alert"),
+        ("outlier", "unguarded"), ("lr", "alert"), ("lr", "rollback"), ("lr", "unguarded")]
+    assert all(x["target"] == "met" for x in lines if x["arm"] != "unguarded"), lines
+    assert 30 in next(x for x in lines if x["cell"] == "outlier" and x["arm"] == "alert")["skips"]
