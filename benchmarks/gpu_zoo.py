@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import spikeguard as sg
+from benchmarks.zoo_run import _loop
 from spikeguard.sinks import read_metrics
 from spikeguard.train.data import load_train_data
 from spikeguard.train.faults import Injector
@@ -66,6 +67,18 @@ def _evaluate(model: sg.GPT, tokens: Any, device: torch.device, seq: int,
             total += float(model.loss(model(w[:, :-1]), w[:, 1:]).ce)
     model.train(was)
     return total / batches
+
+
+class _OnDevice:
+    """The stream's batches, moved to ``device`` (the zoo's loop reads ``next(stream)``; the
+    guard keeps the stream itself, to skip and resync it)."""
+
+    def __init__(self, stream: Any, device: torch.device) -> None:
+        self.stream, self.device = stream, device
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = next(self.stream)
+        return x.to(self.device), y.to(self.device)
 
 
 def run_cell(fault: str | None, arm: str, *, steps: int, device: torch.device, smoke: bool,
@@ -108,36 +121,8 @@ def _run(fault: str | None, arm: str, *, steps: int, device: torch.device, smoke
                                                       keep=3),
                      sinks=[sg.JsonlSink(out / "metrics.jsonl")],
                      extra_state={"faults": injector}, keep_on_rollback=("faults",))
-    start, halted = time.perf_counter(), False
-    try:
-        while True:
-            if guard.step_index >= steps + min(guard.withheld, 20):
-                guard.flush()
-                if guard.step_index >= steps + min(guard.withheld, 20):
-                    break
-            t = guard.step_index
-            x, y = next(stream)
-            x, y = injector.begin(t, model, x.to(device), y.to(device))
-
-            def rerun(keep: Any = None, x: Any = x, y: Any = y) -> Any:
-                if keep is not None:
-                    x, y = x[keep], y[keep]
-                with guard.autocast():
-                    o = model.loss(model(x), y)
-                guard.backward(o)
-                return o
-
-            with guard.autocast():
-                loss = model.loss(model(x), y)
-            guard.backward(loss)
-            injector.after_backward(model)
-            injector.before_step(optimizer)
-            guard.step(loss, rerun=rerun)
-            injector.after_step(optimizer)
-    except sg.TrainingHalted:
-        halted = True
-    finally:
-        guard.close()
+    start = time.perf_counter()
+    _, halted = _loop(guard, model, optimizer, _OnDevice(stream, device), injector, steps)
     if device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
