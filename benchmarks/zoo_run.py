@@ -87,19 +87,18 @@ def run_one(job: dict[str, Any], records: list | None = None) -> dict[str, Any]:
                              extra_state={"faults": injector}, keep_on_rollback=("faults",))
             losses, halted = _loop(guard, model, optimizer, stream, injector, steps)
             val = None if halted else evaluate(model, data.val)
-        read = read_metrics(out / "metrics.jsonl")
+        run_records = read_metrics(out / "metrics.jsonl")
         if records is not None:
-            records.extend(read)
-        records = read
+            records.extend(run_records)
     finally:
         shutil.rmtree(out, ignore_errors=True)
         torch.set_num_threads(threads)
     line = {k: v for k, v in job.items() if k != "setting"}
-    line.update(summarize_run(records, val_loss=val, fault_step=job.get("fault_step")))
+    line.update(summarize_run(run_records, val_loss=val, fault_step=job.get("fault_step")))
     line.update(applied=guard.applied, result_rollbacks=guard.rollbacks, result_halted=halted,
                 wall_s=round(time.perf_counter() - start, 3), load=round(load, 2),
                 departure=departure(losses), torch=torch.__version__,
-                tier1=sum(int(r.get("tier") or 0) == 1 for r in records),
+                tier1=sum(int(r.get("tier") or 0) == 1 for r in run_records),
                 warnings=sorted({str(w.message)[:160] for w in caught}))
     if job["kind"] == "natural":
         line["losses"] = [round(x, 4) for x in losses]

@@ -82,30 +82,35 @@ class _Shifted:
         return getattr(self._trainer, name)
 
 
+def _ramp_stretch(ramp: Any) -> Stretch | None:
+    """A relaunch's ``lr_ramp`` from its record, ``[first, last, scale, settle]`` (one saved
+    with three entries settles at 1), as the Stretch it is; None without one."""
+    if not ramp:
+        return None
+    first, last, scale, *settle = ramp
+    return Stretch(first=int(first), last=int(last), scale=float(scale), ramp=True,
+                   settle=float(settle[0]) if settle else 1.0)
+
+
 class HeldSchedule:
     """OLMo-core's LR scheduler, held on a withheld update: ``set_lr(group, trainer)`` gives the
     LR of the position counted in applied updates (and their tokens), so a skipped batch (or a
     step a relaunch leaves out) does not advance the schedule. ``held_steps`` and
     ``held_tokens`` are checkpointed with the callback. On a relaunch, ``made_up`` steps added
-    to the run's length are left out of its ``max_steps``, and the replay's steps
-    ``lr_ramp = (first, last, scale, settle)`` run at ``scale`` of the scheduled LR, rising
-    linearly to ``settle`` after ``last`` and staying there (the guard's own rollback does the
-    same: ``guard.lr_scale.Stretch``; a ramp saved with three entries settles at 1)."""
+    to the run's length are left out of its ``max_steps``, and the replay's ``ramp`` (a
+    ``guard.lr_scale.Stretch``, as the guard's own rollback uses: ``_ramp_stretch``) multiplies
+    the scheduled LR."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self.held_steps = 0
         self.held_tokens = 0
         self.made_up = 0
-        self.lr_ramp: tuple[float, ...] | None = None
+        self.ramp: Stretch | None = None
 
     def factor(self, step: int) -> float:
         """The multiple of the scheduled LR at the Trainer's ``step``."""
-        if self.lr_ramp is None:
-            return 1.0
-        first, last, scale, *settle = self.lr_ramp
-        return Stretch(first=int(first), last=int(last), scale=scale, ramp=True,
-                       settle=settle[0] if settle else 1.0).factor(step)
+        return 1.0 if self.ramp is None else self.ramp.factor(step)
 
     def set_lr(self, group: dict[str, Any], trainer: Any) -> Any:
         lr = self.scheduler.set_lr(group, _Shifted(trainer, self.held_steps, self.held_tokens,
@@ -259,8 +264,7 @@ class _OlmoGuardLogic:
         if tm.scheduler is not None:
             self.schedule = HeldSchedule(tm.scheduler)
             self.schedule.made_up = self._launch_made_up
-            ramp = launch.get("lr_ramp")
-            self.schedule.lr_ramp = tuple(ramp) if ramp else None
+            self.schedule.ramp = _ramp_stretch(launch.get("lr_ramp"))
             tm.scheduler = self.schedule
         self._hook_losses(tm)
         write_run_config(self.out_dir, guard.config, framework="OLMo-core", extra={

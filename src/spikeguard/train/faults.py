@@ -80,10 +80,10 @@ class Fault:
             return float(self.args[0]) ** min(1.0, (t - self.step + 1) / int(self.args[1]))
         return float(self.args[0])
 
-
-def _drift_eps(f: Fault) -> float:
-    """A logit drift's growth a step (``logit-drift@S:EPS``; 2e-3 without EPS)."""
-    return float(f.args[0]) if f.args else 2e-3
+    @property
+    def drift_eps(self) -> float:
+        """logit-drift: the head input's growth a step (``logit-drift@S:EPS``; 2e-3 without)."""
+        return float(self.args[0]) if self.args else 2e-3
 
 
 def parse_fault(spec: str) -> Fault:
@@ -179,9 +179,9 @@ class Injector:
         self._active = [f for i, f in enumerate(self.faults) if self._is_active(i, f, t)]
         self._t = t
         drift = next((f for f in self._active if f.kind == "logit-drift"), None)
-        self._drift = (_drift_eps(drift), t - drift.step) if drift else None
+        self._drift = (drift.drift_eps, t - drift.step) if drift else None
         if drift is None:
-            self._drift = next(((_drift_eps(self.faults[i]), k) for i, k in self._frozen.items()
+            self._drift = next(((self.faults[i].drift_eps, k) for i, k in self._frozen.items()
                                 if k > 0), None)
         if self._drift is not None and self._hook is None:
             self._hook = model.ln_f.register_forward_hook(self._scale_hidden)
