@@ -9,11 +9,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spikeguard.measure.spread import LogSpread, PyLogSpread, PySpread, Spread
 from spikeguard.measure.stats import (
+    COMPILED,
     EMA,
     DeviceEMA,
     DeviceRunningMedian,
     EventWindow,
+    PyEMA,
+    PyRunningMedian,
+    PySlidingMin,
     RunningMedian,
     SlidingMin,
 )
@@ -54,6 +59,117 @@ def test_running_median_matches_brute_force_host_and_device(window, stream, k):
         assert got_dev == got_host or (math.isnan(got_dev) and math.isnan(got_host))
         assert int(dev.count) == len(host) == min(len(kept), window)
     assert host.values() == dev.values() == kept[-window:]
+
+
+@settings(max_examples=40, deadline=None)
+@given(window=st.sampled_from([1, 2, 5, 32, 257]), seed=st.integers(0, 2**32 - 1),
+       ties=st.booleans())
+def test_compiled_median_equals_sorted_list_past_the_window(window, seed, ties):
+    """The compiled median (two heaps over a ring) against the pure-Python sorted list, over
+    streams several windows long, so that every value leaves as well as enters: equal values
+    (not merely close), the same window oldest first, and either's state loads into the other."""
+    import random
+
+    rng = random.Random(seed)
+    fast, slow = RunningMedian(window), PyRunningMedian(window)
+    for _ in range(4 * window + 50):
+        x = float(rng.randrange(4)) if ties else rng.lognormvariate(0.0, 2.0)
+        fast.update(x)
+        slow.update(x)
+        assert fast.value == slow.value
+        assert fast.value == statistics.median(slow.values())
+    assert fast.values() == slow.values() and len(fast) == len(slow) == window
+    other = PyRunningMedian(window)
+    other.load_state_dict(fast.state_dict())
+    back = RunningMedian(window)
+    back.load_state_dict(slow.state_dict())
+    for _ in range(window + 3):
+        x = rng.random()
+        for m in (fast, slow, other, back):
+            m.update(x)
+        assert fast.value == slow.value == other.value == back.value
+
+
+@settings(max_examples=30, deadline=None)
+@given(window=st.sampled_from([1, 3, 16, 101]), seed=st.integers(0, 2**32 - 1))
+def test_compiled_ema_spread_and_min_equal_their_python_twins(window, seed):
+    """EMA, Spread (of values and of logs) and SlidingMin, compiled and pure Python, on one
+    stream with NaNs, zeros and negatives where each takes them: equal numbers, equal states,
+    and each one's state continues in the other."""
+    import random
+
+    rng = random.Random(seed)
+    pairs = [(EMA(1.0 / window), PyEMA(1.0 / window)), (Spread(window), PySpread(window)),
+             (LogSpread(window), PyLogSpread(window)),
+             (SlidingMin(window), PySlidingMin(window))]
+
+    def feed(i, x, pair):
+        a, b = pair
+        if isinstance(b, PyEMA):
+            if x == x:
+                a.update(x), b.update(x)
+            return a.value, b.value
+        if isinstance(b, PySpread):
+            a.add(x), b.add(x)
+            return (a.value, a.last, len(a)), (b.value, b.last, len(b))
+        got = a.min_before(i), b.min_before(i)
+        a.push(i, x, 10 * i), b.push(i, x, 10 * i)
+        return got
+
+    def same(u, v):
+        return u == v or repr(u) == repr(v)  # NaN == NaN by its text
+
+    for i in range(5 * window + 20):
+        x = rng.choice([rng.gauss(0.0, 3.0), rng.random(), 0.0, math.nan, 2.0])
+        for pair in pairs:
+            u, v = feed(i, x, pair)
+            assert same(u, v), (type(pair[0]).__name__, i, x, u, v)
+    for k, (a, b) in enumerate(pairs):
+        assert a.state_dict() == b.state_dict() or repr(a.state_dict()) == repr(b.state_dict())
+        arg = 1.0 / window if isinstance(b, PyEMA) else window
+        a2, b2 = type(a)(arg), type(b)(arg)
+        a2.load_state_dict(json.loads(json.dumps(b.state_dict())))  # each continues the other
+        b2.load_state_dict(json.loads(json.dumps(a.state_dict())))
+        pairs[k] = (a2, b2)
+    for i in range(5 * window + 20, 6 * window + 40):
+        x = rng.gauss(1.0, 1.0)
+        for pair in pairs:
+            u, v = feed(i, x, pair)
+            assert same(u, v)
+
+
+@pytest.mark.skipif(not COMPILED, reason="the compiled statistics were not built here (no C "
+                    "compiler at install time): the Py twins are in use")
+def test_host_statistics_are_compiled_where_built_and_pickle():
+    import copy
+    import pickle
+
+    from spikeguard.measure import _cstats
+
+    m = RunningMedian(3)
+    assert isinstance(m, _cstats.SlidingMedian)
+    assert isinstance(EMA(0.5), _cstats.BiasCorrectedEMA)
+    assert isinstance(Spread(4), _cstats.SlidingSpread)
+    assert isinstance(SlidingMin(4), _cstats.SlidingMinimum)
+    for x in (5.0, 1.0, 4.0, 2.0):
+        m.update(x)
+    assert m.value == 2.0 and m.values() == [1.0, 4.0, 2.0]
+    with pytest.raises(AttributeError):
+        m.value = 0.0  # read-only: only update moves it
+    with pytest.raises(ValueError, match=r"RunningMedian.update\(inf\): only finite"):
+        m.update(math.inf)
+    with pytest.raises(ValueError, match=r"EMA.update\(nan\): only finite"):
+        EMA(0.5).update(math.nan)
+    with pytest.raises(ValueError, match=r"alpha=0.0 must be in \(0, 1\]"):
+        EMA(0.0)
+    assert m.values() == [1.0, 4.0, 2.0]  # a refused value leaves the window as it was
+    ema, spread, low = EMA(0.5), LogSpread(8), SlidingMin(4)
+    for i, x in enumerate((3.0, 1.0, 7.0)):
+        ema.update(x), spread.add(x), low.push(i, x, i)
+    for stat in (m, ema, spread, low):
+        for twin in (pickle.loads(pickle.dumps(stat)), copy.deepcopy(stat)):
+            assert type(twin) is type(stat) and twin.state_dict() == stat.state_dict()
+    assert pickle.loads(pickle.dumps(ema)).value == ema.value
 
 
 @settings(max_examples=60, deadline=None)

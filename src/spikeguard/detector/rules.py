@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from ..measure.spread import Spread, log_value
+from ..measure.spread import LogSpread, Spread
 from ..measure.stats import EMA, RunningMedian
 from ..record import StepMetrics
 from .config import DetectorConfig
@@ -214,7 +214,7 @@ class GradSpike(Rule):
         self.arm = c.grad_arm_after
         self.elevated = c.grad_elevated
         self.median = RunningMedian(c.median_window)
-        self.spread = Spread(c.median_window)
+        self.spread = LogSpread(c.median_window)
         self.onset: int | None = None
         self.need = c.grad_quiet_need
         self.quiet, self.on = 0, False
@@ -246,7 +246,7 @@ class GradSpike(Rule):
         return None
 
     def fold(self, x: StepInput) -> None:
-        self.spread.add(log_value(x.grad_norm))
+        self.spread.add(x.grad_norm)
         self.median.update(x.grad_norm)
 
 

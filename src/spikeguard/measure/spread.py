@@ -25,12 +25,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from .stats import RunningMedian
+from .._validate import check_int, check_window
+from .stats import PyRunningMedian, _cstats, _rebuild
 
 if TYPE_CHECKING:  # the device twin needs torch; the host detector (diagnose) must not
     import torch
 
-__all__ = ["DIFF_SCALE", "MAD_SCALE", "DeviceSpread", "Spread", "log_value"]
+__all__ = ["DIFF_SCALE", "MAD_SCALE", "DeviceSpread", "LogSpread", "PyLogSpread", "PySpread", "Spread",
+           "log_value"]
 
 MAD_SCALE = 1.4826
 """Median absolute deviation -> standard deviation, for a normal distribution."""
@@ -41,40 +43,98 @@ DIFF_SCALE = MAD_SCALE / math.sqrt(2.0)
 _isfinite, _log = math.isfinite, math.log
 
 
-class Spread:
-    """DIFF_SCALE x the running median of |v - previous kept v| (host); NaN while empty.
-    ``value`` is kept up to date by ``add`` (a plain attribute, as in ``RunningMedian``)."""
+class _SpreadState:
+    """``state_dict`` / ``load_state_dict`` / pickling of both Spread implementations."""
 
-    __slots__ = {"dev": None, "last": "The previous kept value (NaN before the first).",
+    __slots__ = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        last = self.last
+        return {"dev": {"window": self.window, "values": self.values()},
+                "last": last if last == last else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_window(self, state["dev"])
+        self._restore(state["dev"]["values"],
+                      math.nan if state["last"] is None else float(state["last"]))
+
+    def __reduce__(self) -> tuple:
+        return _rebuild, (type(self), (self.window,), self.state_dict())
+
+
+class PySpread(_SpreadState):
+    """``Spread`` in pure Python (where the compiled statistics were not built); the same
+    numbers bit for bit."""
+
+    __slots__ = {"_dev": None, "last": "The previous kept value (NaN before the first).",
                  "value": "DIFF_SCALE x the median of the differences; NaN while empty (read it, "
-                          "never set it)."}
+                          "never set it).", "window": None}
 
     def __init__(self, window: int) -> None:
-        self.dev = RunningMedian(window)
+        self._dev = PyRunningMedian(window)
+        self.window = window
         self.last = math.nan
         self.value = math.nan
 
     def __len__(self) -> int:
-        return len(self.dev)
+        return len(self._dev)
 
     def add(self, value: float) -> None:
         """Add one kept step's value (a non-finite value is left out and changes nothing)."""
         if value - value == 0.0:  # finite
             last = self.last
             if last == last:
-                dev = self.dev
+                dev = self._dev
                 dev.update(abs(value - last))
                 self.value = DIFF_SCALE * dev.value
             self.last = value
 
-    def state_dict(self) -> dict[str, Any]:
-        last = self.last
-        return {"dev": self.dev.state_dict(), "last": last if last == last else None}
+    def values(self) -> list[float]:
+        """The window's differences, oldest first."""
+        return self._dev.values()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dev.load_state_dict(state["dev"])
-        self.last = math.nan if state["last"] is None else float(state["last"])
-        self.value = DIFF_SCALE * self.dev.value
+    def _restore(self, values: list[float], last: float) -> None:
+        self._dev.load_state_dict({"window": self.window, "values": values})
+        self.last = last
+        self.value = DIFF_SCALE * self._dev.value
+
+
+class PyLogSpread(PySpread):
+    """``LogSpread`` in pure Python."""
+
+    __slots__ = ()
+
+    def add(self, value: float) -> None:
+        """Add one kept step's value; its log enters (a value not positive and finite is left
+        out and changes nothing)."""
+        super().add(log_value(value))
+
+
+if _cstats is not None:
+    class Spread(_SpreadState, _cstats.SlidingSpread):
+        """DIFF_SCALE x the running median of |v - previous kept v| (host); NaN while empty.
+        ``value`` is kept up to date by ``add`` and is read-only. Compiled (``_cstats.c``);
+        :class:`PySpread` where it was not built, with the same numbers bit for bit."""
+
+        __slots__ = ()
+
+        def __init__(self, window: int) -> None:
+            check_int(window, "window")
+            super().__init__(window, DIFF_SCALE)
+
+    class LogSpread(_SpreadState, _cstats.SlidingSpread):
+        """``Spread`` of log(v): ``add(v)`` takes the value itself (the grad norm), and a value
+        not positive and finite is left out (``log_value``). Compiled; :class:`PyLogSpread`
+        where it was not built."""
+
+        __slots__ = ()
+
+        def __init__(self, window: int) -> None:
+            check_int(window, "window")
+            super().__init__(window, DIFF_SCALE, log=True)
+else:  # pragma: no cover - built without a C compiler
+    Spread = PySpread  # type: ignore[misc]
+    LogSpread = PyLogSpread  # type: ignore[misc]
 
 
 class DeviceSpread:

@@ -8,6 +8,11 @@ host sync; fed the same stream they give bit-identical numbers to the host versi
 ``state_dict`` / ``load_state_dict`` (host and device state dicts are interchangeable): save, load,
 continue equals never stopping; a state saved with another window is refused. The device twins live
 in ``_device_stats`` (imported on first use: the host side needs no torch).
+
+The host median, EMA and sliding minimum are compiled (``_cstats.c``, built at install; the
+detector updates a dozen of them a step). Where no C compiler was found, their pure-Python twins
+(``PyRunningMedian``, ``PyEMA``, ``PySlidingMin``) take their names: the same numbers bit for bit,
+the same state dicts.
 """
 
 from __future__ import annotations
@@ -23,21 +28,45 @@ from .._validate import check_int, check_window
 if TYPE_CHECKING:
     from ._device_stats import DeviceEMA, DeviceRunningMedian
 
-__all__ = ["EMA", "DeviceEMA", "DeviceRunningMedian", "EventWindow", "RunningMedian", "SlidingMin"]
+__all__ = ["COMPILED", "EMA", "DeviceEMA", "DeviceRunningMedian", "EventWindow", "PyEMA",
+           "PyRunningMedian", "PySlidingMin", "RunningMedian", "SlidingMin"]
 
 _isfinite = math.isfinite
 
 
-class RunningMedian:
-    """Median of the last ``window`` values: a sorted copy of the window beside its FIFO.
+def _rebuild(cls: type, args: tuple, state: dict[str, Any]) -> Any:
+    """Unpickle a statistic: a new one, its state loaded (the compiled types keep their numbers
+    in C, which the default pickling would not see)."""
+    stat = cls(*args)
+    stat.load_state_dict(state)
+    return stat
 
-    Each update is a binary search and one insert (and, once full, one delete) in a sorted
-    list: O(log window) comparisons and an O(window) move of pointers, all in C (``bisect``,
-    ``list.insert``), which for the detector's windows (32 to 5,000) is several times faster
-    than two heaps with lazy deletion driven from Python. With an even count the median is the
-    mean of the two middle values (``statistics.median``). ``value`` is kept up to date by
-    ``update`` (a plain attribute: the detector reads each median once a step, and a property
-    call there cost more than the median itself).
+
+class _MedianState:
+    """``state_dict`` / ``load_state_dict`` / pickling of both RunningMedian implementations: the
+    window's values, oldest first (the state of either loads into the other)."""
+
+    __slots__ = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window, "values": self.values()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.__init__(check_window(self, state))
+        for v in state["values"]:
+            self.update(v)
+
+    def __reduce__(self) -> tuple:
+        return _rebuild, (type(self), (self.window,), self.state_dict())
+
+
+class PyRunningMedian(_MedianState):
+    """``RunningMedian`` in pure Python: a sorted copy of the window beside its FIFO.
+
+    Where the compiled statistics were not built (no C compiler at install time), this is
+    ``RunningMedian``; both give the same numbers bit for bit. Each update is a binary search
+    and one insert (and, once full, one delete) in a sorted list: O(log window) comparisons and
+    an O(window) move of pointers, all in C (``bisect``, ``list.insert``).
     """
 
     __slots__ = {"_fifo": None, "_mid": None, "_odd": None, "_sorted": None,
@@ -79,25 +108,27 @@ class RunningMedian:
         """The window's values, oldest first."""
         return list(self._fifo)
 
+
+class _EMAState:
+    """``state_dict`` / ``load_state_dict`` / pickling of both EMA implementations."""
+
+    __slots__ = ()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"window": self.window, "values": self.values()}
+        return {"alpha": self.alpha, "m": self._m, "count": self.count, "decay": self._decay}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.__init__(check_window(self, state))
-        for v in state["values"]:
-            self.update(v)
+        alpha, count = float(state["alpha"]), int(state["count"])
+        # state dicts saved before "decay" existed: recompute it
+        decay = float(state.get("decay", (1.0 - alpha) ** count))
+        self._restore(alpha, float(state["m"]), count, decay)
+
+    def __reduce__(self) -> tuple:
+        return _rebuild, (type(self), (self.alpha,), self.state_dict())
 
 
-class EMA:
-    """Exponential moving average with bias correction: after t updates the value is
-    m_t / (1 - (1 - alpha)^t) with m_t = (1 - alpha) m_{t-1} + alpha x_t and m_0 = 0.
-
-    Read ``value`` before ``update`` to get EMA_{t-1} for the ratio at step t. The power
-    (1 - alpha)^t is kept as a running product rather than a ``pow`` call, so the device twin
-    (``DeviceEMA``) reproduces it bit for bit on any IEEE device (libm and CUDA ``pow`` may differ
-    in the last place). ``value`` is kept up to date by ``update`` (a plain attribute, as in
-    ``RunningMedian``).
-    """
+class PyEMA(_EMAState):
+    """``EMA`` in pure Python (where the compiled statistics were not built); the same numbers."""
 
     __slots__ = {"_decay": None, "_m": None, "alpha": None, "count": None,
                  "value": "The bias-corrected average; NaN before the first update (read it, "
@@ -106,11 +137,7 @@ class EMA:
     def __init__(self, alpha: float = 1e-3) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha={alpha} must be in (0, 1]; the detector uses 1/1000")
-        self.alpha = alpha
-        self._m = 0.0
-        self._decay = 1.0  # (1 - alpha) ** count, as a running product
-        self.count = 0
-        self.value = math.nan
+        self._restore(float(alpha), 0.0, 0, 1.0)
 
     def update(self, value: float) -> None:
         if type(value) is not float:
@@ -123,24 +150,29 @@ class EMA:
         self.count += 1
         self.value = m / (1.0 - decay)
 
+    def _restore(self, alpha: float, m: float, count: int, decay: float) -> None:
+        self.alpha, self._m, self.count, self._decay = alpha, m, count, decay
+        self.value = math.nan if count == 0 else m / (1.0 - decay)
+
+
+class _MinState:
+    """``state_dict`` / ``load_state_dict`` / pickling of both SlidingMin implementations."""
+
+    __slots__ = ()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"alpha": self.alpha, "m": self._m, "count": self.count, "decay": self._decay}
+        return {"window": self.window, "entries": self.entries()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.alpha = float(state["alpha"])
-        self._m = float(state["m"])
-        self.count = int(state["count"])
-        # state dicts saved before "decay" existed: recompute it
-        self._decay = float(state.get("decay", (1.0 - self.alpha) ** self.count))
-        self.value = math.nan if self.count == 0 else self._m / (1.0 - self._decay)
+        check_window(self, state)
+        self._restore([(int(i), float(v), int(s)) for i, v, s in state["entries"]])
+
+    def __reduce__(self) -> tuple:
+        return _rebuild, (type(self), (self.window,), self.state_dict())
 
 
-class SlidingMin:
-    """Minimum of the values pushed in the last ``window`` pushes (a monotonic deque).
-
-    Call ``min_before(i)`` with the index the next push will carry to read the minimum of
-    pushes ``i - window .. i - 1``; then ``push(i, value, step)``.
-    """
+class PySlidingMin(_MinState):
+    """``SlidingMin`` in pure Python (where the compiled statistics were not built)."""
 
     __slots__ = ("_q", "window")
 
@@ -168,12 +200,64 @@ class SlidingMin:
             q.pop()
         q.append((i, value, step))
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"window": self.window, "entries": [list(e) for e in self._q]}
+    def entries(self) -> list[list]:
+        """The deque's [i, value, step] entries, oldest first."""
+        return [list(e) for e in self._q]
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_window(self, state)
-        self._q = deque((int(i), float(v), int(s)) for i, v, s in state["entries"])
+    def _restore(self, entries: list[tuple[int, float, int]]) -> None:
+        self._q = deque(entries)
+
+
+try:
+    from . import _cstats
+except ImportError:  # pragma: no cover - built without a C compiler: the pure-Python twins
+    _cstats = None  # type: ignore[assignment]
+
+COMPILED = _cstats is not None
+"""Whether the host statistics are the compiled ones (``_cstats.c``); else the ``Py`` twins."""
+
+if _cstats is not None:
+    class RunningMedian(_MedianState, _cstats.SlidingMedian):
+        """Median of the last ``window`` finite values, updated in O(log window).
+
+        Compiled (``_cstats.c``: two heaps over a ring of slots); where it was not built,
+        ``RunningMedian`` is :class:`PyRunningMedian`, with the same numbers bit for bit. With an
+        even count the median is the mean of the two middle values (``statistics.median``).
+        ``value`` is kept up to date by ``update`` and is read-only (a plain read: the detector
+        reads each median once a step); ``update`` raises ValueError on a NaN or an infinity.
+        """
+
+        __slots__ = ()
+
+        def __init__(self, window: int = 5000) -> None:
+            check_int(window, "window")
+            super().__init__(window)
+
+    class EMA(_EMAState, _cstats.BiasCorrectedEMA):
+        """Exponential moving average with bias correction: after t updates the value is
+        m_t / (1 - (1 - alpha)^t) with m_t = (1 - alpha) m_{t-1} + alpha x_t and m_0 = 0.
+
+        Read ``value`` before ``update`` to get EMA_{t-1} for the ratio at step t. The power
+        (1 - alpha)^t is kept as a running product rather than a ``pow`` call, so the device twin
+        (``DeviceEMA``) reproduces it bit for bit on any IEEE device (libm and CUDA ``pow`` may
+        differ in the last place). Compiled; :class:`PyEMA` where it was not built.
+        """
+
+        __slots__ = ()
+
+    class SlidingMin(_MinState, _cstats.SlidingMinimum):
+        """Minimum of the values pushed in the last ``window`` pushes (a monotonic deque).
+
+        Call ``min_before(i)`` with the index the next push will carry to read the minimum of
+        pushes ``i - window .. i - 1``; then ``push(i, value, step)``. Compiled;
+        :class:`PySlidingMin` where it was not built.
+        """
+
+        __slots__ = ()
+else:  # pragma: no cover
+    RunningMedian = PyRunningMedian  # type: ignore[misc]
+    EMA = PyEMA  # type: ignore[misc]
+    SlidingMin = PySlidingMin  # type: ignore[misc]
 
 
 class EventWindow:
