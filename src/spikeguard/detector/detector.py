@@ -160,7 +160,6 @@ class Verdict(NamedTuple):
         return "apply the update"
 
 
-_isfinite = math.isfinite
 _nan = math.nan
 _CONTINUE = Action.CONTINUE
 _new_verdict = tuple.__new__  # Verdict(...) without the keyword handling: the hot path
@@ -193,20 +192,18 @@ def _check_host(m: StepMetrics) -> None:
         h.add(type(value))
 
 
-def _phase(calls: list, x: StepInput, events: tuple[list[Event], ...] | None
-           ) -> tuple[list[Event], ...] | None:
-    """Run one phase's rules (bound ``update`` methods with their tiers) in declared order,
-    filing their events by tier. Most steps have none, so the four lists are made at the first
-    event: ``events`` is None until then."""
-    for call, tier in calls:
-        e = call(x)
-        if e is not None:
-            if events is None:
-                events = ([], [], [], [])
-            if type(e) is list:
-                events[tier].extend(e)
-            else:
-                events[tier].append(e)
+def _file(events: tuple[list[Event], ...] | None, e: Event | list[Event], call: Any
+          ) -> tuple[list[Event], ...]:
+    """File the event(s) that ``call`` (a rule's bound ``update``) returned under the rule's
+    tier. Most steps have none, so the four lists are made at the first event: ``events`` is
+    None until then."""
+    tier = call.__self__.tier
+    if events is None:
+        events = ([], [], [], [])
+    if type(e) is list:
+        events[tier].extend(e)
+    else:
+        events[tier].append(e)
     return events
 
 
@@ -268,9 +265,9 @@ class SpikeDetector:
         # the hot path's view of them: bound methods with their tiers, and only the rules and
         # folds that do something (the loop over rules is most of an update's cost); a loss-halt
         # rule without a vocabulary never fires and need not be called
-        self._judge_calls = [(r.update, r.tier) for r in self._judge
+        self._judge_calls = [r.update for r in self._judge
                              if not (type(r) is LossHalt and not r.on)]
-        self._after_calls = [(r.update, r.tier) for r in self._after]
+        self._after_calls = [r.update for r in self._after]
         self._folds = [r.fold for r in self._judge if type(r).fold is not Rule.fold]
         # the rules whose numbers the verdict quotes (evidence and context)
         self._grad, self._ratio = rules["grad_spike"], rules["loss_ratio"]
@@ -328,7 +325,7 @@ class SpikeDetector:
             _check_host(m)
         if nf is None:  # a log without the column
             nf = 0.0
-        if not (nf <= 0.0 and _isfinite(loss) and _isfinite(g)):
+        if not (nf <= 0.0 and loss - loss == 0.0 and g - g == 0.0):  # x - x: NaN unless finite
             # before any history: a NaN in a median or an EMA would poison it for its window
             return self._nonfinite(m)
         if self._scaler.run:
@@ -345,7 +342,11 @@ class SpikeDetector:
         x.i, x.j = self._n_seen, j
         x.armed = j >= self._arm_after
         self._n_seen += 1
-        events = _phase(self._judge_calls, x, None)
+        events = None
+        for call in self._judge_calls:  # the rules, in declared order (the hot loop)
+            e = call(x)
+            if e is not None:
+                events = _file(events, e, call)
         # a flagged step stays out of every history: the next steps are judged against the
         # run as it was, not against a level the anomaly itself has moved
         if x.skip or (events is not None and events[3]):
@@ -357,13 +358,17 @@ class SpikeDetector:
                 fold(x)
             self._n_clean = j + 1
             x.t1_onset = None
-        events = _phase(self._after_calls, x, events)
-        return self._decide(x, events or _NO_EVENTS)
+        for call in self._after_calls:
+            e = call(x)
+            if e is not None:
+                events = _file(events, e, call)
+        return self._decide(x, events)
 
-    def _decide(self, x: StepInput, events: tuple[list[Event], ...]) -> Verdict:
-        """The tier and action from the events, with the evidence behind them. A Tier 2 verdict is
-        an ALERT: what it gets (a rollback, a question) is the caller's policy."""
-        _, t1, t2, t3 = events
+    def _decide(self, x: StepInput, events: tuple[list[Event], ...] | None) -> Verdict:
+        """The tier and action from the events (None: there were none), with the evidence behind
+        them. A Tier 2 verdict is an ALERT: what it gets (a rollback, a question) is the caller's
+        policy."""
+        _, t1, t2, t3 = events or _NO_EVENTS
         advice, storm, lx = self._zdrift.advice, self._storm, self._loss
         evidence = {
             "grad_norm": x.grad_norm, "grad_median": self._grad.med, "loss": x.loss,

@@ -9,6 +9,7 @@ rules are in ``rules_log_z.py``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ..measure.stats import EMA, EventWindow, RunningMedian, SlidingMin
 from .config import DetectorConfig
@@ -117,7 +118,9 @@ class SkipStorm(Rule):
         elif not flag:
             self.run = 0
         window = self.window
-        n = self.count = window.count(i) if window else 0
+        # the count only grows by a skip (added above): while it is 0 and this step adds
+        # none, it stays 0 without a look at the window
+        n = self.count = window.count(i) if skip or self.count else 0
         if n > self.limit:
             # fire on a skip only: the step that tips the window over is the one to act on
             if skip and not self.latched:
@@ -129,6 +132,10 @@ class SkipStorm(Rule):
             # would fire again and again; re-arm only once the skips have clearly thinned out
             self.latched = False
         return events
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.count = len(self.window)  # at most the count: the next update looks at the window
 
 
 class LossElevated(Rule):
