@@ -73,6 +73,26 @@ def test_a_drop_counts_as_a_skip_and_its_cause_is_kept():
     assert s["causes"] == {"data": 1, "weights": 1}
 
 
+def test_an_fp16_overflow_is_not_a_false_skip_but_still_catches_an_injected_one():
+    """GradScaler skips an overflowing step with or without the guard (the guard's record says
+    "scaler"); a clean run's false skips are the guard's own choices only."""
+    recs = _clean(30)
+    recs[12] = _rec(12, action="skip", tier=0, reasons=["scaler"])
+    recs[20] = _rec(20, action="skip", tier=1, reasons=["grad_norm > 3x median"])
+    s = summarize_run(recs, val_loss=2.0, fault_step=12)
+    assert s["armed_skips"] == 1 and s["scaler_skips"] == 1
+    assert s["skip_steps"] == [12, 20]
+    base = _line("clean/fp16", "unguarded", 0, _clean(30), 2.0)
+    cells = score([_line("clean/fp16", "alert", 0, recs, 2.0), base])
+    assert _cell(cells, "clean/fp16", "alert").false_skips == 1
+    fault = _line("fault/fp16-overflow", "alert", 0, recs, 2.0, kind="fault",
+                  clean_ref="clean/fp16", fault="fp16-overflow", fault_step=12)
+    cells = score([fault, _line("fault/fp16-overflow", "unguarded", 0, _clean(30), 2.0,
+                                kind="fault", clean_ref="clean/fp16", fault="fp16-overflow",
+                                fault_step=12), base])
+    assert _cell(cells, "fault/fp16-overflow", "alert").caught == 1
+
+
 @pytest.mark.parametrize("ratio, harmed", [(1.006, True), (1.004, False), (1.0, False),
                                            (0.9, False)])
 def test_a_clean_run_is_harmed_above_1_005x_the_unguarded_loss(ratio, harmed):

@@ -70,7 +70,7 @@ def summarize_run(records: Iterable[dict[str, Any]], *, val_loss: float | None,
     """One run's summary from its metrics records (run order) and its held-out loss (None or
     NaN when it halted). ``fault_step``: where a planted fault fires (first anomaly at or after
     it, the first Tier 2 event after that)."""
-    n = armed = armed_skips = rollbacks = bounded = 0
+    n = armed = armed_skips = scaler_skips = rollbacks = bounded = 0
     skip_steps: list[int] = []
     alerts: list[int] = []
     causes: Counter[str] = Counter()
@@ -82,9 +82,14 @@ def summarize_run(records: Iterable[dict[str, Any]], *, val_loss: float | None,
         step, action = int(r["step"]), r.get("action", "continue")
         # a drop (the step applied without some rows) withholds data as a skip does
         skipped = (bool(r.get("skipped")) or action == "drop") and action != "halt"
+        # an fp16 overflow: torch's GradScaler skipped the step, as it does in the same run
+        # without the guard; not a skip the guard chose (still in skip_steps: an injected
+        # overflow is caught by it)
+        overflow = skipped and list(r.get("reasons") or ()) == ["scaler"]
         if r.get("armed"):
             armed += 1
-            armed_skips += skipped
+            armed_skips += skipped and not overflow
+            scaler_skips += overflow
         if skipped:
             skip_steps.append(step)
             causes[str(r.get("cause") or "none")] += 1
@@ -108,7 +113,7 @@ def summarize_run(records: Iterable[dict[str, Any]], *, val_loss: float | None,
             if first_tier2 is None and tier2:
                 first_tier2, first_tier2_action = step, action
     return {"records": n, "armed_steps": armed, "armed_skips": armed_skips,
-            "skip_steps": skip_steps, "alerts": alerts, "rollbacks": rollbacks,
+            "scaler_skips": scaler_skips, "skip_steps": skip_steps, "alerts": alerts, "rollbacks": rollbacks,
             "bounded": bounded,
             "causes": dict(causes), "halted": halt is not None, "halt": halt,
             "val_loss": val_loss if _finite(val_loss) else None,
