@@ -8,10 +8,7 @@ floats in and out (its running statistics compiled, measure/_cstats.c); about 5 
 * Tier 1: SKIP when grad_norm > 3x its running median OR loss_ema_ratio > 2.0. Either alone
   suffices because a bad batch can move one without the other: a batch of repeated bytes gives a
   huge gradient at a low loss, a batch of noise a high loss at an ordinary gradient. ALERT when
-  loss_ema_ratio > 1.5 alone. Right after a flagged step, the next batch of a storm is skipped
-  at a lower bar (a quarter of the loss bar's rise and 1.5x the grad median: the batches before
-  it have begun to fit the model to the garbage). A skipped step never enters a median or an
-  EMA. A skip must
+  loss_ema_ratio > 1.5 alone. A skipped step never enters a median or an EMA. A skip must
   recover (short loss EMA back below max(spike-step loss, pre-spike EMA + 0.1)) within 200
   updates, else Tier 2.
 * Tier 2 (an ALERT: which response it gets, a page, a rollback or a question to a person, is the

@@ -7,8 +7,6 @@ At step t the gate is a 0-d bool tensor, true when the step must not be applied:
     or armed and loss > its short running median + max(loss_min_rise x median, loss_z x spread)
     or armed and loss / EMA of earlier kept losses > skip_ratio
     or armed and loss past half its bar's rise and grad norm past sqrt(median x bar)
-    or armed and the step before flagged and loss past storm_loss_frac of its bar's rise and
-       grad norm past grad_elevated x median
 
 with ``armed`` = at least ``arm_after`` kept updates so far and ``grad on`` = the grad rule's
 quiet arming done (``arm_quiet`` finite updates in a row inside the grad bar, counted once
@@ -32,7 +30,7 @@ import torch
 from ..measure.spread import DeviceSpread
 from ..measure.stats import DeviceEMA, DeviceRunningMedian
 from .config import DetectorConfig
-from .rules import grad_spike, joint_spike, loss_spike, ratio_spike, storm_spike
+from .rules import grad_spike, joint_spike, loss_spike, ratio_spike
 
 __all__ = ["DeviceGate"]
 
@@ -50,8 +48,6 @@ class DeviceGate:
         self.loss_spread = DeviceSpread(config.loss_window, device=self.device)
         self.grad_quiet = torch.zeros((), dtype=torch.int64, device=self.device)
         self.grad_on = torch.zeros((), dtype=torch.bool, device=self.device)
-        # the last finite step was flagged (the host's LossSpike.after)
-        self.after = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def armed(self) -> torch.Tensor:
         """0-d bool: enough kept updates for the statistical rules (the detector's ``armed``)."""
@@ -63,16 +59,13 @@ class DeviceGate:
 
     def test(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """The gate for a step with these numbers (0-d bool), against the histories as they are;
-        nothing is folded in (a re-run's check uses this). Without the storm test: a re-run or
-        a reference batch is judged as a fresh batch, whatever the step before it was."""
+        nothing is folded in (a re-run's check uses this)."""
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
         return self._test(g, x, self._grad_limit())
 
-    def _test(self, g: torch.Tensor, x: torch.Tensor, glimit: torch.Tensor,
-              after: torch.Tensor | None = None) -> torch.Tensor:
-        """``test`` on float64 0-d tensors, with the grad bar as it is (``_grad_limit``);
-        ``after``: this step follows a flagged one (the storm test; None: not applied)."""
+    def _test(self, g: torch.Tensor, x: torch.Tensor, glimit: torch.Tensor) -> torch.Tensor:
+        """``test`` on float64 0-d tensors, with the grad bar as it is (``_grad_limit``)."""
         ema = self.ema.value
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
@@ -83,9 +76,6 @@ class DeviceGate:
         joint = joint_spike(g, half, x, self.level.value, llimit)
         spike = ((grad_spike(g, glimit) & grad_on) | loss_spike(x, llimit) | joint
                  | ratio_spike(ratio, self.config))
-        if after is not None and self.config.storm_loss_frac > 0:
-            spike = spike | (after & storm_spike(g, med, x, self.level.value, llimit,
-                                                 self.config))
         return ~torch.isfinite(g) | ~torch.isfinite(x) | (self.armed() & spike)
 
     def reference_test(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -145,9 +135,7 @@ class DeviceGate:
         quiet = torch.where(grad_spike(g, glimit), 0, self.grad_quiet + 1)
         self.grad_quiet = torch.where(judged, quiet, self.grad_quiet)
         self.grad_on = self.grad_on | (judged & (self.grad_quiet >= self.config.grad_quiet_need))
-        gate = self._test(g, x, glimit, self.after)
-        # a non-finite step never reaches the host's rules: it leaves their "after" alone
-        self.after = torch.where(torch.isfinite(g) & torch.isfinite(x), gate, self.after)
+        gate = self._test(g, x, glimit)
         ok = (g > 0) & torch.isfinite(g)
         # NaN where the host's log_value gives NaN: never kept
         self.spread.add(torch.where(ok, torch.log(g), math.nan), flagged=gate)
@@ -162,8 +150,7 @@ class DeviceGate:
         return {"median": self.median.state_dict(), "spread": self.spread.state_dict(),
                 "ema": self.ema.state_dict(), "level": self.level.state_dict(),
                 "loss_spread": self.loss_spread.state_dict(),
-                "grad_quiet": int(self.grad_quiet), "grad_on": bool(self.grad_on),
-                "after": bool(self.after)}
+                "grad_quiet": int(self.grad_quiet), "grad_on": bool(self.grad_on)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in ("median", "spread", "ema", "level", "loss_spread"):
@@ -174,4 +161,3 @@ class DeviceGate:
         on = state.get("grad_on", int(self.ema.count) >= max(c.arm_after, c.grad_arm_after))
         self.grad_quiet = torch.tensor(int(state.get("grad_quiet", 0)), device=self.device)
         self.grad_on = torch.tensor(bool(on), device=self.device)
-        self.after = torch.tensor(bool(state.get("after", False)), device=self.device)

@@ -25,7 +25,7 @@ from .config import DetectorConfig
 
 __all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "LossSpike", "NonFinite", "Rule",
            "ScalerOverflow", "StepInput", "grad_limit", "grad_spike", "joint_grad_bar",
-           "joint_spike", "loss_limit", "loss_spike", "quiet_arm", "ratio_spike", "storm_spike"]
+           "joint_spike", "loss_limit", "loss_spike", "quiet_arm", "ratio_spike"]
 
 Event = tuple[int, str]
 """(onset step, reason): where the anomaly a rule saw began, and a short text naming its metric."""
@@ -83,21 +83,6 @@ def joint_grad_bar(median: float, limit: float) -> float:
     return math.sqrt(median * limit)
 
 
-def storm_spike(grad_norm: Any, grad_median: Any, loss: Any, level: Any, limit: Any,
-                c: DetectorConfig) -> Any:
-    """The Tier 1 test of the step right after a flagged one: the loss past ``storm_loss_frac``
-    of its bar's rise above the median **and** the grad norm past ``grad_elevated`` x its
-    median (floats or 0-d tensors; NaN compares false). A storm's next batch meets weights that
-    its first batches have begun to fit, or that one applied batch of it has fitted: the zoo's
-    storm of random tokens 2 steps after arming (tiny, seed 3) had its third batch at 2.5x the
-    grad median and 48% of the loss bar's rise, inside both halves of the joint test, and,
-    applied, left the last two looking healthy. Right after a flagged step, no step of the 214
-    recorded clean runs (56 such steps) passed it; at any step, 1.4 per 1,000 armed steps on
-    the tuning half did (1.1 on the held-out half)."""
-    return ((loss > level + c.storm_loss_frac * (limit - level))
-            & (grad_norm > c.grad_elevated * grad_median))
-
-
 def quiet_arm(quiet: int, need: int, outside: bool) -> tuple[int, bool]:
     """One judged update of a rule that is not yet on: (the new quiet count, whether the rule is
     on now). A statistic past the rule's bar restarts the count; ``need`` (``arm_quiet``) in a
@@ -122,8 +107,8 @@ class StepInput:
     """One step as every rule sees it. The detector fills the first fields; rules publish the
     rest for the rules after them (named with the rule that writes each)."""
 
-    __slots__ = ("armed", "blind", "ema_prev", "given_ratio", "grad_half", "grad_med",
-                 "grad_norm", "grad_on", "i", "j", "kept", "log_z", "log_z_onset", "loss", "loss_flag", "ratio",
+    __slots__ = ("armed", "blind", "ema_prev", "given_ratio", "grad_half", "grad_norm", "grad_on",
+                 "i", "j", "kept", "log_z", "log_z_onset", "loss", "loss_flag", "ratio",
                  "ratio_onset", "released", "short", "skip", "spike", "step", "t1_onset",
                  "update_ratio")
 
@@ -141,8 +126,6 @@ class StepInput:
         still out of the histories (the detector)."""
         self.grad_on = False
         """Whether the grad rule is on this step (GradSpike: armed and its quiet arming done)."""
-        self.grad_med = _nan
-        """The grad norm's running median this step is judged against (GradSpike)."""
         self.grad_half = math.inf
         """The joint test's grad bar (``joint_grad_bar``: halfway in log to the grad bar), inf
         while not armed (GradSpike; LossSpike's joint test reads it)."""
@@ -246,7 +229,7 @@ class GradSpike(Rule):
 
     def update(self, x: StepInput) -> Event | None:
         g = x.grad_norm
-        med = self.med = x.grad_med = self.median.value
+        med = self.med = self.median.value
         if g > self.elevated * med:
             if self.onset is None:
                 self.onset = x.step
@@ -282,9 +265,8 @@ class LossSpike(Rule):
     grad turbulence comes at an ordinary loss, a garbage batch moves both).
     """
 
-    __slots__ = ("after", "c", "early_reason", "joint_reason", "level", "limit", "med", "reason",
-                 "spread", "storm", "storm_reason")
-    _scalars = ("after",)
+    __slots__ = ("c", "early_reason", "joint_reason", "level", "limit", "med", "reason",
+                 "spread")
     _stats = ("level", "spread")
     tier, phase = 1, "judge"
 
@@ -296,40 +278,21 @@ class LossSpike(Rule):
         self.reason = f"loss > median + {c.loss_z:g} spreads"
         self.joint_reason = "loss and grad_norm both past half their bars"
         self.early_reason = "loss and grad_norm both past half their bars, grad rule not on"
-        self.storm = c.storm_loss_frac > 0.0
-        self.storm_reason = (f"loss and grad_norm up right after a flagged step (past "
-                             f"{c.storm_loss_frac:g} of the loss bar's rise, "
-                             f"{c.grad_elevated:g}x the median)")
-        self.after = False
-        """Whether the step judged before this one was kept out of the histories (flagged);
-        ``fold`` clears it."""
 
     def update(self, x: StepInput) -> Event | None:
         med = self.med = self.level.value
         self.limit = limit = loss_limit(med, self.spread.value, self.c)
-        after, self.after = self.after, True  # until fold says this step was kept
-        if not x.armed:
-            return None
-        if loss_spike(x.loss, limit):
+        if x.armed and loss_spike(x.loss, limit):
             x.skip = x.loss_flag = True
             return (x.step, self.reason)
-        if joint_spike(x.grad_norm, x.grad_half, x.loss, med, limit):
+        if x.armed and joint_spike(x.grad_norm, x.grad_half, x.loss, med, limit):
             x.skip = x.loss_flag = True
             return (x.step, self.joint_reason if x.grad_on else self.early_reason)
-        if after and self.storm and storm_spike(x.grad_norm, x.grad_med, x.loss, med, limit,
-                                                self.c):
-            x.skip = x.loss_flag = True
-            return (x.step, self.storm_reason)
         return None
 
     def fold(self, x: StepInput) -> None:
-        self.after = False
         self.spread.add(x.loss)
         self.level.update(x.loss)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # a state saved before the storm test: its previous step counts as kept
-        super().load_state_dict({"after": False, **state})
 
 
 class LossRatio(Rule):
