@@ -269,6 +269,9 @@ class SpikeDetector:
         self._judge_calls = [r.update for r in self._judge
                              if not (type(r) is LossHalt and not r.on)]
         self._after_calls = [r.update for r in self._after]
+        # a step without an update-ratio reading: the update-jump rule is silent and changes
+        # nothing (a log without the column, a loop without the signals), so it is not called
+        self._after_calls_unread = [r.update for r in self._after if type(r) is not UpdateJump]
         self._folds = [r.fold for r in self._judge if type(r).fold is not Rule.fold]
         # the rules whose numbers the verdict quotes (evidence and context)
         self._grad, self._ratio = rules["grad_spike"], rules["loss_ratio"]
@@ -359,7 +362,7 @@ class SpikeDetector:
                 fold(x)
             self._n_clean = j + 1
             x.t1_onset = None
-        for call in self._after_calls:
+        for call in self._after_calls if update_ratio is not None else self._after_calls_unread:
             e = call(x)
             if e is not None:
                 events = _file(events, e, call)
