@@ -188,6 +188,21 @@ def test_a_natural_instability_under_rollback_keeps_the_lower_lr_and_ends_better
     assert guarded["val_loss"] < unguarded["val_loss"]  # ends better than unguarded
 
 
+def test_a_natural_instability_under_the_default_policy_is_paged_and_not_skipped_into_a_chain():
+    """The same proxy (attention logits, seed 0) under the default policy: paged, its flagged
+    steps mostly let through by the weights check (the weights are at fault, not the batches),
+    and the run no worse than unguarded. A Tier 1 rule that is clean step by step can still
+    chain through the guard's responses here: a storm test tried on 2026-12-05 skipped 292 of
+    this run's 370 armed steps and ended it at a held-out loss of 7.94 (3.31 unguarded)."""
+    from benchmarks.zoo_run import run_one
+
+    jobs = {j["arm"]: j for j in zoo.cells([0]) if j["cell"] == "natural/attn-logit"}
+    guarded, unguarded = run_one(jobs["alert"]), run_one(jobs["unguarded"])
+    assert not guarded["halted"] and guarded["alerts"]  # paged
+    assert guarded["armed_skips"] <= 5 and guarded["applied"] == 300
+    assert guarded["val_loss"] <= 1.005 * unguarded["val_loss"]
+
+
 def test_a_garbage_batch_before_the_grad_rule_is_on_is_skipped_inside_a_wide_grad_bar():
     """Zoo seed 3 (held-out), a batch of random token ids at step 52: post-warmup spikes had
     restarted the grad rule's quiet arming (17 of 20 there), and this run's noisy grad norm had
