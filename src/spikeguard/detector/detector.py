@@ -321,15 +321,13 @@ class SpikeDetector:
             raise TypeError(f"SpikeDetector.update takes a StepMetrics, got {type(m).__name__}")
         step, loss, g, lz, nf, given = (m.step, m.loss, m.grad_norm, m.log_z, m.nan_frac,
                                         m.loss_ema_ratio)
-        # the common case in one cheap test; anything else (ints, None, numpy floats, tensors)
-        # goes through the full check
+        # the common case in one cheap test; ints, None, numpy floats, tensors: the full check
         if not (type(loss) is float and type(g) is float and type(lz) is float
                 and type(nf) is float and type(step) is int and given is None
                 and m.grad_scale is None):
             _check_host(m)
-        if nf is None:  # a log without the column
-            nf = 0.0
-        if not (nf <= 0.0 and loss - loss == 0.0 and g - g == 0.0):  # x - x: NaN unless finite
+        # nan_frac None: a log without the column; x - x is NaN unless x is finite
+        if not ((nf is None or nf <= 0.0) and loss - loss == 0.0 and g - g == 0.0):
             # before any history: a NaN in a median or an EMA would poison it for its window
             return self._nonfinite(m)
         if self._scaler.run:
@@ -354,14 +352,12 @@ class SpikeDetector:
         # a flagged step stays out of every history: the next steps are judged against the
         # run as it was, not against a level the anomaly itself has moved
         if x.skip or (events is not None and events[3]):
-            x.kept = False
-            x.t1_onset = events[1][0][0] if x.skip else None
+            x.kept, x.t1_onset = False, events[1][0][0] if x.skip else None
         else:
-            x.kept = True
+            x.kept, x.t1_onset = True, None
             for fold in self._folds:
                 fold(x)
             self._n_clean = j + 1
-            x.t1_onset = None
         for call in self._after_calls if update_ratio is not None else self._after_calls_unread:
             e = call(x)
             if e is not None:
