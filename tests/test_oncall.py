@@ -6,7 +6,7 @@ and again after any rollback (``--inject logit-drift@60:0.05!``, peak LR 3e-3). 
 answers are refused with one line while the run goes on untouched; the answer "roll back to the
 checkpoint before log Z began to rise, z-loss 1e-3" is applied, recorded, kept in config.json,
 and log Z stays below where it stood at the page. (z-loss 1e-4, PaLM's value, only slows this
-injected drift on the tiny model: BENCHMARKS.md, "The on-call loop".)"""
+injected drift on the tiny model: benchmarks/HISTORY.md, "The on-call loop".)"""
 
 import json
 import math

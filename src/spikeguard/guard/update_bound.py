@@ -23,7 +23,7 @@ decay moves ``r`` by a few percent a step).
 On the 240 clean runs of the detection benchmark (tiny at LR 1e-3 to 1e-2 for 20 to 1,000
 steps, demo at 3e-3 and 6e-3) r never passed 3x its EMA (at most 1.3x where measured), so at
 k = 3 a healthy run is the unbounded run bit for bit; an LR x50 for 20 steps passes it at
-every faulty step (BENCHMARKS.md, "Bounding the update").
+every faulty step (benchmarks/HISTORY.md, "Bounding the update").
 
 Cost: one copy of this rank's weights (kept between steps: memory of one more copy of the
 local shards), a difference, two per-tensor norms, a multiply and a subtract per step; one
