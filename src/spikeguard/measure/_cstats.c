@@ -555,23 +555,20 @@ static PyObject *MinObject_entries(MinObject *self, PyObject *Py_UNUSED(ignored)
     return out;
 }
 
-/* _restore(entries): the deque as a state_dict lists it, oldest first */
+/* _restore(entries): the deque oldest first, as (i, value, step) tuples (the Python wrapper's
+ * load_state_dict makes them from the state dict's lists) */
 static PyObject *MinObject_restore(MinObject *self, PyObject *arg) {
-    PyObject *seq = PySequence_Fast(arg, "entries must be a sequence of [i, value, step]");
+    PyObject *seq = PySequence_Fast(arg, "entries must be a sequence of (i, value, step)");
     if (seq == NULL) return NULL;
     self->head = self->n = 0;
     for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(seq); k++) {
         long long i, step;
         double v;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "LdL", &i, &v, &step)) {
-            /* a list entry (JSON) rather than a tuple */
-            PyErr_Clear();
-            PyObject *t = PySequence_Tuple(PySequence_Fast_GET_ITEM(seq, k));
-            int ok = t != NULL && PyArg_ParseTuple(t, "LdL", &i, &v, &step);
-            Py_XDECREF(t);
-            if (!ok) { Py_DECREF(seq); return NULL; }
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, k), "LdL", &i, &v, &step)
+            || append(self, i, v, step) < 0) {
+            Py_DECREF(seq);
+            return NULL;
         }
-        if (append(self, i, v, step) < 0) { Py_DECREF(seq); return NULL; }
     }
     Py_DECREF(seq);
     Py_RETURN_NONE;

@@ -31,8 +31,8 @@ from .stats import PyRunningMedian, _cstats, _rebuild
 if TYPE_CHECKING:  # the device twin needs torch; the host detector (diagnose) must not
     import torch
 
-__all__ = ["DIFF_SCALE", "MAD_SCALE", "DeviceSpread", "LogSpread", "PyLogSpread", "PySpread", "Spread",
-           "log_value"]
+__all__ = ["DIFF_SCALE", "MAD_SCALE", "DeviceSpread", "LogSpread", "PyLogSpread", "PySpread",
+           "Spread", "log_value"]
 
 MAD_SCALE = 1.4826
 """Median absolute deviation -> standard deviation, for a normal distribution."""

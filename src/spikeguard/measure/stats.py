@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["COMPILED", "EMA", "DeviceEMA", "DeviceRunningMedian", "EventWindow", "PyEMA",
            "PyRunningMedian", "PySlidingMin", "RunningMedian", "SlidingMin"]
 
-_isfinite = math.isfinite
 
 
 def _rebuild(cls: type, args: tuple, state: dict[str, Any]) -> Any:

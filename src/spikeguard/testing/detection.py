@@ -113,8 +113,8 @@ def summarize_run(records: Iterable[dict[str, Any]], *, val_loss: float | None,
             if first_tier2 is None and tier2:
                 first_tier2, first_tier2_action = step, action
     return {"records": n, "armed_steps": armed, "armed_skips": armed_skips,
-            "scaler_skips": scaler_skips, "skip_steps": skip_steps, "alerts": alerts, "rollbacks": rollbacks,
-            "bounded": bounded,
+            "scaler_skips": scaler_skips, "skip_steps": skip_steps, "alerts": alerts,
+            "rollbacks": rollbacks, "bounded": bounded,
             "causes": dict(causes), "halted": halt is not None, "halt": halt,
             "val_loss": val_loss if _finite(val_loss) else None,
             "first_anomaly": first_anomaly, "first_tier2": first_tier2,
