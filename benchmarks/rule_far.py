@@ -11,7 +11,8 @@ The runs are split by seed: even seeds are the tuning half, odd seeds the held-o
 the rule's reason) count as false alarms: per 1,000 steps on which the rule could fire (the
 armed steps; for the grad rule the steps from its quiet arming on, ``arm_quiet`` updates in a row
 inside its bar counted from ``grad_arm_after`` kept updates; for the joint test with the whole
-grad bar the armed steps before that), and the average run length between them (those steps
+grad bar the armed steps before that; for the storm test the armed steps right after a
+skip), and the average run length between them (those steps
 over the alarms).
 
 Detection delay: faults planted in the same recorded streams, at mid-run of the runs of 300 and
@@ -49,9 +50,9 @@ from spikeguard.record import StepMetrics
 __all__ = ["main"]
 
 VOCAB = 256  # both reference GPTs read bytes
-SKIPS = ("grad", "loss", "joint", "joint, grad rule not armed", "loss/EMA skip")
+SKIPS = ("grad", "loss", "joint", "joint, grad rule not armed", "after a skip", "loss/EMA skip")
 """The rules whose event keeps a step out of the histories (a Tier 1 skip)."""
-ORDER = ("grad", "loss", "joint", "joint, grad rule not armed", "loss/EMA skip",
+ORDER = ("grad", "loss", "joint", "joint, grad rule not armed", "after a skip", "loss/EMA skip",
          "loss/EMA alert", "loss/EMA held", "elevated loss", "not recovered", "log Z rise",
          "log Z drift", "log Z jump", "update ratio", "skip storm", "skip fraction",
          "Tier 3 loss", "Tier 3 non-finite")
@@ -61,7 +62,8 @@ def _labels(c: DetectorConfig) -> dict[str, str]:
     """Each rule's reason string (as the verdict names it) -> the rule's label."""
     ls, lr, storm = LossSpike(c), LossRatio(c), SkipStorm(c)
     return {GradSpike(c).reason: "grad", ls.reason: "loss", ls.joint_reason: "joint",
-            ls.early_reason: "joint, grad rule not armed", lr.skip_reason: "loss/EMA skip",
+            ls.early_reason: "joint, grad rule not armed", ls.storm_reason: "after a skip",
+            lr.skip_reason: "loss/EMA skip",
             lr.alert_reason: "loss/EMA alert", RatioHeld(c).reason: "loss/EMA held",
             LossElevated(c).reason: "elevated loss", Recovery(c).reason: "not recovered",
             LogZRise(c).reason: "log Z rise", LogZDrift(c).reason: "log Z drift",
@@ -78,18 +80,23 @@ def _config(run: dict, warm_given: bool) -> DetectorConfig:
 
 
 def _replay(run: dict, warm_given: bool, series: dict | None = None) -> list[tuple]:
-    """Per step: (step, the rule labels its verdict names, armed, grad rule armed)."""
+    """Per step: (step, the rule labels its verdict names, armed, grad rule armed, storm test
+    on: right after a skip). A replay has no weights check: every skip counts as one it blamed
+    on the batch (the most steps the storm test can judge), fewer than max_consecutive_skips
+    in a row, as the guard's gate counts them."""
     c = _config(run, warm_given)
     labels, d, s = _labels(c), SpikeDetector(c), series or run["s"]
-    out = []
+    out, skips = [], 0
     for t in range(run["steps"]):
         lz = s["log_z"][t]
         armed = d.armed
+        after = armed and 0 < skips < c.max_consecutive_skips
         v = d.update(StepMetrics(step=t, loss=s["loss"][t], grad_norm=s["grad_norm"][t],
                                  log_z=math.nan if lz is None else lz),
-                     update_ratio=s["update_ratio"][t])
+                     update_ratio=s["update_ratio"][t], after_skip=after)
+        skips = skips + 1 if v.skip else 0
         fired = {labels[r] for r in v.reasons if r in labels}
-        out.append((t, fired, armed, armed and d._grad.on))  # the grad rule's quiet arming
+        out.append((t, fired, armed, armed and d._grad.on, after))  # grad: its quiet arming
     return out
 
 
@@ -115,8 +122,9 @@ def far(runs: list[dict], warm_given: bool) -> dict:
                "at": collections.defaultdict(list)} for h in ("tuning", "held-out")}
     for run in runs:
         h = out[_half(run)]
-        for t, fired, armed, grad_on in _clean(run, warm_given):
+        for t, fired, armed, grad_on, after in _clean(run, warm_given):
             h["steps"]["armed"] += armed
+            h["steps"]["after"] += after
             h["steps"]["grad"] += grad_on
             h["steps"]["early"] += armed and not grad_on
             for label in fired:
@@ -126,8 +134,8 @@ def far(runs: list[dict], warm_given: bool) -> dict:
 
 
 def _steps_for(label: str) -> str:
-    return {"grad": "grad", "joint": "grad", "joint, grad rule not armed": "early"}.get(
-        label, "armed")
+    return {"grad": "grad", "joint": "grad", "joint, grad rule not armed": "early",
+            "after a skip": "after"}.get(label, "armed")
 
 
 # ---- faults planted in the recorded streams ------------------------------------------------
@@ -159,6 +167,14 @@ def _unrecovered(s: dict, t0: int) -> None:
     _add("loss", level=0.5)(s, t0 + 1)
 
 
+def _faded_storm(s: dict, t0: int) -> None:
+    """A storm whose later batches the model has begun to fit: grad norm x10 and loss x1.5,
+    then two steps of grad norm x3 and loss x1.15 (inside the joint test's halves)."""
+    _both(_scale("grad_norm", 10.0), _scale("loss", 1.5))(s, t0)
+    for t in (t0 + 1, t0 + 2):
+        _both(_scale("grad_norm", 3.0), _scale("loss", 1.15))(s, t)
+
+
 def _set(key: str, value: float) -> Callable:
     def plant(s: dict, t0: int) -> None:
         s[key][t0] = value
@@ -171,6 +187,7 @@ FAULTS: dict[str, Callable] = {
     "grad norm x5, loss x1.3, one step": _both(_scale("grad_norm", 5.0), _scale("loss", 1.3)),
     "grad norm x10, loss x1.3, before the grad rule arms": _both(_scale("grad_norm", 10.0),
                                                                  _scale("loss", 1.3)),
+    "a fading storm: grad norm x10, loss x1.5, then twice x3 and x1.15": _faded_storm,
     "loss x3 for 15 steps": _scale("loss", 3.0, 15),
     "grad norm x10 for 8 steps": _scale("grad_norm", 10.0, 8),
     "loss +0.5 nats from then on": _add("loss", level=0.5),
@@ -192,7 +209,7 @@ def delays(runs: list[dict], warm_given: bool) -> dict:
         for run in runs:
             c = _config(run, warm_given)
             if early:  # midway between the loss rules' arming and the grad rule's, as recorded
-                on = next((t for t, _, _, g in _clean(run, warm_given) if g), run["steps"])
+                on = next((t for t, _, _, g, _ in _clean(run, warm_given) if g), run["steps"])
                 t0 = (c.arm_after + on) // 2
                 if not c.arm_after < t0 < on:
                     continue
@@ -206,7 +223,7 @@ def delays(runs: list[dict], warm_given: bool) -> dict:
             h["runs"] += 1
             first: dict[str, int] = {}
             clean = _clean(run, warm_given)
-            for t, fired, _, _ in _replay(run, warm_given, s)[t0:]:
+            for t, fired, *_ in _replay(run, warm_given, s)[t0:]:
                 for label in fired - clean[t][1]:  # not a false alarm of the run as recorded
                     first.setdefault(label, t - t0)
             for label, d in first.items():

@@ -5,6 +5,8 @@ instead of being skipped into a storm. Each claim beside the unguarded arm on th
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import random
 
@@ -13,7 +15,7 @@ import torch
 
 import spikeguard as sg
 from spikeguard.detector.gate import DeviceGate
-from spikeguard.detector.rules import GradSpike, grad_limit
+from spikeguard.detector.rules import GradSpike, grad_limit, loss_limit
 from spikeguard.diagnose import diagnose
 from spikeguard.guard import GuardConfig
 from spikeguard.sinks import read_metrics
@@ -30,16 +32,21 @@ def _falling(n, *, seed=0, start=2.0, end=0.5, noise=0.15):
             for t in range(n)]
 
 
-def _judge(config, metrics):
+def _judge(config, metrics, *, blamed=False, detector=None, gate=None):
     """The host detector and the device gate over ``metrics``; every skip verdict equals the
-    gate's bit. Returns the host verdicts."""
-    detector, gate = sg.SpikeDetector(config), DeviceGate(config)
+    gate's bit. ``blamed``: every skip is one the weights check blamed on its batch (the Guard
+    then tells the gate, and the detector, that the next step gets the storm test). Returns
+    the host verdicts."""
+    detector = detector or sg.SpikeDetector(config)
+    gate = gate or DeviceGate(config)
     verdicts = []
     for m in metrics:
+        after = gate.after_skip
         bit = bool(gate(torch.tensor(m.grad_norm, dtype=torch.float64),
                         torch.tensor(m.loss, dtype=torch.float64)))
-        v = detector.update(m, released=False)  # as the Guard calls it
+        v = detector.update(m, released=False, after_skip=after)  # as the Guard calls it
         assert bit == v.skip, m.step
+        gate.resolved(blamed and v.skip)
         verdicts.append(v)
     return verdicts
 
@@ -388,3 +395,73 @@ def test_a_garbage_batch_before_the_grad_rule_arms_is_skipped(tmp_path, one_thre
     assert 1.2 * ev["loss_median"] < ev["loss"] < ev["loss_limit"], ev  # under the loss bar
     assert ev["loss_limit"] == pytest.approx((1 + config.loss_min_rise) * ev["loss_median"])
     assert ev["loss_ema_ratio"] < config.alert_ratio, ev  # no alert from loss / EMA either
+
+
+def _storm_setup(config):
+    """A healthy falling run, a fresh garbage batch far past both bars, and a later batch of
+    the storm sized from the run: 2.5x the grad median and 40% of the loss bar's rise, inside
+    the grad bar and inside the joint test."""
+    metrics = _falling(60, noise=0.05)
+    probe = sg.SpikeDetector(config)
+    for m in metrics:
+        probe.update(m, released=False)
+    ls = probe._rules["loss_spike"]
+    level = ls.level.value
+    limit = loss_limit(level, ls.spread.value, config)
+    storm = sg.StepMetrics(step=60, loss=level * 1.6, grad_norm=20.0 * probe.grad_median)
+    faded = sg.StepMetrics(step=61, loss=level + 0.4 * (limit - level),
+                           grad_norm=2.5 * probe.grad_median)
+    assert faded.grad_norm < probe._grad.limit and faded.loss < level + 0.5 * (limit - level)
+    return metrics, storm, faded
+
+
+def test_a_storm_batch_inside_both_bars_after_a_blamed_skip_is_skipped_on_host_and_device():
+    """A storm's later batch meets weights its first batches began to fit (zoo, tiny, seed 1,
+    a storm of random token ids 2 steps after arming: its third batch at 5.7x the grad median
+    under a 5.8x bar, +19% loss under the joint test). Right after a skip whose batch the
+    weights check blamed it is skipped, by the host detector and the device gate alike; not on
+    its own, not after a flag the check did not blame on the batch, not with the test off; a
+    detector and a gate restored between the two steps decide the same."""
+    config = sg.DetectorConfig.for_run(200)
+    metrics, storm, faded = _storm_setup(config)
+    alone = _judge(config, [*metrics, dataclasses.replace(faded, step=60)], blamed=True)[-1]
+    assert not alone.skip
+    *_, first, second = _judge(config, [*metrics, storm, faded], blamed=True)
+    assert first.skip and second.skip
+    assert any(r.startswith("loss and grad_norm up right after a skipped garbage batch")
+               for r in second.reasons)
+    # the flag was not blamed on the batch (released, or the weights at fault): no storm test
+    assert not _judge(config, [*metrics, storm, faded], blamed=False)[-1].skip
+    off = dataclasses.replace(config, storm_loss_frac=0.0)
+    assert not _judge(off, [*metrics, storm, faded], blamed=True)[-1].skip
+    # resumed between the two: the same decision from the saved states
+    detector, gate = sg.SpikeDetector(config), DeviceGate(config)
+    _judge(config, [*metrics, storm], blamed=True, detector=detector, gate=gate)
+    detector2, gate2 = sg.SpikeDetector(config), DeviceGate(config)
+    detector2.load_state_dict(json.loads(json.dumps(detector.state_dict())))
+    gate2.load_state_dict(json.loads(json.dumps(gate.state_dict())))
+    assert gate2.after_skip and gate2.skip_run == 1
+    assert _judge(config, [faded], blamed=True, detector=detector2, gate=gate2)[-1].skip
+
+
+def test_the_storm_test_never_chains_past_the_skip_storm_bound_nor_on_a_weak_reference():
+    """The storm test cannot hold the weights by itself: after max_consecutive_skips blamed
+    skips in a row it is off (the skip-storm rule's turn), and the weights check of a step
+    judged with it holds the reference batch to the same lowered bars, so weights that make
+    any batch look like that (a natural instability) are found at fault and the update goes
+    through instead of chaining into the next step."""
+    config = sg.DetectorConfig.for_run(200)
+    metrics, storm, faded = _storm_setup(config)
+    n = config.max_consecutive_skips
+    later = [dataclasses.replace(faded, step=61 + i) for i in range(n + 1)]
+    verdicts = _judge(config, [*metrics, storm, *later], blamed=True)[60:]
+    # the fresh batch, then n - 1 storm-test skips; the next one is judged without the test
+    assert [v.skip for v in verdicts] == [True] * n + [False, False]
+    gate = DeviceGate(config)
+    _judge(config, [*metrics, storm], blamed=True, gate=gate)
+    f64 = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    # a reference like the faded batch: passes the ordinary reference test, fails the storm one
+    ref = (f64(faded.grad_norm), f64(faded.loss))
+    assert bool(gate.reference_test(*ref))
+    gate.resolved(False)
+    assert not gate.after_skip and not bool(gate.reference_test(*ref))

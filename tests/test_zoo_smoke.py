@@ -192,8 +192,9 @@ def test_a_natural_instability_under_the_default_policy_is_paged_and_not_skipped
     """The same proxy (attention logits, seed 0) under the default policy: paged, its flagged
     steps mostly let through by the weights check (the weights are at fault, not the batches),
     and the run no worse than unguarded. A Tier 1 rule that is clean step by step can still
-    chain through the guard's responses here: a storm test tried on 2026-12-05 skipped 292 of
-    this run's 370 armed steps and ended it at a held-out loss of 7.94 (3.31 unguarded)."""
+    chain through the guard's responses here: a storm test tried on 2026-12-05 (after any
+    flagged step, its reference held to the ordinary bars) skipped 292 of this run's 370 armed
+    steps and ended it at a held-out loss of 7.94 (3.31 unguarded)."""
     from benchmarks.zoo_run import run_one
 
     jobs = {j["arm"]: j for j in zoo.cells([0]) if j["cell"] == "natural/attn-logit"}
@@ -217,6 +218,22 @@ def test_a_garbage_batch_before_the_grad_rule_is_on_is_skipped_inside_a_wide_gra
     got = {(j["kind"], j["arm"]): run_one(j) for j in jobs}
     guarded = got[("fault", "alert")]
     assert guarded["skip_steps"] == [52] and not guarded["alerts"]
+    assert guarded["val_loss"] == got[("gap", "unguarded")]["val_loss"]  # bit for bit
+
+
+def test_a_storm_right_after_arming_is_skipped_whole_though_its_later_batches_look_milder():
+    """Zoo seed 1, five batches of random token ids from step 52: the first two were skipped,
+    the third (5.7x the grad median under a 5.8x bar, +19% loss, inside the joint test) went
+    through, and the last two then looked healthy (2.5x, +12%): the run ended 1.04x the run
+    without them. After a skip whose batch the weights check blamed, the storm test skips it,
+    and the rest: the run equals the run whose stream never held the five, bit for bit."""
+    from benchmarks.zoo_run import run_one
+
+    jobs = [j for j in zoo.cells([1]) if j["cell"].endswith("base@arming/storm")
+            and (j["kind"], j["arm"]) in (("fault", "alert"), ("gap", "unguarded"))]
+    got = {(j["kind"], j["arm"]): run_one(j) for j in jobs}
+    guarded = got[("fault", "alert")]
+    assert guarded["skip_steps"] == [52, 53, 54, 55, 56] and not guarded["alerts"]
     assert guarded["val_loss"] == got[("gap", "unguarded")]["val_loss"]  # bit for bit
 
 

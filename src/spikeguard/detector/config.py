@@ -80,6 +80,11 @@ class DetectorConfig:
     """...and at least this fraction above that median (a run whose loss barely varies)."""
     grad_elevated: float = 1.5
     """A norm above this multiple of the median is 'elevated'; the run of them dates the onset."""
+    storm_loss_frac: float = 0.25
+    """Right after a skip the guard's weights check blamed on its batch (at most
+    max_consecutive_skips - 1 in a row), Tier 1 SKIP when the loss is past this fraction of the
+    loss bar's rise above its median and the grad norm past grad_elevated x its median: a
+    storm's later batch can sit inside the bars a fresh outlier passes. 0 turns it off."""
     loss_ema_steps: int = 1000
     """Span of the loss EMA behind loss_ema_ratio (alpha = 1 / span)."""
     alert_ratio: float = 1.5
@@ -165,6 +170,12 @@ class DetectorConfig:
                                      "(a multiple of the update ratio's median; default 20) "
                                      "or 0 (off)")
                 continue
+            if f.name == "storm_loss_frac":
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                    raise ValueError(f"DetectorConfig.storm_loss_frac={v!r} must be a number in "
+                                     "[0, 1) (a fraction of the loss bar's rise; default 0.25; "
+                                     "0: off)")
+                continue
             if f.name == "grad_arm_quiet":
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                     raise ValueError(f"DetectorConfig.grad_arm_quiet={v!r} must be an int >= 0 "
@@ -197,7 +208,7 @@ class DetectorConfig:
         if self.log_z_onset > self.log_z_drift:
             raise ValueError(f"DetectorConfig.log_z_onset={self.log_z_onset} must be <= "
                              f"log_z_drift={self.log_z_drift}: the onset comes before the drift")
-        for name in ("max_skip_fraction", "halt_loss_vocab_fraction"):
+        for name in ("max_skip_fraction", "halt_loss_vocab_fraction", "storm_loss_frac"):
             if getattr(self, name) >= 1.0:
                 raise ValueError(f"DetectorConfig.{name}={getattr(self, name)} must be < 1 "
                                  f"(default {getattr(type(self), name)})")

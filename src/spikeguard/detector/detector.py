@@ -8,7 +8,9 @@ floats in and out (its running statistics compiled, measure/_cstats.c); about 5 
 * Tier 1: SKIP when grad_norm > 3x its running median OR loss_ema_ratio > 2.0. Either alone
   suffices because a bad batch can move one without the other: a batch of repeated bytes gives a
   huge gradient at a low loss, a batch of noise a high loss at an ordinary gradient. ALERT when
-  loss_ema_ratio > 1.5 alone. A skipped step never enters a median or an EMA. A skip must
+  loss_ema_ratio > 1.5 alone. Right after a skip the caller's weights check blamed on its batch,
+  the next batch of a storm is skipped at a lower bar (a quarter of the loss bar's rise and 1.5x
+  the grad median: ``after_skip``). A skipped step never enters a median or an EMA. A skip must
   recover (short loss EMA back below max(spike-step loss, pre-spike EMA + 0.1)) within 200
   updates, else Tier 2.
 * Tier 2 (an ALERT: which response it gets, a page, a rollback or a question to a person, is the
@@ -304,10 +306,9 @@ class SpikeDetector:
         return self._ratio.ema.value
 
     def update(self, m: StepMetrics, *, released: bool | None = None, blind: bool = False,
-               update_ratio: float | None = None) -> Verdict:
+               update_ratio: float | None = None, after_skip: bool = False) -> Verdict:
         """Judge one step. Call once per step, in order, with host floats (a torch.Tensor field
         raises TypeError: convert it with ``float(...)`` where a sync is acceptable).
-
         ``released``: the caller applied this step's update whatever Tier 1 says (the guard
         does when its weights check finds the weights, not the batch, at fault). A flagged
         step is then an ALERT with ``skip`` False, not counted towards a skip storm, and still
@@ -316,7 +317,8 @@ class SpikeDetector:
         would, since nothing showed the weights at fault. ``update_ratio``: the signals' reading
         of this step's update (``UpdateJump``), None without one. ``released`` None (the
         default): the detector decides, releasing flagged steps after a skip storm (class
-        docstring; the fraction rule pages without releasing)."""
+        docstring; the fraction rule pages without releasing). ``after_skip``: the caller's
+        weights check blamed the skipped step before on its batch: the storm test applies."""
         if type(m) is not StepMetrics and not isinstance(m, StepMetrics):
             raise TypeError(f"SpikeDetector.update takes a StepMetrics, got {type(m).__name__}")
         step, loss, g, lz, nf, given = (m.step, m.loss, m.grad_norm, m.log_z, m.nan_frac,
@@ -338,7 +340,7 @@ class SpikeDetector:
         x.skip = x.spike = x.loss_flag = False
         if released is None:  # the caller leaves it to the detector: release in a storm
             released = blind = self._storm.suspect
-        x.released, x.blind = released, released and blind
+        x.released, x.blind, x.after_skip = released, released and blind, after_skip
         x.update_ratio = _nan if update_ratio is None else update_ratio
         j = self._n_clean
         x.i, x.j = self._n_seen, j

@@ -7,6 +7,8 @@ At step t the gate is a 0-d bool tensor, true when the step must not be applied:
     or armed and loss > its short running median + max(loss_min_rise x median, loss_z x spread)
     or armed and loss / EMA of earlier kept losses > skip_ratio
     or armed and loss past half its bar's rise and grad norm past sqrt(median x bar)
+    or armed and after_skip and loss past storm_loss_frac of its bar's rise and grad norm
+       past grad_elevated x median (the storm test)
 
 with ``armed`` = at least ``arm_after`` kept updates so far and ``grad on`` = the grad rule's
 quiet arming done (``arm_quiet`` finite updates in a row inside the grad bar, counted once
@@ -17,7 +19,9 @@ twins of the host statistics: the medians and the EMA bit-identical, the log-spr
 the last bit of ``log``/``exp``), so on every step of tier <= 1 the gate equals the host
 verdict's ``skip``; it just needs no host read. A flagged step never enters the histories,
 on the device as on the host. Rules that need host state (Tier 2 windows, the loss > 10 nats
-halt) stay with the host detector.
+halt) stay with the host detector. ``after_skip`` is the host's word (``resolved``): the step
+before was a skip the weights check blamed on its batch, one of fewer than
+``max_consecutive_skips`` in a row.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 from ..measure.spread import DeviceSpread
 from ..measure.stats import DeviceEMA, DeviceRunningMedian
 from .config import DetectorConfig
-from .rules import grad_spike, joint_spike, loss_spike, ratio_spike
+from .rules import grad_spike, joint_spike, loss_spike, ratio_spike, storm_spike
 
 __all__ = ["DeviceGate"]
 
@@ -48,10 +52,26 @@ class DeviceGate:
         self.loss_spread = DeviceSpread(config.loss_window, device=self.device)
         self.grad_quiet = torch.zeros((), dtype=torch.int64, device=self.device)
         self.grad_on = torch.zeros((), dtype=torch.bool, device=self.device)
+        self.skip_run = 0
+        """Skips in a row, up to the last step resolved, that the weights check blamed on their
+        batch (a host int: the Guard tells ``resolved`` before the next step is gated)."""
 
     def armed(self) -> torch.Tensor:
         """0-d bool: enough kept updates for the statistical rules (the detector's ``armed``)."""
         return self.ema.count >= self.config.arm_after
+
+    @property
+    def after_skip(self) -> bool:
+        """Whether the next step gets the storm test (``rules.storm_spike``): the step before
+        was a skip the weights check blamed on its batch, and fewer than
+        ``max_consecutive_skips`` such skips came in a row (a longer run is the skip-storm
+        rule's, and the storm test must not chain on its own flags)."""
+        return 0 < self.skip_run < self.config.max_consecutive_skips
+
+    def resolved(self, blamed_skip: bool) -> None:
+        """The host's word on the last step: skipped with its batch blamed by the weights
+        check, or not (applied, released, not finite, or not checked)."""
+        self.skip_run = self.skip_run + 1 if blamed_skip else 0
 
     def grad_armed(self) -> torch.Tensor:
         """0-d bool: the grad rule is on (its quiet arming done; the host's ``GradSpike.on``)."""
@@ -59,13 +79,16 @@ class DeviceGate:
 
     def test(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """The gate for a step with these numbers (0-d bool), against the histories as they are;
-        nothing is folded in (a re-run's check uses this)."""
+        nothing is folded in (a re-run's check uses this). Without the storm test: a re-run or
+        a reference batch is judged as a fresh batch, whatever the step before it was."""
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
         return self._test(g, x, self._grad_limit())
 
-    def _test(self, g: torch.Tensor, x: torch.Tensor, glimit: torch.Tensor) -> torch.Tensor:
-        """``test`` on float64 0-d tensors, with the grad bar as it is (``_grad_limit``)."""
+    def _test(self, g: torch.Tensor, x: torch.Tensor, glimit: torch.Tensor,
+              storm: bool = False) -> torch.Tensor:
+        """``test`` on float64 0-d tensors, with the grad bar as it is (``_grad_limit``);
+        ``storm``: with the storm test (``rules.storm_spike``)."""
         ema = self.ema.value
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
@@ -76,6 +99,8 @@ class DeviceGate:
         joint = joint_spike(g, half, x, self.level.value, llimit)
         spike = ((grad_spike(g, glimit) & grad_on) | loss_spike(x, llimit) | joint
                  | ratio_spike(ratio, self.config))
+        if storm and self.config.storm_loss_frac > 0:
+            spike = spike | storm_spike(g, med, x, self.level.value, llimit, self.config)
         return ~torch.isfinite(g) | ~torch.isfinite(x) | (self.armed() & spike)
 
     def reference_test(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -92,6 +117,11 @@ class DeviceGate:
         half = level + 0.5 * (self._loss_limit() - level)
         ratio = torch.where(ema > 0, x / ema, math.nan)
         loss_up = (x > half) | (ratio > 0.5 * (1.0 + c.skip_ratio))
+        if self.after_skip and c.storm_loss_frac > 0:
+            # the step was judged with the storm test: its reference is held to the same bars,
+            # or a flag the weights caused would blame the batch and chain into the next step
+            g = grad_norm.detach().to(self.device, torch.float64).reshape(())
+            loss_up = loss_up | storm_spike(g, self.median.value, x, level, self._loss_limit(), c)
         return self.test(grad_norm, loss) | (self.armed() & loss_up)
 
     def reference_elevated(self, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -135,7 +165,7 @@ class DeviceGate:
         quiet = torch.where(grad_spike(g, glimit), 0, self.grad_quiet + 1)
         self.grad_quiet = torch.where(judged, quiet, self.grad_quiet)
         self.grad_on = self.grad_on | (judged & (self.grad_quiet >= self.config.grad_quiet_need))
-        gate = self._test(g, x, glimit)
+        gate = self._test(g, x, glimit, self.after_skip)
         ok = (g > 0) & torch.isfinite(g)
         # NaN where the host's log_value gives NaN: never kept
         self.spread.add(torch.where(ok, torch.log(g), math.nan), flagged=gate)
@@ -150,7 +180,8 @@ class DeviceGate:
         return {"median": self.median.state_dict(), "spread": self.spread.state_dict(),
                 "ema": self.ema.state_dict(), "level": self.level.state_dict(),
                 "loss_spread": self.loss_spread.state_dict(),
-                "grad_quiet": int(self.grad_quiet), "grad_on": bool(self.grad_on)}
+                "grad_quiet": int(self.grad_quiet), "grad_on": bool(self.grad_on),
+                "skip_run": self.skip_run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in ("median", "spread", "ema", "level", "loss_spread"):
@@ -161,3 +192,4 @@ class DeviceGate:
         on = state.get("grad_on", int(self.ema.count) >= max(c.arm_after, c.grad_arm_after))
         self.grad_quiet = torch.tensor(int(state.get("grad_quiet", 0)), device=self.device)
         self.grad_on = torch.tensor(bool(on), device=self.device)
+        self.skip_run = int(state.get("skip_run", 0))

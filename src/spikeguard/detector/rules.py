@@ -25,7 +25,7 @@ from .config import DetectorConfig
 
 __all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "LossSpike", "NonFinite", "Rule",
            "ScalerOverflow", "StepInput", "grad_limit", "grad_spike", "joint_grad_bar",
-           "joint_spike", "loss_limit", "loss_spike", "quiet_arm", "ratio_spike"]
+           "joint_spike", "loss_limit", "loss_spike", "quiet_arm", "ratio_spike", "storm_spike"]
 
 Event = tuple[int, str]
 """(onset step, reason): where the anomaly a rule saw began, and a short text naming its metric."""
@@ -83,6 +83,21 @@ def joint_grad_bar(median: float, limit: float) -> float:
     return math.sqrt(median * limit)
 
 
+def storm_spike(grad_norm: Any, grad_median: Any, loss: Any, level: Any, limit: Any,
+                c: DetectorConfig) -> Any:
+    """The Tier 1 storm test, for a step right after a skip the weights check blamed on its
+    batch (``StepInput.after_skip``): the loss past ``storm_loss_frac`` of its bar's rise above
+    the median **and** the grad norm past ``grad_elevated`` x its median (floats or 0-d tensors;
+    NaN compares false). A storm's later batch can look milder than a fresh outlier: the zoo's
+    storm of random token ids 2 steps after arming (tiny, seed 1) had its third batch at 5.7x
+    the grad median under a 5.8x bar and +19% loss, inside the joint test, and, applied, left
+    the last two at 2.2-2.6x. On the recorded clean runs no step right after a skip (26 and 30
+    such steps) passed it; at any armed step 1.4 per 1,000 did on the tuning half (1.1 on the
+    held-out half)."""
+    return ((loss > level + c.storm_loss_frac * (limit - level))
+            & (grad_norm > c.grad_elevated * grad_median))
+
+
 def quiet_arm(quiet: int, need: int, outside: bool) -> tuple[int, bool]:
     """One judged update of a rule that is not yet on: (the new quiet count, whether the rule is
     on now). A statistic past the rule's bar restarts the count; ``need`` (``arm_quiet``) in a
@@ -107,10 +122,10 @@ class StepInput:
     """One step as every rule sees it. The detector fills the first fields; rules publish the
     rest for the rules after them (named with the rule that writes each)."""
 
-    __slots__ = ("armed", "blind", "ema_prev", "given_ratio", "grad_half", "grad_norm", "grad_on",
-                 "i", "j", "kept", "log_z", "log_z_onset", "loss", "loss_flag", "ratio",
-                 "ratio_onset", "released", "short", "skip", "spike", "step", "t1_onset",
-                 "update_ratio")
+    __slots__ = ("after_skip", "armed", "blind", "ema_prev", "given_ratio", "grad_half",
+                 "grad_med", "grad_norm", "grad_on", "i", "j", "kept", "log_z", "log_z_onset",
+                 "loss", "loss_flag", "ratio", "ratio_onset", "released", "short", "skip",
+                 "spike", "step", "t1_onset", "update_ratio")
 
     def __init__(self) -> None:
         self.step = self.i = self.j = 0
@@ -120,12 +135,17 @@ class StepInput:
         """A loss_ema_ratio already in the StepMetrics (a replayed log), else None."""
         self.armed = False
         """Whether the statistical rules are on (arm_after kept updates before this one)."""
+        self.after_skip = False
+        """The step before was a skip the weights check blamed on its batch (the caller says:
+        ``SpikeDetector.update``'s ``after_skip``): the storm test applies (LossSpike)."""
         self.released = self.blind = False
         """The caller applied this step's update although Tier 1 flags it (the weights, not the
         batch, were at fault; ``blind``: released without a test of the weights): no skip, but
         still out of the histories (the detector)."""
         self.grad_on = False
         """Whether the grad rule is on this step (GradSpike: armed and its quiet arming done)."""
+        self.grad_med = _nan
+        """The grad norm's running median this step is judged against (GradSpike)."""
         self.grad_half = math.inf
         """The joint test's grad bar (``joint_grad_bar``: halfway in log to the grad bar), inf
         while not armed (GradSpike; LossSpike's joint test reads it)."""
@@ -229,7 +249,7 @@ class GradSpike(Rule):
 
     def update(self, x: StepInput) -> Event | None:
         g = x.grad_norm
-        med = self.med = self.median.value
+        med = self.med = x.grad_med = self.median.value
         if g > self.elevated * med:
             if self.onset is None:
                 self.onset = x.step
@@ -266,7 +286,7 @@ class LossSpike(Rule):
     """
 
     __slots__ = ("c", "early_reason", "joint_reason", "level", "limit", "med", "reason",
-                 "spread")
+                 "spread", "storm", "storm_reason")
     _stats = ("level", "spread")
     tier, phase = 1, "judge"
 
@@ -278,16 +298,26 @@ class LossSpike(Rule):
         self.reason = f"loss > median + {c.loss_z:g} spreads"
         self.joint_reason = "loss and grad_norm both past half their bars"
         self.early_reason = "loss and grad_norm both past half their bars, grad rule not on"
+        self.storm = c.storm_loss_frac > 0.0
+        self.storm_reason = (f"loss and grad_norm up right after a skipped garbage batch "
+                             f"(past {c.storm_loss_frac:g} of the loss bar's rise, "
+                             f"{c.grad_elevated:g}x the median)")
 
     def update(self, x: StepInput) -> Event | None:
         med = self.med = self.level.value
         self.limit = limit = loss_limit(med, self.spread.value, self.c)
-        if x.armed and loss_spike(x.loss, limit):
+        if not x.armed:
+            return None
+        if loss_spike(x.loss, limit):
             x.skip = x.loss_flag = True
             return (x.step, self.reason)
-        if x.armed and joint_spike(x.grad_norm, x.grad_half, x.loss, med, limit):
+        if joint_spike(x.grad_norm, x.grad_half, x.loss, med, limit):
             x.skip = x.loss_flag = True
             return (x.step, self.joint_reason if x.grad_on else self.early_reason)
+        if x.after_skip and self.storm and storm_spike(x.grad_norm, x.grad_med, x.loss, med, limit,
+                                                self.c):
+            x.skip = x.loss_flag = True
+            return (x.step, self.storm_reason)
         return None
 
     def fold(self, x: StepInput) -> None:

@@ -47,7 +47,8 @@ class Detection:
         skipped = out.update is Update.WITHHELD
         out.signals = p.probes.decode(tail) if p.probes is not None else {}
         verdict = self.detector.update(m, released=self.respond and r.flagged and not skipped,
-                                       blind=blind, update_ratio=out.signals.get("update_ratio"))
+                                       blind=blind, update_ratio=out.signals.get("update_ratio"),
+                                       after_skip=p.after_skip)
         m.loss_ema_ratio = verdict.evidence.get("loss_ema_ratio")
         if (self.respond and verdict.tier <= 1 and verdict.skip != skipped
                 and p.lr_jump is None and not self._warned_disagree):

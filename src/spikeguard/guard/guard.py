@@ -323,12 +323,11 @@ class Guard:
                        stats if keep_grads else None,
                        None if keep_grads else stats.finite_pieces(), batch.rows,
                        self._reference, framework=framework, lr_factor=factor, lr_jump=why,
-                       lr_onset=lr_onset)
+                       lr_onset=lr_onset, after_skip=up.gate.after_skip)
 
     # -- the host side: the stages ------------------------------------------------------------
     def _resolve(self, p: Pending) -> Verdict:
-        """Step ``p``'s numbers through the stages: read, weights check, detect, attribute,
-        settle the update, respond, record, checkpoint."""
+        """Step ``p`` through the stages: read, weigh, detect, attribute, settle, respond..."""
         reading, tail = StepReading.read(p.readback.values())
         if reading.lr_jumped and (p.lr_jump is None or torch.distributed.is_initialized()):
             # agreed across ranks (Updater.measure); the reason too: every rank's the same
@@ -356,6 +355,7 @@ class Guard:
             out = self._attribute(p, out)
         self.updater.settle(out.update)
         self.last_skipped = out.skipped
+        self.gate.resolved(out.blamed_skip)  # the next step's storm test, or not
         out.action = out.verdict.action
         if not self.config.respond:  # the verdict says what the policy would have done
             out.verdict = out.verdict._replace(action=self.policy.intended(out.verdict))

@@ -66,6 +66,14 @@ class StepOutcome:
     """The multiple of the scheduled LR the step's update used (``Updater.lr``)."""
 
     @property
+    def blamed_skip(self) -> bool:
+        """A Tier 1 skip whose batch the weights check blamed (its reference batch passed under
+        the same weights): the next step gets the storm test (``DeviceGate.after_skip``)."""
+        check = self.weights_check
+        return (self.update is Update.WITHHELD and self.verdict.tier == 1
+                and check is not None and check.weights is False)
+
+    @property
     def skipped(self) -> bool:
         """The record's ``skipped``: the guard withheld the update (at a loss-scaler overflow,
         whether the gate withheld it too: it does unless the guard only measures)."""

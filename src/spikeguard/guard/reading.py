@@ -94,6 +94,9 @@ class Pending:
     """Why the step was withheld before it was applied: its LR jumped (``lr_jump.py``)."""
     lr_onset: int | None = None
     """A jump after an anomaly at a risen LR (the weights were moved): the first step at it."""
+    after_skip: bool = False
+    """The gate judged the step with the storm test (``DeviceGate.after_skip``); the host
+    detector does too."""
 
     @property
     def grads_alive(self) -> bool:
