@@ -5,6 +5,7 @@ instead of being skipped into a storm. Each claim beside the unguarded arm on th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -465,3 +466,45 @@ def test_the_storm_test_never_chains_past_the_skip_storm_bound_nor_on_a_weak_ref
     assert bool(gate.reference_test(*ref))
     gate.resolved(False)
     assert not gate.after_skip and not bool(gate.reference_test(*ref))
+
+
+def test_the_weights_at_fault_twice_with_the_loss_up_is_tier_2_dated_at_the_first():
+    """A flag whose update the weights check let through (an old batch failed under the same
+    weights) with the loss up, twice within loss_window updates, is Tier 2 at the second,
+    dated at the first: damaged weights, not a batch. Not for a grad-only flag (the post-warmup
+    turbulence the clipped update repairs), not blind, not far apart; once per cluster; a
+    detector restored between the two fires the same."""
+    config = sg.DetectorConfig.for_run(200)
+    metrics = _falling(60, noise=0.05)
+    base = sg.SpikeDetector(config)
+    for m in metrics:
+        base.update(m, released=False)
+    level = base._rules["loss_spike"].level.value
+    bad = lambda t: sg.StepMetrics(step=t, loss=level * 1.8,  # noqa: E731
+                                   grad_norm=10.0 * base.grad_median)
+    spike = lambda t: sg.StepMetrics(step=t, loss=level,  # noqa: E731
+                                     grad_norm=10.0 * base.grad_median)
+    healthy = [dataclasses.replace(m, step=61 + i) for i, m in enumerate(metrics[-12:])]
+
+    def run(stream, *, blind=False, flagged=lambda m: m.grad_norm > 5 * base.grad_median):
+        d = copy.deepcopy(base)
+        return [d.update(m, released=flagged(m), blind=blind) for m in stream]
+
+    twice = run([bad(60), *healthy[:3], bad(64)])
+    assert twice[0].tier == 1 and twice[0].action is sg.Action.ALERT
+    assert twice[-1].tier == 2 and twice[-1].onset_step == 60
+    assert any(r.startswith("the weights at fault twice") for r in twice[-1].reasons)
+    # a third in the same cluster does not fire again
+    assert all(v.tier < 2 for v in run([bad(60), bad(61), *healthy[:3], bad(65)])[2:])
+    assert max(v.tier for v in run([spike(60), *healthy[:3], spike(64)])) < 2  # grad alone
+    assert max(v.tier for v in run([bad(60), *healthy[:3], bad(64)], blind=True)) < 2
+    gap = [dataclasses.replace(m, step=61 + i) for i, m in enumerate(metrics[-12:] * 3)]
+    far = run([bad(60), *gap, bad(97)])
+    assert not any(v.skip for v in far[1:-1]) and max(v.tier for v in far) < 2
+    # restored between the two: the same event
+    d = copy.deepcopy(base)
+    for m in [bad(60), *healthy[:3]]:
+        d.update(m, released=m.grad_norm > 5 * base.grad_median)
+    d2 = sg.SpikeDetector(config)
+    d2.load_state_dict(json.loads(json.dumps(d.state_dict())))
+    assert d2.update(bad(64), released=True).tier == 2

@@ -62,12 +62,22 @@ class SkipStorm(Rule):
 
     Only Tier 1 flags count (never fp16 overflows, which the GradScaler handles); the fraction
     rule counts only skips, and is dated by the oldest skip still in the window.
+
+    Twice damaged: a second flag within ``loss_window`` updates that the weights check found the
+    weights at fault for (released, not blind) with the loss up (a loss rule flagged it) is
+    Tier 2 at once, dated at the first: an old, healthy batch fails under these weights, the
+    loss is up, and it happened again, which no run of fresh outliers does. The zoo's output-logit
+    proxy (tiny, no z-loss, LR 1.0, seed 2) had two such flags at steps 92 and 93 and a
+    third at 99, where its unguarded loss departed from its trend; the skip-storm run needs six
+    in a row and the log Z rules fired only at 108. No clean zoo run (17 settings, 4 seeds) had
+    even one such flag.
     """
 
     __slots__ = ("calm", "count", "frac_reason", "latched", "limit", "max_run", "need",
-                 "released", "run", "run_onset", "run_reason", "suspect", "weights_reason",
-                 "window")
-    _scalars = ("run", "run_onset", "latched", "released", "suspect", "calm")
+                 "released", "run", "run_onset", "run_reason", "span", "suspect", "twice_reason",
+                 "weights_at", "weights_latched", "weights_reason", "window")
+    _scalars = ("run", "run_onset", "latched", "released", "suspect", "calm", "weights_at",
+                "weights_latched")
     _stats = ("window",)
     phase = "judge"
 
@@ -92,6 +102,14 @@ class SkipStorm(Rule):
         self.weights_reason = (f"flagged > {c.max_consecutive_skips} consecutive, the weights "
                                "at fault")
         self.frac_reason = f"skips > {c.max_skip_fraction:.0%} of last {c.skip_window}"
+        self.span = c.loss_window
+        self.weights_at: list[int] | None = None
+        """[update index, step] of the last flag the weights check blamed on the weights, with
+        the loss up (None: none within ``span`` that has not fired yet)."""
+        self.weights_latched = False
+        """The twice-damaged event fired for the current cluster of such flags."""
+        self.twice_reason = (f"the weights at fault twice within {c.loss_window} steps, the "
+                             "loss up (an old batch fails under them)")
 
     def update(self, x: StepInput) -> list[Event] | None:
         step, i, flag = x.step, x.i, x.skip
@@ -117,6 +135,8 @@ class SkipStorm(Rule):
                 self.suspect = True
         elif not flag:
             self.run = 0
+        if flag and x.released and x.loss_flag and not x.blind:
+            events = self._damaged(i, step, events)
         window = self.window
         # the count only grows by a skip (added above): while it is 0 and this step adds
         # none, it stays 0 without a look at the window
@@ -133,8 +153,23 @@ class SkipStorm(Rule):
             self.latched = False
         return events
 
+    def _damaged(self, i: int, step: int, events: list[Event] | None) -> list[Event] | None:
+        """A flag the weights check blamed on the weights, the loss up: the second within
+        ``span`` updates of the one before is the twice-damaged event (once per cluster)."""
+        last = self.weights_at
+        if last is not None and i - last[0] <= self.span:
+            if not self.weights_latched:
+                self.weights_latched = True
+                event = (last[1], self.twice_reason)
+                events = [event] if events is None else [*events, event]
+        else:
+            self.weights_latched = False
+        self.weights_at = [i, step]
+        return events
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        # a state saved before the twice-damaged event: no such flag on record
+        super().load_state_dict({"weights_at": None, "weights_latched": False, **state})
         self.count = len(self.window)  # at most the count: the next update looks at the window
 
 

@@ -67,11 +67,11 @@ class StepOutcome:
 
     @property
     def blamed_skip(self) -> bool:
-        """A Tier 1 skip whose batch the weights check blamed (its reference batch passed under
-        the same weights): the next step gets the storm test (``DeviceGate.after_skip``)."""
+        """A skip whose batch the weights check blamed (its reference batch passed under the
+        same weights), whatever else the step fired: the next step gets the storm test
+        (``DeviceGate.after_skip``) while fewer than max_consecutive_skips came in a row."""
         check = self.weights_check
-        return (self.update is Update.WITHHELD and self.verdict.tier == 1
-                and check is not None and check.weights is False)
+        return self.update is Update.WITHHELD and check is not None and check.weights is False
 
     @property
     def skipped(self) -> bool:
