@@ -314,8 +314,8 @@ class LossSpike(Rule):
         if joint_spike(x.grad_norm, x.grad_half, x.loss, med, limit):
             x.skip = x.loss_flag = True
             return (x.step, self.joint_reason if x.grad_on else self.early_reason)
-        if x.after_skip and self.storm and storm_spike(x.grad_norm, x.grad_med, x.loss, med, limit,
-                                                self.c):
+        if (x.after_skip and self.storm
+                and storm_spike(x.grad_norm, x.grad_med, x.loss, med, limit, self.c)):
             x.skip = x.loss_flag = True
             return (x.step, self.storm_reason)
         return None

@@ -106,7 +106,7 @@ class SkipStorm(Rule):
         self.span = c.loss_window
         self.weights_at: list[int] | None = None
         """[update index, step] of the last flag the weights check blamed on the weights, with
-        the loss up (None: none within ``span`` that has not fired yet)."""
+        the loss up (None: none yet)."""
         self.weights_latched = False
         """The twice-damaged event fired for the current cluster of such flags."""
         self.twice_reason = (f"the weights at fault twice within {c.loss_window} steps, the "
