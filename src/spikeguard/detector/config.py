@@ -208,7 +208,7 @@ class DetectorConfig:
         if self.log_z_onset > self.log_z_drift:
             raise ValueError(f"DetectorConfig.log_z_onset={self.log_z_onset} must be <= "
                              f"log_z_drift={self.log_z_drift}: the onset comes before the drift")
-        for name in ("max_skip_fraction", "halt_loss_vocab_fraction", "storm_loss_frac"):
+        for name in ("max_skip_fraction", "halt_loss_vocab_fraction"):
             if getattr(self, name) >= 1.0:
                 raise ValueError(f"DetectorConfig.{name}={getattr(self, name)} must be < 1 "
                                  f"(default {getattr(type(self), name)})")

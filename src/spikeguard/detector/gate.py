@@ -79,8 +79,9 @@ class DeviceGate:
 
     def test(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """The gate for a step with these numbers (0-d bool), against the histories as they are;
-        nothing is folded in (a re-run's check uses this). Without the storm test: a re-run or
-        a reference batch is judged as a fresh batch, whatever the step before it was."""
+        nothing is folded in (a re-run's check uses this). Without the storm test: a re-run is
+        judged as a fresh batch, whatever the step before it was (``reference_test`` adds the
+        storm bars for a reference itself)."""
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
         return self._test(g, x, self._grad_limit())
@@ -111,18 +112,17 @@ class DeviceGate:
         reference's loss stood 1.38x the median, just under the 1.4x bar, on weights every
         fresh batch found as bad (tiny, seed 1). The grad bar is not halved: a healthy old
         batch's norm reaches 1.7x the median often enough (1-3% of steps) to let a storm batch
-        through, while a loss 20% above the median is a 5-10 sigma event for a healthy one."""
+        through, while a loss 20% above the median is a 5-10 sigma event for a healthy one.
+        When the flagged step was judged with the storm test (``after_skip``), the reference
+        fails its bars too: else a flag the weights caused would blame the batch and chain."""
+        g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
-        c, level, ema = self.config, self.level.value, self.ema.value
-        half = level + 0.5 * (self._loss_limit() - level)
+        c, level, ema, llimit = self.config, self.level.value, self.ema.value, self._loss_limit()
         ratio = torch.where(ema > 0, x / ema, math.nan)
-        loss_up = (x > half) | (ratio > 0.5 * (1.0 + c.skip_ratio))
+        loss_up = (x > level + 0.5 * (llimit - level)) | (ratio > 0.5 * (1.0 + c.skip_ratio))
         if self.after_skip and c.storm_loss_frac > 0:
-            # the step was judged with the storm test: its reference is held to the same bars,
-            # or a flag the weights caused would blame the batch and chain into the next step
-            g = grad_norm.detach().to(self.device, torch.float64).reshape(())
-            loss_up = loss_up | storm_spike(g, self.median.value, x, level, self._loss_limit(), c)
-        return self.test(grad_norm, loss) | (self.armed() & loss_up)
+            loss_up = loss_up | storm_spike(g, self.median.value, x, level, llimit, c)
+        return self._test(g, x, self._grad_limit()) | (self.armed() & loss_up)
 
     def reference_elevated(self, grad_norm: torch.Tensor) -> torch.Tensor:
         """0-d bool: a reference's grad norm past the geometric midpoint of the median and the

@@ -327,7 +327,7 @@ class Guard:
 
     # -- the host side: the stages ------------------------------------------------------------
     def _resolve(self, p: Pending) -> Verdict:
-        """Step ``p`` through the stages: read, weigh, detect, attribute, settle, respond..."""
+        """Step ``p``: read, weigh, detect, attribute, settle, respond, record, checkpoint."""
         reading, tail = StepReading.read(p.readback.values())
         if reading.lr_jumped and (p.lr_jump is None or torch.distributed.is_initialized()):
             # agreed across ranks (Updater.measure); the reason too: every rank's the same
