@@ -16,6 +16,7 @@ import torch
 
 import spikeguard as sg
 from spikeguard.guard import Guard, GuardConfig, TrainingHalted
+from spikeguard.guard.outliers import robust_z
 
 
 @dataclass
@@ -26,10 +27,13 @@ class Fault:
     gradient), "lr" (LR x mult), "grad" (every gradient scaled so that their norm is ``mult``
     x the median grad norm the guard's detector holds: sized from the run itself; a transient
     fault, the re-run does not have it), "sharp" (the same scaling, which the re-run of the
-    step reproduces: a batch whose gradient is huge at an ordinary loss)."""
+    step reproduces: a batch whose gradient is huge at an ordinary loss), "sharp-row" (the
+    gradient through row ``row`` of the batch times ``mult``, in the step and in every re-run
+    that keeps the row: one sequence that drives the gradient, at an unchanged loss)."""
     step: int
     param: str = "blocks.0.mlp.fc.weight"
     mult: float = 50.0
+    row: int = 0
     length: int = 1
     sticky: bool = False
     """Fire every time training passes the steps (else once: a rollback ends it for good)."""
@@ -70,6 +74,9 @@ class Run:
     lrs: dict[int, float] = field(default_factory=dict)
     around: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     """Step -> (parameters and optimizer state before guard.step, after it), for ``watch``."""
+    top_z: dict[int, tuple[int, float]] = field(default_factory=dict)
+    """Step -> (the row whose loss or log Z has the largest robust z-score in the batch, that
+    score): what attribution's quarantine reads."""
 
     def final_loss(self, last: int = 20) -> float:
         steps = sorted(self.losses)[-last:]
@@ -129,8 +136,13 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                 x = torch.randint(0, cfg.vocab_size, x.shape, generator=gen)
                 with torch.no_grad():
                     y = model.logits(model(x)).argmin(-1)
-            out_ = model.loss(model(x), y)
+            rows = next((f.row for f in active if f.kind == "sharp-row"), None)
+            row_mult = next((f.mult for f in active if f.kind == "sharp-row"), 1.0)
+            out_ = model.loss(_row_scaled(model(x), rows, row_mult), y)
             out_.loss.backward()
+            zs = [max(a, b) for a, b in zip(robust_z(out_.sequences.ce.tolist()),
+                                            robust_z(out_.sequences.log_z.tolist()))]
+            run.top_z[t] = max(enumerate(zs), key=lambda iz: iz[1])
             factor = None  # "sharp": the re-run scales its gradients by the same factor
             for f in active:
                 if f.kind == "nan":
@@ -152,8 +164,12 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
             run.lrs[t] = opt.param_groups[0]["lr"]
             run.losses[t] = float(out_.ce)
 
-            def rerun(x: torch.Tensor = x, y: torch.Tensor = y, factor: Any = factor) -> Any:
-                o = model.loss(model(x), y)
+            def rerun(keep: Any = None, x: torch.Tensor = x, y: torch.Tensor = y,
+                      factor: Any = factor, row: int | None = rows, mult: float = row_mult) -> Any:
+                if keep is not None:
+                    x, y = x[keep], y[keep]
+                    row = int(keep[:row].sum()) if row is not None and keep[row] else None
+                o = model.loss(_row_scaled(model(x), row, mult), y)
                 guard.backward(o)
                 if factor is not None:
                     for p in model.parameters():
@@ -178,6 +194,15 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
         if ckpt is not None:
             ckpt.close()
     return run
+
+
+def _row_scaled(h: torch.Tensor, row: int | None, mult: float) -> torch.Tensor:
+    """``h`` unchanged, but the gradient through its row ``row`` times ``mult`` (None: as is)."""
+    if row is None:
+        return h
+    scale = torch.ones(h.shape[0], *([1] * (h.dim() - 1)), dtype=h.dtype)
+    scale[row] = mult
+    return h.detach() + (h - h.detach()) * scale
 
 
 def fsdp_tiny(world: int, steps: int) -> tuple[sg.GPT, torch.optim.AdamW, Any]:

@@ -342,6 +342,45 @@ def test_a_reproduced_gradient_spike_at_an_ordinary_loss_goes_through_and_above_
             assert _same(*run.around[step])  # withheld: weights and moments as they were
 
 
+@pytest.mark.slow
+def test_a_quarantined_sequence_keeps_an_ordinary_spike_skipped_only_when_it_causes_it():
+    """At an ordinary loss, a reproduced gradient spike in a batch whose top row scores past the
+    quarantine bar (z > 5, as the top row of about one clean batch in eight does): when every
+    row's gradient is 30x, the batch without that row still fails the gate, the row does not
+    explain the spike and the clipped update goes through; when that row's gradient alone is
+    100x, the batch without it passes, and the step stays skipped. The step is chosen from the
+    clean run: the first after 150 whose loss is under the median of the 32 before it and whose
+    top row scores over 6."""
+    from tests.guard_harness import Fault, guarded_run
+
+    clean = guarded_run(steps=200)
+    losses = [clean.losses[t] for t in range(200)]
+    step = next(t for t in range(150, 190) if clean.top_z[t][1] > 6
+                and losses[t] <= 0.98 * statistics_median(losses, t))
+    row = clean.top_z[step][0]
+    for fault, released in ((Fault("sharp", step, mult=30.0), True),
+                            (Fault("sharp-row", step, mult=100.0, row=row), False)):
+        run = guarded_run(steps=200, stop_at=step + 5, faults=[fault], watch=(step,))
+        assert run.top_z[step] == clean.top_z[step]  # the same batch, the same weights
+        v = next(v for v in run.verdicts if v.step == step)
+        ev = v.evidence
+        assert ev["grad_norm"] >= 5 * ev["grad_median"] and ev["loss_flag"] is False, ev
+        assert ev["loss"] <= ev["loss_median"]
+        assert any(r.startswith("rerun: data") for r in v.reasons), v.reasons
+        assert any(r.startswith("quarantined 1 sequence(s)") and f"row {row} " in r
+                   for r in v.reasons), v.reasons
+        said = next(r for r in v.reasons if r.startswith("the 7/8 other rows"))
+        if released:
+            assert said.endswith("the quarantined do not explain it"), said
+            assert not v.skip and v.action is sg.Action.ALERT, v
+            assert any(r.startswith("released:") for r in v.reasons)
+            assert not _same(*run.around[step])  # the update was applied
+        else:
+            assert said.endswith("the quarantined explain it"), said
+            assert v.skip and v.action is sg.Action.SKIP, v
+            assert _same(*run.around[step])  # withheld: weights and moments as they were
+
+
 def statistics_median(losses, t, window=32):
     import statistics
 

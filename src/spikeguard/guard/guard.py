@@ -123,7 +123,7 @@ class Guard:
                                tp_group=tp_group, clipping=cfg.clipping, lr_jump=cfg.lr_jump,
                                read_lag=lag if lag is not None else int(
                                    precision.device.type == "cuda"))
-        self.attribution = Attribution(cfg.attribution, measure=self.updater.measure_rerun,
+        self.attribution = Attribution(cfg.attribution, updater=self.updater,
                                        ledger=self.ledger, sinks=self.recorder.sinks)
         self.weights = (WeightsProbe(self.updater, self.probes, reference_age=cfg.reference_age,
                                      max_blind_skips=cfg.detector.max_consecutive_skips)
@@ -414,7 +414,7 @@ class Guard:
         redo = (lambda: self.micro.redo(nxt)) if nxt is not None else None
         aside, applied, finding = up.set_aside(self.probes), False, Finding()
         try:
-            finding = self.attribution.judge(p, verdict.tier, m.loss, m.grad_norm)
+            finding = self.attribution.judge(p, verdict, m.loss, m.grad_norm)
             if finding.keep is not None:
                 result = up.apply_without(p, finding.keep, finding.weight)
                 self.attribution.dropped(finding, result)
@@ -426,7 +426,7 @@ class Guard:
         if released:
             finding.cause = "unknown"
             finding.reasons.append("released: a reproduced gradient spike at an ordinary loss, "
-                                   "no outlier sequence: the clipped update goes through")
+                                   "no sequence explains it: the clipped update goes through")
         out.finding, out.cause = finding, finding.cause
         check = out.weights_check
         if out.cause == "data" and not (check is not None and check.weights is False):

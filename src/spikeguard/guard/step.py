@@ -146,6 +146,8 @@ class RerunUpdate:
     ``loss.backward()`` itself bypasses it: then each rank's loss is its own mean)."""
     grads: list[Any] | None = None
     """Under ``guard.decide()``: the applied re-run's gradients, for the framework to step on."""
+    passes: bool = False
+    """The re-run's loss and grad norm pass the gate's test (applied or not)."""
 
 
 class Updater:
@@ -352,11 +354,14 @@ class Updater:
                                  stats.extras[1].double()]).tolist()
         return lo, lz, n / scale, stats  # a power-of-two loss scale divides exactly
 
-    def apply_without(self, p: Pending, keep: torch.Tensor, weight: float) -> RerunUpdate:
+    def apply_without(self, p: Pending, keep: torch.Tensor, weight: float, *,
+                      apply: bool = True) -> RerunUpdate:
         """Attribution's request: re-run step ``p`` with only the rows ``keep`` marks, each
         rank's loss weighted by ``weight`` (through ``backward``); apply that update if it passes
         the gate's test (under ``guard.decide()``: keep its gradients for the framework). Runs
-        with the step's gradients set aside."""
+        with the step's gradients set aside. ``apply`` False: only the gate's answer
+        (``passes``), nothing applied and the loss scaler left as it was (the norm is unscaled
+        on the host)."""
         for param in self.params:  # the verifying re-run's gradients
             param.grad = None
         calls, self.loss_weight = self.backwards, weight
@@ -365,22 +370,25 @@ class Updater:
         finally:
             self.loss_weight = 1.0
         weighed = self.backwards != calls
-        loss, _, norm, stats = self.measure_rerun(out, unscale=True, weight=weight if weighed else 1.0)
+        loss, _, norm, stats = self.measure_rerun(out, unscale=apply,
+                                                  weight=weight if weighed else 1.0)
         dev = stats.norm.device
         gate = self.gate.test(torch.tensor(norm, dtype=torch.float64, device=dev),
                               torch.tensor(loss, dtype=torch.float64, device=dev))
-        ok = not bool(gate)
+        passes = not bool(gate)
+        ok = passes and apply
         if ok and self.clip is not None:
             stats.clip_(self.clip)
         grads = None
         if p.framework:
             grads = [param.grad for param in self.params] if ok else None
-        else:
+        elif apply:
             self._apply(lambda: apply_update(self.precision, self.optimizer, skip=not ok),
                         not ok, 1.0)
         for param in self.params:
             param.grad = None
-        return RerunUpdate(loss=loss, grad_norm=norm, applied=ok, weighed=weighed, grads=grads)
+        return RerunUpdate(loss=loss, grad_norm=norm, applied=ok, weighed=weighed, grads=grads,
+                           passes=passes)
 
 
 class ScalerState:
