@@ -84,7 +84,10 @@ class AttributionConfig:
     rerun_rtol: float = 1e-3
     """Loss and grad norm reproduced within this relative difference mean the data caused it."""
     quarantine_z: float = 5.0
-    """Quarantine a sequence whose loss or log Z has a robust z-score (median, MAD) above this."""
+    """Quarantine a sequence of a skipped batch whose loss or log Z has a robust z-score (median,
+    MAD) above this. The top row of a clean batch of 4-8 rows passes 5 about once in eight
+    batches (pydoc; 32 rows: four in ten), so a quarantined row holds a grad-only skip at an
+    ordinary loss only if the batch without it passes the gate."""
     drop_sequences: bool = False
     """Re-run a data-caused skip without its quarantined sequences and apply that update; a
     non-finite step whose non-finite values all come from some sequences (a corrupt sample)
