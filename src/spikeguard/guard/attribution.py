@@ -65,12 +65,19 @@ def _ordinary(verdict: Any, f: Finding) -> bool:
             and med - (limit - med) <= loss <= med and f.cause == "data")
 
 
+def _named(rows: list[dict[str, Any]]) -> str:
+    """The first four rows, named for the reasons."""
+    return ", ".join(f"batch {q['stream_index']} rank {q['rank']} row {q['row']} (micro-batch "
+                     f"{q['micro_batch']} row {q['micro_row']}, z {q['z']:.3g})"
+                     for q in rows[:4])
+
+
 def _no_evidence(verdict: Any, f: Finding) -> bool:
-    """An ordinary skip (``_ordinary``) that no sequence explains: none quarantined, or the batch
-    without them still fails the gate. Tiny, LR 1e-2, seed 5: such a batch skipped at step 76
+    """An ordinary skip (``_ordinary``) that no sequence explains: none quarantined (outlier
+    rows the batch without them still fails the gate with are not: ``Attribution._explain``). Tiny, LR 1e-2, seed 5: such a batch skipped at step 76
     (10x the median grad norm) left weights on which the next batches reached 57x; two more
     skips, 3.7% worse."""
-    return _ordinary(verdict, f) and (not f.quarantined or f.explains is False)
+    return _ordinary(verdict, f) and not f.quarantined
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -139,8 +146,8 @@ class Finding:
     drop: Any = None
     """What the re-run without the quarantined rows did (the step part's RerunUpdate)."""
     explains: bool | None = None
-    """Whether the quarantined rows explain an ordinary skip: the batch without them passes the
-    gate (None: not asked)."""
+    """Whether the outlier rows explain an ordinary skip: the batch without them passes the
+    gate (None: not asked; False: they are not quarantined)."""
 
     def record(self) -> dict[str, Any]:
         """The record's keys of this finding (``cause`` is the outcome's)."""
@@ -206,12 +213,7 @@ class Attribution:
         f.quarantined = outliers(f.rows, cfg.quarantine_z)
         if tier == 3:  # a non-finite step: only the rows with non-finite values explain it
             f.quarantined = [q for q in f.quarantined if q["z"] == math.inf]
-        if f.quarantined:
-            self._write(p.step, f.quarantined)
-            f.reasons.append(f"quarantined {len(f.quarantined)} sequence(s): " + ", ".join(
-                f"batch {q['stream_index']} rank {q['rank']} row {q['row']} (micro-batch "
-                f"{q['micro_batch']} row {q['micro_row']}, z {q['z']:.3g})"
-                for q in f.quarantined[:4]))
+        at = len(f.reasons)  # the quarantine's reason goes here, before the drop's or test's
         # the same re-run step: the budget was charged by the verifying pass. A non-finite
         # step (Tier 3) whose non-finite values all sit in some rows is re-run without them
         # whatever the verifying pass said: the re-run without them is the test (it must be
@@ -220,7 +222,11 @@ class Attribution:
                 and ((tier == 1 and f.cause == "data") or tier == 3)):
             self._plan_drop(p, f)
         elif f.quarantined and len(f.quarantined) < len(f.rows) and _ordinary(verdict, f):
-            self._explain(p, f)
+            self._explain(p, f)  # rows that do not explain the skip are not quarantined
+        if f.quarantined:
+            self._write(p.step, f.quarantined)
+            f.reasons.insert(at, f"quarantined {len(f.quarantined)} sequence(s): "
+                             + _named(f.quarantined))
         self.skips.append((p.step, f.cause, [(q["stream_index"], q["rank"], q["row"])
                                              for q in f.quarantined]))
         return f
@@ -247,19 +253,25 @@ class Attribution:
         return keep, kept_weight(f.rows, f.quarantined, rank)
 
     def _explain(self, p: Any, f: Finding) -> None:
-        """Whether the quarantined rows explain an ordinary skip: re-run without them (nothing
-        applied; the same re-run step, as a drop's) and ask the gate. Without a rerun that
-        takes keep= (or an updater) they are taken to explain it, as before this test."""
+        """Whether the outlier rows explain an ordinary skip: re-run without them (nothing
+        applied; the same re-run step, as a drop's) and ask the gate. Rows that do not explain
+        it are not quarantined (``f.quarantined`` emptied; the reasons name them). Without a
+        rerun that takes keep= (or an updater) they are taken to explain it, as before."""
         if self.updater is None or not _takes_keep(p.rerun):
             return
         keep, weight = self._kept(p, f)
         result = self.updater.apply_without(p, keep, weight, apply=False)
         f.explains = result.passes
         kept, total = len(f.rows) - len(f.quarantined), len(f.rows)
-        f.reasons.append(f"the {kept}/{total} other rows " + (
-            f"pass the gate (grad norm {result.grad_norm:.4g}): the quarantined explain it"
-            if result.passes else f"still fail the gate (grad norm {result.grad_norm:.4g}): "
-            "the quarantined do not explain it"))
+        if result.passes:
+            f.reasons.append(f"the {kept}/{total} other rows pass the gate (grad norm "
+                             f"{result.grad_norm:.4g}): the quarantined explain it")
+            return
+        f.reasons.append(f"not quarantined: {len(f.quarantined)} sequence(s) past the z bar ("
+                         f"{_named(f.quarantined)}), but the {kept}/{total} other rows still "
+                         f"fail the gate (grad norm {result.grad_norm:.4g}): they do not "
+                         "explain it")
+        f.quarantined = []
 
     def dropped(self, f: Finding, result: Any) -> None:
         """Note what the re-run without the quarantined rows did (``result``: the step part's
