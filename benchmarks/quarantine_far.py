@@ -43,7 +43,7 @@ def measure(job: tuple[str, int]) -> dict[str, Any]:
 
     import spikeguard as sg
     from benchmarks.zoo_models import build, schedule
-    from spikeguard.guard.outliers import robust_z
+    from spikeguard.guard.outliers import row_scores
     from spikeguard.train.data import load_train_data
 
     name, seed = job
@@ -66,8 +66,7 @@ def measure(job: tuple[str, int]) -> dict[str, Any]:
         norm = torch.linalg.vector_norm(torch.stack(
             [p.grad.norm() for p in model.parameters() if p.grad is not None]))
         sq = out.sequences
-        z = [max(a, b) for a, b in zip(robust_z(sq.ce.tolist()), robust_z(sq.log_z.tolist()))]
-        return float(norm), z
+        return float(norm), row_scores(sq.ce.tolist(), sq.log_z.tolist())
 
     grads: list[float] = []
     top: list[float] = []

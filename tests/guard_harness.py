@@ -16,7 +16,7 @@ import torch
 
 import spikeguard as sg
 from spikeguard.guard import Guard, GuardConfig, TrainingHalted
-from spikeguard.guard.outliers import robust_z
+from spikeguard.guard.outliers import row_scores
 
 
 @dataclass
@@ -136,12 +136,11 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                 x = torch.randint(0, cfg.vocab_size, x.shape, generator=gen)
                 with torch.no_grad():
                     y = model.logits(model(x)).argmin(-1)
-            rows = next((f.row for f in active if f.kind == "sharp-row"), None)
+            sharp_row = next((f.row for f in active if f.kind == "sharp-row"), None)
             row_mult = next((f.mult for f in active if f.kind == "sharp-row"), 1.0)
-            out_ = model.loss(_row_scaled(model(x), rows, row_mult), y)
+            out_ = model.loss(_row_scaled(model(x), sharp_row, row_mult), y)
             out_.loss.backward()
-            zs = [max(a, b) for a, b in zip(robust_z(out_.sequences.ce.tolist()),
-                                            robust_z(out_.sequences.log_z.tolist()))]
+            zs = row_scores(out_.sequences.ce.tolist(), out_.sequences.log_z.tolist())
             run.top_z[t] = max(enumerate(zs), key=lambda iz: iz[1])
             factor = None  # "sharp": the re-run scales its gradients by the same factor
             for f in active:
@@ -165,7 +164,7 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
             run.losses[t] = float(out_.ce)
 
             def rerun(keep: Any = None, x: torch.Tensor = x, y: torch.Tensor = y,
-                      factor: Any = factor, row: int | None = rows, mult: float = row_mult) -> Any:
+                      factor: Any = factor, row: int | None = sharp_row, mult: float = row_mult) -> Any:
                 if keep is not None:
                     x, y = x[keep], y[keep]
                     row = int(keep[:row].sum()) if row is not None and keep[row] else None

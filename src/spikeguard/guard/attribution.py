@@ -145,9 +145,6 @@ class Finding:
     """This rank's loss weight in that re-run (R n_r / N: the global token mean)."""
     drop: Any = None
     """What the re-run without the quarantined rows did (the step part's RerunUpdate)."""
-    explains: bool | None = None
-    """Whether the outlier rows explain an ordinary skip: the batch without them passes the
-    gate (None: not asked; False: they are not quarantined)."""
 
     def record(self) -> dict[str, Any]:
         """The record's keys of this finding (``cause`` is the outcome's)."""
@@ -218,10 +215,10 @@ class Attribution:
         # step (Tier 3) whose non-finite values all sit in some rows is re-run without them
         # whatever the verifying pass said: the re-run without them is the test (it must be
         # finite and pass the gate to be applied); a non-finite step no row explains halts
-        if (cfg.drop_sequences and f.quarantined and len(f.quarantined) < len(f.rows)
-                and ((tier == 1 and f.cause == "data") or tier == 3)):
+        some = 0 < len(f.quarantined) < len(f.rows)
+        if cfg.drop_sequences and some and ((tier == 1 and f.cause == "data") or tier == 3):
             self._plan_drop(p, f)
-        elif f.quarantined and len(f.quarantined) < len(f.rows) and _ordinary(verdict, f):
+        elif some and _ordinary(verdict, f):
             self._explain(p, f)  # rows that do not explain the skip are not quarantined
         if f.quarantined:
             self._write(p.step, f.quarantined)
@@ -261,7 +258,6 @@ class Attribution:
             return
         keep, weight = self._kept(p, f)
         result = self.updater.apply_without(p, keep, weight, apply=False)
-        f.explains = result.passes
         kept, total = len(f.rows) - len(f.quarantined), len(f.rows)
         if result.passes:
             f.reasons.append(f"the {kept}/{total} other rows pass the gate (grad norm "

@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["outliers", "robust_z"]
+__all__ = ["outliers", "robust_z", "row_scores"]
 
 _MIN_ROWS = 4
 """Fewer rows than this in a batch: no z-score means anything, nothing is quarantined."""
@@ -38,6 +38,11 @@ def robust_z(values: Sequence[float]) -> list[float]:
             for v in values]
 
 
+def row_scores(loss: Sequence[float], log_z: Sequence[float]) -> list[float]:
+    """Each row's score: the larger of its loss's and its log Z's robust z-score in the batch."""
+    return [max(a, b) for a, b in zip(robust_z(loss), robust_z(log_z))]
+
+
 def outliers(rows: Sequence[dict[str, Any]], threshold: float) -> list[dict[str, Any]]:
     """The rows whose ``loss`` or ``log_z`` has a robust z-score above ``threshold``, each with
     ``z`` (the larger of its two scores); nothing for fewer than 4 rows.
@@ -47,7 +52,5 @@ def outliers(rows: Sequence[dict[str, Any]], threshold: float) -> list[dict[str,
     has a long low tail (tables, repeated characters) that a two-sided rule would quarantine."""
     if len(rows) < _MIN_ROWS:
         return []
-    z_loss = robust_z([r["loss"] for r in rows])
-    z_log_z = robust_z([r["log_z"] for r in rows])
-    return [{**r, "z": max(a, b)} for r, a, b in zip(rows, z_loss, z_log_z)
-            if max(a, b) > threshold]
+    z = row_scores([r["loss"] for r in rows], [r["log_z"] for r in rows])
+    return [{**r, "z": s} for r, s in zip(rows, z) if s > threshold]
