@@ -138,7 +138,7 @@ def _loop(guard: Any, model: Any, optimizer: Any, stream: Any, injector: Any,
             guard.backward(out)
             injector.after_backward(model)
             injector.before_step(optimizer)
-            guard.step(out, rerun=rerun)
+            guard.step(out, rerun=rerun, tokens=x)
             injector.after_step(optimizer)
             losses.append(float(out.ce))
     except sg.TrainingHalted:

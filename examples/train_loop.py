@@ -54,7 +54,8 @@ def main(steps: int = 200, out: str = "runs/example", inject_at: int | None = No
             x = torch.randint(0, cfg.vocab_size, x.shape, generator=torch.Generator().manual_seed(1))
         out = forward_backward(x, y)
         rerun = functools.partial(forward_backward, x, y)                # sg: holds this batch
-        for verdict in guard.step(out, rerun=rerun):  # sg: clip, skip or step, decide, log, save
+        # sg: clip, skip or step, decide, log, save; tokens: the ids, checked against the run's
+        for verdict in guard.step(out, rerun=rerun, tokens=x):
             verdicts.append(verdict)
             if verdict.action is not sg.Action.CONTINUE or verdict.step % 50 == 0:
                 e = verdict.evidence

@@ -29,7 +29,9 @@ class Fault:
     fault, the re-run does not have it), "sharp" (the same scaling, which the re-run of the
     step reproduces: a batch whose gradient is huge at an ordinary loss), "sharp-row" (the
     gradient through row ``row`` of the batch times ``mult``, in the step and in every re-run
-    that keeps the row: one sequence that drives the gradient, at an unchanged loss)."""
+    that keeps the row: one sequence that drives the gradient, at an unchanged loss), "garbage"
+    (random input ids, the real targets: the zoo's outlier), "shift" (every input id moved by
+    ``mult`` modulo the vocabulary from ``step`` on: a new source of data, not garbage)."""
     step: int
     param: str = "blocks.0.mlp.fc.weight"
     mult: float = 50.0
@@ -105,9 +107,10 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                 batch: int = 8, lr: float = 3e-3, max_rollbacks: int = 3,
                 config: sg.GPTConfig | None = None, resume: bool = False,
                 stop_at: int | None = None, watch: tuple[int, ...] = (),
-                signals: bool = True, lr_jump: float = 2.0,
+                signals: bool = True, lr_jump: float = 2.0, tokens: bool = False,
                 detector: dict[str, Any] | None = None) -> Run:
-    """``detector``: DetectorConfig fields set over ``for_run(steps)``."""
+    """``detector``: DetectorConfig fields set over ``for_run(steps)``; ``tokens``: the loop
+    passes ``guard.step(tokens=x)`` (the input-token check)."""
     torch.manual_seed(seed)
     cfg = config or sg.GPTConfig.tiny()
     model = sg.GPT(cfg)
@@ -136,6 +139,11 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                 x = torch.randint(0, cfg.vocab_size, x.shape, generator=gen)
                 with torch.no_grad():
                     y = model.logits(model(x)).argmin(-1)
+            if any(f.kind == "garbage" for f in active):
+                x = torch.randint(0, cfg.vocab_size, x.shape, generator=gen)
+            shift = next((f.mult for f in faults if f.kind == "shift" and t >= f.step), None)
+            if shift is not None:
+                x = (x + int(shift)) % cfg.vocab_size
             sharp_row = next((f.row for f in active if f.kind == "sharp-row"), None)
             row_mult = next((f.mult for f in active if f.kind == "sharp-row"), 1.0)
             out_ = model.loss(_row_scaled(model(x), sharp_row, row_mult), y)
@@ -177,7 +185,7 @@ def guarded_run(*, steps: int = 300, seed: int = 0, faults: list[Fault] = (), ti
                 return o
 
             before = snapshot(model, opt) if t in watch else None
-            run.verdicts += guard.step(out_, rerun=rerun)
+            run.verdicts += guard.step(out_, rerun=rerun, tokens=x if tokens else None)
             if before is not None:
                 run.around[t] = (before, snapshot(model, opt))
             if saved is not None:  # the fault lasts one step; a scheduler step already reset it

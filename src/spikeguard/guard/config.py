@@ -63,6 +63,12 @@ class GuardConfig:
     """Withhold, before it is applied, an update whose scheduled LR rose more than this times the
     largest step-to-step LR ratio the run has made (guard/lr_jump.py); 0 turns it off, for a
     schedule with warm restarts or an LR raised on purpose mid-run."""
+    token_z: float = 10.0
+    """Skip a batch whose input token ids (``guard.step(tokens=x)``) average a surprise under
+    the run's own token frequencies more than this many of its own spreads from the median of
+    the last 64 kept batches, either way (guard/tokens.py). Clean text passed 10 in none of
+    the batches measured (benchmarks/token_far.py); 0 turns it off. Without ``tokens=`` the
+    check never runs."""
     lower_lr: LowerLrConfig = field(default_factory=LowerLrConfig)
     """On a Tier 2 verdict, also lower the LR for some steps (off: steps=0; responses/lower_lr.py)."""
 
@@ -79,6 +85,9 @@ class GuardConfig:
             if self.lr_jump < 1.0:
                 raise ValueError(f"GuardConfig.lr_jump={self.lr_jump} must be 0 (off) or >= 1 "
                                  "(below 1 every rising step of a warmup would be withheld)")
+        if self.token_z != 0:
+            check_positive(self.token_z, "GuardConfig.token_z", default=10.0,
+                           hint="0 turns the input-token check off")
         check_int(self.max_rollbacks, "GuardConfig.max_rollbacks", minimum=0, default=3)
         check_int(self.reference_age, "GuardConfig.reference_age", minimum=1, default=16)
         check_positive(self.rollback_lr_scale, "GuardConfig.rollback_lr_scale", default=0.5)

@@ -38,6 +38,7 @@ from .config import GuardConfig
 from .detection import Detection
 from .forensics import HaltReport, TrainingHalted
 from .ledger import BatchLedger
+from .lr_jump import lr_judged
 from .micro import MicroBatches
 from .misuse import MisuseWatch
 from .outcome import StepOutcome, Update
@@ -49,6 +50,7 @@ from .responses.control import RunControl
 from .stateful import STATE_VERSION, GuardState, upgrade
 from .step import ScalerState, Updater
 from .summary import History
+from .tokens import TokenCheck, tokens_judged
 from .weights import WeightsProbe, weights_reason
 
 __all__ = ["AttributionConfig", "Guard", "GuardConfig", "TrainingHalted"]
@@ -121,6 +123,7 @@ class Guard:
                                DeviceGate(cfg.detector, precision.device), clip=cfg.clip,
                                respond=cfg.respond, scheduler=scheduler, pp_group=pp_group,
                                tp_group=tp_group, clipping=cfg.clipping, lr_jump=cfg.lr_jump,
+                               tokens=TokenCheck.of(cfg),
                                read_lag=lag if lag is not None else int(
                                    precision.device.type == "cuda"))
         self.attribution = Attribution(cfg.attribution, updater=self.updater,
@@ -206,16 +209,18 @@ class Guard:
         self.updater.backward(loss)
 
     def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None,
-                   rerun: Callable[..., Any] | None = None) -> torch.Tensor:
+                   rerun: Callable[..., Any] | None = None, tokens: Any = None) -> torch.Tensor:
         """One micro-batch, after its backward: ``out`` its LossOutput or 0-d loss, the
         micro-batch's own mean, undivided (``step()`` takes the mean of the k); ``rerun()`` re-runs
         its forward and backward as the loop did, division by k included, and returns ``out``
-        again (the recipe and the contract: guard/micro.py). Returns ``out.loss`` (or ``out``)."""
+        again (the recipe and the contract: guard/micro.py); ``tokens``: its input token ids
+        (``step``). Returns ``out.loss`` (or ``out``)."""
+        self.updater.tokens.add(tokens)
         return self.micro.add(out, log_z=log_z, rerun=rerun)
 
     def step(self, out: Any = None, *, log_z: torch.Tensor | None = None,
-             rerun: Callable[[], Any] | None = None,
-             reference: bool = True) -> tuple[Verdict, ...]:
+             rerun: Callable[[], Any] | None = None, reference: bool = True,
+             tokens: Any = None) -> tuple[Verdict, ...]:
         """One optimizer step, after backward (see the module docstring). Returns the verdicts
         the host read in this call, each with its ``step``: step t's with read_lag 0; step
         t-1's (none on the first call) with read_lag 1. ``rerun()`` re-runs the batch's forward
@@ -223,7 +228,10 @@ class Guard:
         attribution of a skip, where ``rerun(keep=mask)`` keeps only the rows ``mask`` marks).
         ``reference=False``: ``rerun`` re-runs whatever batch is current, not this step's (a
         framework's closure), so the weights check never takes it as a later step's reference.
+        ``tokens``: the batch's input token ids (the tensor the model embeds): a batch whose ids
+        are far off the run's own frequencies is skipped (guard/tokens.py; GuardConfig.token_z).
         Raises TrainingHalted on a halt, after the record is written."""
+        self.updater.tokens.add(tokens)
         return self._take(out, log_z, rerun, reference, framework=False)
 
     def decide(self, out: Any = None, *, log_z: torch.Tensor | None = None,
@@ -304,7 +312,7 @@ class Guard:
         lr_onset = up.lr_jump.onset if jumped and up.lr_jump.ceiling is not None else None
         lr = lr * factor if lr is not None else None
         stats, reading = up.device_step(batch.loss, batch.log_z, factor, apply=not framework,
-                                        jumped=jumped)
+                                        jumped=jumped, tokens=up.tokens.gate())
         dev = stats.norm.device
         vec = torch.stack([x.detach().to(dev, torch.float64).reshape(()) for x in reading])
         probes = self.probes.gather() if self.probes is not None else None
@@ -333,12 +341,14 @@ class Guard:
             # agreed across ranks (Updater.measure); the reason too: every rank's the same
             p.lr_jump = ("lr jump: the LR on some rank rose past its bar (2x the largest "
                          "step-to-step ratio of the schedule): withheld on every rank")
+        p.tokens = self.updater.tokens.observe(reading.tokens_score, reading.tokens_flagged)
         out = StepOutcome(p.step, reading, Update.WITHHELD if reading.withheld else Update.APPLIED,
                           update_bound=self.updater.bound.active, lr_factor=p.lr_factor)
-        if self.weights is not None and p.lr_jump is None:  # never released: the LR is at fault
+        if self.weights is not None and p.lr_jump is p.tokens is None:  # LR, input: never released
             out = self._weigh(p, out)
         out = self.detection.judge(p, out, tail)
-        out = self._lr_judged(p, out)
+        out = tokens_judged(lr_judged(self.updater.lr_jump, p, out, self.config.respond),
+                            p.tokens)
         self.watch.judged(out.metrics.grad_norm)
         verdict = out.verdict
         if verdict.tier == 0 and not math.isfinite(out.metrics.grad_norm):
@@ -367,28 +377,6 @@ class Guard:
             if p.grads_alive and not p.framework:  # decide(): the framework's grads
                 self.optimizer.zero_grad(set_to_none=True)
         return self._record(p, out)
-
-    def _lr_judged(self, p: Pending, out: StepOutcome) -> StepOutcome:
-        """An update whose own size is the anomaly is never applied (``guard/lr_jump.py``): a
-        step withheld for its LR is a Tier 1 skip, the first of an episode a Tier 2 dated at
-        itself (a page: nothing reached the weights); an anomaly seen after the fact on an update
-        whose LR had left its recent range holds the LR under that range from the next step on
-        (``LrJump.anomaly``), and the first step it withholds is the Tier 2, dated at the first
-        step at the risen LR (the weights were moved: a rollback's incident)."""
-        v, jump = out.verdict, self.updater.lr_jump
-        if p.lr_jump is not None and v.tier < 3:
-            tier = 2 if jump.starts() else max(v.tier, 1)
-            out.cause = "lr"
-            out.verdict = v._replace(tier=max(v.tier, tier), reasons=(*v.reasons, p.lr_jump),
-                                     action=Action.SKIP if tier == 1 else Action.ALERT,
-                                     onset_step=(p.lr_onset or p.step) if tier == 2
-                                     else v.onset_step,
-                                     skip=True)
-        elif p.lr_jump is None:
-            jump.passed()
-            if self.config.respond and jump.margin and (v.tier == 2 or out.cause == "weights"):
-                jump.anomaly(p.step)
-        return out
 
     def _weigh(self, p: Pending, out: StepOutcome) -> StepOutcome:
         """The weights check, and its answer handed to the updater."""

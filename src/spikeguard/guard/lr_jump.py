@@ -38,7 +38,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-__all__ = ["LrJump"]
+from ..record import Action
+
+__all__ = ["LrJump", "lr_judged"]
 
 
 class LrJump:
@@ -137,3 +139,25 @@ class LrJump:
         self.ratios = int(state.get("ratios", 2))
         if self.ceiling is None:
             self.ceiling = state["ceiling"]
+
+
+def lr_judged(jump: LrJump, p: Any, out: Any, respond: bool) -> Any:
+    """An update whose own size is the anomaly is never applied: a step withheld for its LR
+    (``p.lr_jump``) is a Tier 1 skip, the first of an episode a Tier 2 dated at itself (a page:
+    nothing reached the weights); an anomaly seen after the fact on an update whose LR had left
+    its recent range holds the LR under that range from the next step on (``LrJump.anomaly``),
+    and the first step it withholds is the Tier 2, dated at the first step at the risen LR (the
+    weights were moved: a rollback's incident)."""
+    v = out.verdict
+    if p.lr_jump is not None and v.tier < 3:
+        tier = 2 if jump.starts() else max(v.tier, 1)
+        out.cause = "lr"
+        out.verdict = v._replace(tier=max(v.tier, tier), reasons=(*v.reasons, p.lr_jump),
+                                 action=Action.SKIP if tier == 1 else Action.ALERT,
+                                 onset_step=(p.lr_onset or p.step) if tier == 2
+                                 else v.onset_step, skip=True)
+    elif p.lr_jump is None:
+        jump.passed()
+        if respond and jump.margin and (v.tier == 2 or out.cause == "weights"):
+            jump.anomaly(p.step)
+    return out

@@ -44,13 +44,18 @@ class StepReading(NamedTuple):
     """The update bound's coefficient (1: off or not bounded)."""
     lr_jumped: Any
     """Whether the LR jumped on any rank (withheld before it was applied: ``lr_jump.py``)."""
+    tokens_flagged: Any = False
+    """Whether the input tokens of some rank's batch were past their bar (``tokens.py``)."""
+    tokens_score: Any = float("nan")
+    """This rank's batch's token surprise in nats (NaN: no tokens given, or none kept yet)."""
 
     @classmethod
     def read(cls, values: list[float]) -> tuple[StepReading, list[float]]:
         """The host reading from the read-back vector's floats, and the probes' numbers after it."""
-        (loss, log_z, norm, withheld, armed, coef, scale, flagged, bounded, jumped) = values[:_N]
+        (loss, log_z, norm, withheld, armed, coef, scale, flagged, bounded, jumped, tokens,
+         score) = values[:_N]
         return (cls(loss, log_z, norm, withheld != 0.0, armed != 0.0, coef, scale,
-                    flagged != 0.0, bounded, jumped != 0.0), values[_N:])
+                    flagged != 0.0, bounded, jumped != 0.0, tokens != 0.0, score), values[_N:])
 
     @property
     def finite(self) -> bool:
@@ -92,6 +97,8 @@ class Pending:
     """The LR multiplier of this step (``Updater.lr``); a release applies it too."""
     lr_jump: str | None = None
     """Why the step was withheld before it was applied: its LR jumped (``lr_jump.py``)."""
+    tokens: str | None = None
+    """Why the step was withheld for its input tokens (``tokens.py``); set once read."""
     lr_onset: int | None = None
     """A jump after an anomaly at a risen LR (the weights were moved): the first step at it."""
     after_skip: bool = False

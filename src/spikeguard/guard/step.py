@@ -47,6 +47,7 @@ from .lr_jump import LrJump
 from .lr_scale import LrScale
 from .outcome import Update
 from .reading import Pending, StepReading
+from .tokens import TokenCheck
 from .update_bound import UpdateBound
 
 __all__ = ["GradsAside", "RerunUpdate", "ScalerState", "Updater", "apply_update",
@@ -162,7 +163,7 @@ class Updater:
                  precision: PrecisionRuntime, gate: DeviceGate, *, clip: float | None,
                  respond: bool, read_lag: int, scheduler: Any = None, pp_group: Any = None,
                  tp_group: Any = None, clipping: ClipConfig | None = None,
-                 lr_jump: float = 2.0) -> None:
+                 lr_jump: float = 2.0, tokens: TokenCheck | None = None) -> None:
         self.params, self.optimizer, self.precision, self.gate = params, optimizer, precision, gate
         self.clip, self.respond, self.scheduler = clip, respond, scheduler
         self.read_lag = read_lag
@@ -179,6 +180,8 @@ class Updater:
         """The multipliers of the scheduled LR (a replay's ramp, a reconfigure, a response)."""
         self.lr_jump = LrJump(lr_jump)
         """The scheduled LR against its own history: a jump is withheld (``lr_jump.py``)."""
+        self.tokens = tokens if tokens is not None else TokenCheck(0.0, 1)
+        """The batch's input tokens against the run's: garbage is withheld (``tokens.py``)."""
         self._warned_lr = False
         self._release_following = False
         # withhold only non-finite steps from the next step on (read_lag 1, after the weights
@@ -192,27 +195,34 @@ class Updater:
         self.precision.scale(loss).backward()
 
     def measure(self, loss: torch.Tensor, log_z: torch.Tensor,
-                jumped: torch.Tensor | None = None) -> GradStats:
+                flags: torch.Tensor | None = None) -> GradStats:
         """Unscale (fp16), then one all-reduce: global norm, loss and log Z over data ranks (and
-        ``jumped``, this rank's LR-jump flag: above 0 after the mean when any rank's LR jumped,
-        so every rank withholds alike)."""
+        ``flags``, this rank's withhold flags, the LR jump's and the input tokens': each above 0
+        after the mean when it is up on any rank, so every rank withholds alike)."""
         self.precision.unscale_(self.optimizer)
-        extras = [loss, log_z] if jumped is None else [loss, log_z, jumped.to(loss.dtype)]
+        extras = [loss, log_z] if flags is None else [loss, log_z, *flags.to(loss.dtype)]
         return grad_stats(self.params, extras=torch.stack(extras),
                           pp_group=self.pp_group, tp_group=self.tp_group,
                           per_tensor=self.clipper.per_tensor)
 
     def device_step(self, loss: torch.Tensor, log_z: torch.Tensor, lr_factor: float = 1.0, *,
-                    apply: bool = True, jumped: bool = False) -> tuple[GradStats, StepReading]:
+                    apply: bool = True, jumped: bool = False,
+                    tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    ) -> tuple[GradStats, StepReading]:
         """Measure, gate, clip, apply (module docstring); ``apply=False`` (``guard.decide()``)
         applies nothing: the framework steps its optimizer on the gradients in place;
-        ``jumped`` (a host decision: the LR jumped, ``lr_jump.py``) withholds it. Returns
+        ``jumped`` (a host decision: the LR jumped, ``lr_jump.py``) withholds it, and so does
+        the input tokens' flag (``tokens``: this rank's (score, flag), ``tokens.py``). Returns
         the GradStats and the step's ``StepReading`` as 0-d device tensors."""
-        flag = torch.full((), float(jumped), device=loss.device) if self.respond else None
-        stats = self.measure(loss, log_z, flag)
+        dev, no = loss.device, torch.zeros((), dtype=torch.bool, device=loss.device)
+        score = tokens[0].to(dev) if tokens is not None else torch.full((), math.nan, device=dev)
+        flags = (torch.stack([torch.full((), float(jumped), device=dev),
+                              (tokens[1].to(dev) if tokens is not None else no).float()])
+                 if self.respond else None)
+        stats = self.measure(loss, log_z, flags)
         loss_g, log_z_g = stats.extras[0], stats.extras[1]
-        any_jump = stats.extras[2] > 0 if flag is not None else torch.zeros((), dtype=torch.bool,
-                                                                            device=loss.device)
+        any_jump = stats.extras[2] > 0 if flags is not None else no
+        any_tokens = stats.extras[3] > 0 if flags is not None else no
         armed = self.gate.armed()
         gate = self.gate(stats.norm, loss_g)
         if not self.respond:
@@ -221,8 +231,8 @@ class Updater:
             skip = ~torch.isfinite(stats.norm) | ~torch.isfinite(loss_g)
         else:
             skip = gate
-        if self.respond:  # the agreed flag: a host value on one rank, the same device bool on all
-            skip = torch.logical_or(skip, any_jump.to(skip.device))
+        if self.respond:  # the agreed flags: host values on one rank, the same device bools on all
+            skip = skip | any_jump.to(skip.device) | any_tokens.to(skip.device)
         coef = (self.clipper.clip_(stats, self.optimizer, skip) if self.clipper.active
                 else torch.ones_like(stats.norm))
         bounded = None
@@ -236,7 +246,7 @@ class Updater:
         if scale is None:
             scale = torch.full((), float("nan"), device=stats.norm.device)
         return stats, StepReading(loss_g, log_z_g, stats.norm, skip, armed, coef, scale, gate,
-                                  bounded, any_jump)
+                                  bounded, any_jump, any_tokens, score)
 
     def _apply(self, step: Callable[[], None], skip: torch.Tensor | bool,
                factor: float) -> torch.Tensor | None:
@@ -309,7 +319,7 @@ class Updater:
         (JSON-ready; a host read)."""
         return {"applied": self.applied, "withheld": self.withheld, "lr": self.lr.state_dict(),
                 "clip": self.clipper.state_dict(), "update_bound": self.bound.state_dict(),
-                "lr_jump": self.lr_jump.state_dict()}
+                "lr_jump": self.lr_jump.state_dict(), "tokens": self.tokens.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.applied, self.withheld = int(state["applied"]), int(state["withheld"])
@@ -317,6 +327,7 @@ class Updater:
         self.clipper.load_state_dict(state.get("clip"))
         self.bound.load_state_dict(state.get("update_bound"))
         self.lr_jump.load_state_dict(state.get("lr_jump"))
+        self.tokens.load_state_dict(state.get("tokens"))
 
     def current_lr(self) -> float | None:
         """The first param group's LR (a number, or a 0-d CPU tensor: no device read); None,

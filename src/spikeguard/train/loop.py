@@ -347,7 +347,7 @@ def _train(cfg: TrainConfig, *, echo: bool, torch_threads: int) -> TrainResult:
             injector.after_backward(model)
             crash_point("mid_step", t)  # tests only (SPIKEGUARD_TEST_CRASH)
             injector.before_step(optimizer)
-            verdicts = guard.step(loss, rerun=rerun)
+            verdicts = guard.step(loss, rerun=rerun, tokens=x)
             injector.after_step(optimizer)
             result.losses.append(float(loss.ce))
             skipped += [v.step for v in verdicts if v.skip]
