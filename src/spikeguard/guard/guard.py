@@ -258,7 +258,11 @@ class Guard:
     def discard(self) -> None:
         """Forget the micro-batches handed over since the last step (a framework's dry-run
         batch that trains nothing)."""
+        self._drop_batch()
+
+    def _drop_batch(self) -> None:
         self.micro.clear()
+        self.updater.tokens.clear()  # its input ids too
 
     def flush(self) -> tuple[Verdict, ...]:
         """Resolve a step still waiting for its host read (read_lag 1); returns its verdict."""
@@ -294,7 +298,7 @@ class Guard:
             t = self._step
             verdicts = (self._resolve(pending),)
             if self._step != t:  # rolled back or reconfigured: this step's grads are stale
-                self.micro.clear()
+                self._drop_batch()
                 self.optimizer.zero_grad(set_to_none=True)
                 return verdicts
         self._pending = self._device_step(batches, rerun, framework)
@@ -483,7 +487,7 @@ class Guard:
         if reply.action is Action.ROLLBACK:  # restored: nothing held of the old timeline stays
             t = self._step
             self._pending = None
-            self.micro.clear()
+            self._drop_batch()
             self.optimizer.zero_grad(set_to_none=True)
             self._continue_at(self._step)
             self.watch.rolled_back(t, self._step)
@@ -498,7 +502,7 @@ class Guard:
         action, verdict = out.action, out.verdict
         if action is Action.ROLLBACK:  # restored: nothing held of the steps rolled back stays
             self._pending = None
-            self.micro.clear()
+            self._drop_batch()
         if action is Action.SKIP and out.update is Update.DROPPED:
             out.action = action = Action.DROP  # the batch without its quarantined rows went in
         # only an applied anomaly taints the interval (not a skip, nor an update held for its LR)

@@ -92,6 +92,11 @@ class TokenCheck:
             self._batch = torch.zeros(BINS, dtype=torch.float64, device=ids.device)
         self._batch.index_add_(0, ids, ones)
 
+    def clear(self) -> None:
+        """Forget the ids added since the last step (micro-batches dropped: a rollback, a
+        framework's dry run)."""
+        self._batch = None
+
     def bar(self) -> tuple[float, float] | None:
         """(median, allowed distance) from the scores kept so far; None while unarmed."""
         if len(self.scores) < ARM_AFTER:
