@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                    help="build the guard with probes=False (no signals either: the old default)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint interval (0: off)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    p.add_argument("--tokens", action="store_true",
+                   help="pass guard.step(tokens=x): the input-token check on (guard/tokens.py)")
     p.add_argument("--update-bound", type=float, default=0.0,
                    help="the guard arm's ClipConfig.update_bound (0: off, the default)")
     args = p.parse_args(argv)
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         out.loss.backward()
         t1 = time.perf_counter()
         if arm == "guard":
-            guard.step(out)
+            guard.step(out, tokens=x[:, :-1] if args.tokens else None)
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"checkpoints "
           f"{f'every {args.checkpoint_every}' if args.checkpoint_every else 'off'}"
           f"{', compiled' if args.compile else ''}"
-          f"{f', update bound {args.update_bound:g}' if args.update_bound else ''}")
+          f"{f', update bound {args.update_bound:g}' if args.update_bound else ''}"
+          f"{', tokens checked' if args.tokens else ''}")
     for a in names:
         print(f"  {a:6s} median step {med[a] * 1e3:9.2f} ms   after backward {tail[a] * 1e3:8.2f} ms")
     print(f"  guard.step beyond clip+step+schedule / median step: {share:.3%} "

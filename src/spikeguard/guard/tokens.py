@@ -76,21 +76,19 @@ class TokenCheck:
         return self.z > 0
 
     def add(self, tokens: Any) -> None:
-        """Count one micro-batch's input token ids (any shape; on any device) into the step's
-        histogram; ValueError for anything but integer ids."""
+        """Note one micro-batch's input token ids (any shape; on any device) for this step's
+        check; ValueError for anything but integer ids."""
         if not self.active or tokens is None:
             return
-        if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex() \
-                or tokens.dtype == torch.bool:
+        if (not isinstance(tokens, torch.Tensor) or tokens.is_floating_point()
+                or tokens.is_complex() or tokens.dtype == torch.bool):
             kind = tokens.dtype if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens= must be the batch's input token ids (an integer tensor), got "
                              f"{kind}; pass the ids the model embeds (x), not its embeddings or "
                              "logits, or leave tokens out to turn the check off for the loop")
         ids = tokens.detach().reshape(-1).long().remainder(BINS)
-        ones = torch.ones(ids.numel(), dtype=torch.float64, device=ids.device)
-        if self._batch is None or self._batch.device != ids.device:
-            self._batch = torch.zeros(BINS, dtype=torch.float64, device=ids.device)
-        self._batch.index_add_(0, ids, ones)
+        self._batch = ids if self._batch is None else torch.cat([self._batch, ids.to(
+            self._batch.device)])
 
     def clear(self) -> None:
         """Forget the ids added since the last step (micro-batches dropped: a rollback, a
@@ -108,16 +106,19 @@ class TokenCheck:
     def gate(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This step's (score, flag) as 0-d device tensors, the batch folded into the counts
         unless flagged; None when no tokens came this step."""
-        b, self._batch = self._batch, None
-        if b is None:
+        ids, self._batch = self._batch, None
+        if ids is None:
             return None
         if self.counts is None or self._forget:
-            self.counts, self._forget = torch.zeros_like(b), False
-        c = self.counts = self.counts.to(b.device)
+            self.counts, self._forget = torch.zeros(BINS, dtype=torch.float64,
+                                                    device=ids.device), False
+        c = self.counts = self.counts.to(ids.device)
+        b = torch.zeros_like(c).index_add_(0, ids, torch.ones_like(ids, dtype=c.dtype))
         n, seen = c.sum(), (c > 0).sum() + 1
-        p = (c + 0.5) / (n + 0.5 * seen)
+        # -mean log p(id), p = (c + 1/2) / (n + seen/2): only the batch's own ids are read
+        surprise = torch.log(n + 0.5 * seen) - torch.log(c[ids] + 0.5).mean()
         # NaN before any batch was kept: no frequencies to be surprised by
-        score = torch.where(n > 0, -(b * p.log()).sum() / b.sum(), math.nan)
+        score = torch.where(n > 0, surprise, math.nan)
         bar = self.bar()
         if bar is None:
             flag = torch.zeros((), dtype=torch.bool, device=b.device)
