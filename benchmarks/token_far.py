@@ -7,8 +7,8 @@ the guard calls, the host read right after each step as at read_lag 0) over clea
 ``sg.TokenStream`` batches of 64 tokens a row, no model needed:
 
 - **clean**: every batch of ``--steps`` (1,000), each scored against the bar it met; the batches
-  flagged (the false alarms, per 1,000 armed batches) and the largest |z| (the distance in
-  spreads; the bar is ``token_z``);
+  flagged (the false alarms, per 1,000 armed batches) and the largest distance from the median
+  in the run's spreads (the bar is ``token_z`` spreads, widened by 1 + 8/n over n scores);
 - **planted**, not trained on (the clean run goes on with its own batch): at steps 10 (inside a
   20-step warmup, where no rule that reads the model can tell), 50, 150 and every 250th after,
   a batch of random ids (the zoo's outlier), a batch of one id repeated (the most frequent one
@@ -43,15 +43,17 @@ HALVES = {"tuning": (("pydoc", (0, 1, 2, 3)),),
           "held-out": (("pydoc", (4, 5, 6, 7)), ("stdlib", (0, 1, 2, 3)))}
 
 
-def _z(check: Any, score: float) -> float:
+def _z(check: Any, score: float) -> tuple[float, bool]:
+    """The distance of ``score`` from the check's median in its spreads, and whether it is past
+    the bar (NaN, False while unarmed)."""
     bar = check.bar()
     if bar is None:
-        return float("nan")
-    return (score - bar[0]) / (bar[1] / check.z)
+        return float("nan"), False
+    return (score - bar[0]) / bar[1], abs(score - bar[0]) > bar[2]
 
 
-def _probe(check: Any, x: torch.Tensor) -> float:
-    """The z of batch ``x`` against ``check`` as it stands, nothing folded in."""
+def _probe(check: Any, x: torch.Tensor) -> tuple[float, bool]:
+    """``_z`` of batch ``x`` against ``check`` as it stands, nothing folded in."""
     saved = check.counts.clone()
     check.add(x)
     score, _ = check.gate()
@@ -83,7 +85,7 @@ def measure(tokens: Any, rows: int, seed: int, steps: int, z: float,
         score, flag = check.gate()
         if was_armed:
             armed += 1
-            zs.append(abs(_z(check, float(score))))
+            zs.append(abs(_z(check, float(score))[0]))
         flags += bool(flag)
         check.observe(float(score), bool(flag))
     return {"armed": armed, "flags": flags, "max_z": max(zs), "p999": sorted(zs)[
@@ -116,7 +118,7 @@ def matrix(z: float) -> int:
                 check.add(x)
                 score, flag = check.gate()
                 if bar is not None:
-                    worst = max(worst, abs(float(score) - bar[0]) / bar[1] * z)
+                    worst = max(worst, abs(float(score) - bar[0]) / bar[1])
                 if bool(flag):
                     flags.append(t)
                 check.observe(float(score), bool(flag))
@@ -137,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         matrix(args.z)
         return 0
     print("| half | corpus | tokens | rows | runs | armed batches | false skips (per 1k) | "
-          "max abs z | random caught (min z) | repeat caught (min abs z) | half-random caught "
-          "(min z) |")
+          "largest distance (spreads) | random: past the bar (least distance) | repeat | "
+          "half random |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for half, groups in HALVES.items():
         for corpus, seeds in groups:
@@ -147,18 +149,16 @@ def main(argv: list[str] | None = None) -> int:
                 for rows in ROWS:
                     res = [measure(data.train, rows, s, args.steps, args.z, data.vocab_size)
                            for s in seeds]
-                    _row(half, corpus, "bpe 4096" if bpe else "bytes", rows, res, args.z)
+                    _row(half, corpus, "bpe 4096" if bpe else "bytes", rows, res)
     return 0
 
 
-def _row(half: str, corpus: str, kind: str, rows: int, res: list[dict[str, Any]],
-         z: float) -> None:
+def _row(half: str, corpus: str, kind: str, rows: int, res: list[dict[str, Any]]) -> None:
     armed, flags = sum(r["armed"] for r in res), sum(r["flags"] for r in res)
 
     def caught(key: str) -> str:
         v = [x for r in res for x in r["planted"][key]]
-        return (f"{sum(abs(x) > z for x in v)}/{len(v)} "
-                f"({min(abs(x) for x in v):.1f})")
+        return f"{sum(past for _, past in v)}/{len(v)} ({min(abs(d) for d, _ in v):.1f})"
     print(f"| {half} | {corpus} | {kind} | {rows} | {len(res)} | {armed} | {flags} "
           f"({1000 * flags / armed:.2f}) | {max(r['max_z'] for r in res):.1f} | "
           f"{caught('random')} | {caught('repeat')} | {caught('half')} |", flush=True)

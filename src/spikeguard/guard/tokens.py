@@ -12,9 +12,12 @@ kept so far (decayed by ``1 - 1/DECAY`` per kept batch, so a slow change of the 
 followed), ``N`` their sum, ``K`` the bins seen plus one. Token ids fall into ``BINS`` bins
 (``id mod BINS``: exact up to 65,536 ids, merged above, which only blunts the test). Random ids
 are surprising; one id repeated is unsurprising far below any real batch; so the test is
-two-sided: ``|score - median| > z x spread`` over the last ``WINDOW`` kept batches (spread:
-1.4826 x the median absolute deviation, at least ``REL_FLOOR`` of the median), armed from
-``ARM_AFTER`` kept batches. The bar ``GuardConfig.token_z`` is a count of the run's own spreads;
+two-sided: ``|score - median| > z x spread x (1 + ARM_AFTER / n)`` over the last ``n <=
+WINDOW`` kept batches (spread: 1.4826 x the median absolute deviation, at least ``REL_FLOOR`` of
+the median), armed from ``ARM_AFTER`` kept batches. The widening is for the first batches, when
+the counts are thin (a byte seen for the first time is very surprising) and a spread read off 8
+scores is often too narrow: in clean pydoc streams the largest distance in the first 64 batches
+was 11.7 spreads, after them 6. The bar ``GuardConfig.token_z`` is a count of the run's own spreads;
 its false-alarm rate and the garbage it catches are measured on clean runs by
 ``benchmarks/token_far.py`` (docs/design.md, "The input tokens").
 
@@ -95,13 +98,18 @@ class TokenCheck:
         framework's dry run)."""
         self._batch = None
 
-    def bar(self) -> tuple[float, float] | None:
-        """(median, allowed distance) from the scores kept so far; None while unarmed."""
-        if len(self.scores) < ARM_AFTER:
+    def bar(self) -> tuple[float, float, float] | None:
+        """(median, spread, allowed distance) of the scores kept so far; None while unarmed.
+        The distance is ``z`` spreads widened by ``1 + ARM_AFTER / n`` over ``n`` scores (2x at
+        arming, 1.125x with the window full): a spread read off a few early batches, against
+        counts still thin, is too narrow (module docstring)."""
+        n = len(self.scores)
+        if n < ARM_AFTER:
             return None
         med = statistics.median(self.scores)
         mad = statistics.median(abs(s - med) for s in self.scores)
-        return med, self.z * max(_MAD * mad, REL_FLOOR * abs(med), 1e-9)
+        spread = max(_MAD * mad, REL_FLOOR * abs(med), 1e-9)
+        return med, spread, self.z * (1.0 + ARM_AFTER / n) * spread
 
     def gate(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This step's (score, flag) as 0-d device tensors, the batch folded into the counts
@@ -123,7 +131,7 @@ class TokenCheck:
         if bar is None:
             flag = torch.zeros((), dtype=torch.bool, device=b.device)
         else:
-            flag = (score - bar[0]).abs() > bar[1]
+            flag = (score - bar[0]).abs() > bar[2]
         keep = (~flag).to(c.dtype)
         c.mul_(1.0 - keep / DECAY).add_(b * keep)
         return score, flag
@@ -139,9 +147,9 @@ class TokenCheck:
         self.run += 1
         bar = self.bar()
         why = (f"tokens: the batch's input ids average {score:.3f} nats of surprise under the "
-               "run's own token frequencies, past the bar of median "
-               f"{bar[0]:.3f} +- {bar[1]:.3f} ({self.z:g} spreads of the last {len(self.scores)} "
-               "kept batches)" if bar is not None and math.isfinite(score) else
+               f"run's own token frequencies, {abs(score - bar[0]) / bar[1]:.1f} spreads from "
+               f"the median of the last {len(self.scores)} kept batches ({bar[0]:.3f}; bar "
+               f"+-{bar[2]:.3f})" if bar is not None and math.isfinite(score) else
                "tokens: another rank's batch of input ids was past its bar")
         if self.run >= self.max_run:
             self.scores.clear()
