@@ -124,7 +124,7 @@ def matrix(z: float) -> int:
                 check.observe(float(score), bool(flag))
             total += len(flags)
             print(f"{model} seed {seed}: {steps} batches of {rows}x{seq}, flagged {flags or 'none'}, "
-                  f"largest |z| {worst:.1f}", flush=True)
+                  f"largest distance {worst:.1f} spreads", flush=True)
     print(f"matrix clean streams: {total} batches flagged")
     return total
 
