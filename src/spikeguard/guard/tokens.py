@@ -29,6 +29,11 @@ step is a Tier 1 skip blamed on its data: the weights do not choose the input. `
 flags in a row are a change of data, not garbage (a new mix, a new source): the check forgets
 what it learned and re-learns from the next batch, so it never withholds more than ``max_run``
 batches in a row, and the reason says so.
+
+The counts and scores are each rank's own (its own data), and they go into the guard's state
+as JSON: a checkpointer that keeps one copy of the guard's state for all ranks (rank 0's)
+restores rank 0's counts and scores on every rank, so after such a resume the other ranks'
+bars re-form from the same corpus over their next 64 batches; the flag stays agreed.
 """
 
 from __future__ import annotations
@@ -160,8 +165,11 @@ class TokenCheck:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready: the counts as {bin: count} of the nonzero bins (a host read)."""
-        counts = {} if self.counts is None else {
-            int(i): float(self.counts[i]) for i in torch.nonzero(self.counts).flatten().tolist()}
+        counts: dict[int, float] = {}
+        if self.counts is not None:
+            c = self.counts.cpu()  # one copy
+            idx = torch.nonzero(c).flatten()
+            counts = dict(zip(idx.tolist(), c[idx].tolist()))
         return {"counts": counts, "scores": list(self.scores), "run": self.run,
                 "forget": self._forget}
 
