@@ -88,8 +88,7 @@ def measure(tokens: Any, rows: int, seed: int, steps: int, z: float,
             zs.append(abs(_z(check, float(score))[0]))
         flags += bool(flag)
         check.observe(float(score), bool(flag))
-    return {"armed": armed, "flags": flags, "max_z": max(zs), "p999": sorted(zs)[
-        int(0.999 * (len(zs) - 1))], "planted": planted}
+    return {"armed": armed, "flags": flags, "max_z": max(zs), "planted": planted}
 
 
 def _data(corpus: str, bpe: bool) -> Any:

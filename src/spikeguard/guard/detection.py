@@ -51,7 +51,7 @@ class Detection:
                                        after_skip=p.after_skip)
         m.loss_ema_ratio = verdict.evidence.get("loss_ema_ratio")
         if (self.respond and verdict.tier <= 1 and verdict.skip != skipped
-                and p.lr_jump is p.tokens is None and not self._warned_disagree):
+                and not p.held_before and not self._warned_disagree):
             self._warned_disagree = True
             log.warning("spikeguard: device gate (%s) and host verdict (%s) disagree at step %d",
                         skipped, verdict.skip, p.step)

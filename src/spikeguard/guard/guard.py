@@ -348,7 +348,7 @@ class Guard:
         p.tokens = self.updater.tokens.observe(reading.tokens_score, reading.tokens_flagged)
         out = StepOutcome(p.step, reading, Update.WITHHELD if reading.withheld else Update.APPLIED,
                           update_bound=self.updater.bound.active, lr_factor=p.lr_factor)
-        if self.weights is not None and p.lr_jump is p.tokens is None:  # LR, input: never released
+        if self.weights is not None and not p.held_before:  # the LR or the input is at fault
             out = self._weigh(p, out)
         out = self.detection.judge(p, out, tail)
         out = tokens_judged(lr_judged(self.updater.lr_jump, p, out, self.config.respond),

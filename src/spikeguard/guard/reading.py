@@ -106,5 +106,11 @@ class Pending:
     detector does too."""
 
     @property
+    def held_before(self) -> bool:
+        """Withheld before it was applied, for its LR or its input ids: never released, and the
+        gate's own Tier 1 test need not agree."""
+        return self.lr_jump is not None or self.tokens is not None
+
+    @property
     def grads_alive(self) -> bool:
         return self.stats is not None

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ..measure.spread import MAD_SCALE
 from ..record import Action
 
 __all__ = ["TokenCheck", "tokens_judged"]
@@ -54,7 +55,6 @@ DECAY = 1024
 WINDOW = 64
 ARM_AFTER = 8
 REL_FLOOR = 0.005
-_MAD = 1.4826
 
 
 class TokenCheck:
@@ -113,7 +113,7 @@ class TokenCheck:
             return None
         med = statistics.median(self.scores)
         mad = statistics.median(abs(s - med) for s in self.scores)
-        spread = max(_MAD * mad, REL_FLOOR * abs(med), 1e-9)
+        spread = max(MAD_SCALE * mad, REL_FLOOR * abs(med), 1e-9)
         return med, spread, self.z * (1.0 + ARM_AFTER / n) * spread
 
     def gate(self) -> tuple[torch.Tensor, torch.Tensor] | None:
