@@ -57,6 +57,28 @@ def test_the_score_is_the_batch_surprise_under_the_run_frequencies():
         assert score == pytest.approx(want, rel=1e-12) and not flag
 
 
+def test_padding_marked_negative_is_left_out():
+    """Ids marked -1 (padding, a share that varies by batch) give exactly the scores and counts
+    of the batches without them; a batch of padding only gives no score and changes nothing."""
+    batches = _batches(30)
+    padded = []
+    for i, x in enumerate(batches):
+        x = x.clone()
+        x[i % 8, (i * 7) % 64:] = -1  # a tail of padding on one row
+        padded.append(x)
+    plain, masked = TokenCheck(10.0, 5), TokenCheck(10.0, 5)
+    got = _feed(masked, padded)
+    want = _feed(plain, [x[x >= 0] for x in padded])
+    for (a, fa), (b, fb) in zip(got[1:], want[1:]):
+        assert a == pytest.approx(b, rel=1e-12) and fa == fb
+    assert torch.equal(masked.counts, plain.counts)
+    before = masked.counts.clone()
+    masked.add(torch.full((8, 64), -1))
+    score, flag = masked.gate()
+    assert math.isnan(float(score)) and not bool(flag)
+    assert torch.equal(masked.counts, before)
+
+
 def test_random_and_repeated_ids_are_flagged_real_text_is_not():
     """At 32 rows of 64 bytes: the most frequent byte repeated (a space) is some 25 spreads
     under the median (at 8 rows only about 12, inside the bar: the weak case)."""

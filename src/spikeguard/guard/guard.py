@@ -228,8 +228,9 @@ class Guard:
         attribution of a skip, where ``rerun(keep=mask)`` keeps only the rows ``mask`` marks).
         ``reference=False``: ``rerun`` re-runs whatever batch is current, not this step's (a
         framework's closure), so the weights check never takes it as a later step's reference.
-        ``tokens``: the batch's input token ids (the tensor the model embeds, padding left out):
-        a batch whose ids are far off the run's own frequencies is skipped (guard/tokens.py).
+        ``tokens``: the batch's input token ids (the tensor the model embeds; padding left out
+        or marked -1): a batch whose ids are far off the run's own frequencies is skipped
+        (guard/tokens.py).
         Raises TrainingHalted on a halt, after the record is written."""
         self.updater.tokens.add(tokens)
         return self._take(out, log_z, rerun, reference, framework=False)

@@ -10,7 +10,9 @@ The statistic: the batch's mean surprise under the run's own token frequencies, 
 ``-mean log p(token)`` with ``p(v) = (c_v + 1/2) / (N + K/2)``; ``c`` the counts of the batches
 kept so far (decayed by ``1 - 1/DECAY`` per kept batch, so a slow change of the data mix is
 followed), ``N`` their sum, ``K`` the bins seen plus one. Token ids fall into ``BINS`` bins
-(``id mod BINS``: exact up to 65,536 ids, merged above, which only blunts the test). Random ids
+(``id mod BINS``: exact up to 65,536 ids, merged above, which only blunts the test); a
+negative id is padding and is left out of the counts and the score, so a batch whose share of
+padding varies is judged on its real tokens only. Random ids
 are surprising; one id repeated is unsurprising far below any real batch; so the test is
 two-sided: ``|score - median| > z x spread x (1 + ARM_AFTER / n)`` over the last ``n <=
 WINDOW`` kept batches (spread: 1.4826 x the median absolute deviation, at least ``REL_FLOOR`` of
@@ -85,7 +87,8 @@ class TokenCheck:
 
     def add(self, tokens: Any) -> None:
         """Note one micro-batch's input token ids (any shape; on any device) for this step's
-        check; ValueError for anything but integer ids."""
+        check; a negative id is padding, left out (``ids.masked_fill(attention_mask == 0, -1)``
+        marks it without a host read). ValueError for anything but integer ids."""
         if not self.active or tokens is None:
             return
         if (not isinstance(tokens, torch.Tensor) or tokens.is_floating_point()
@@ -94,9 +97,10 @@ class TokenCheck:
             raise ValueError(f"tokens= must be the batch's input token ids (an integer tensor), got "
                              f"{kind}; pass the ids the model embeds (x), not its embeddings or "
                              "logits, or leave tokens out to turn the check off for the loop")
-        ids = tokens.detach().reshape(-1).long().remainder(BINS)
-        self._batch = ids if self._batch is None else torch.cat([self._batch, ids.to(
-            self._batch.device)])
+        ids = tokens.detach().reshape(-1).long()
+        if self._batch is not None:
+            ids = torch.cat([self._batch, ids.to(self._batch.device)])
+        self._batch = ids
 
     def clear(self) -> None:
         """Forget the ids added since the last step (micro-batches dropped: a rollback, a
@@ -122,22 +126,26 @@ class TokenCheck:
         ids, self._batch = self._batch, None
         if ids is None:
             return None
+        w = (ids >= 0).to(torch.float64)  # a negative id is padding: left out
+        ids = ids.clamp(min=0).remainder(BINS)
         if self.counts is None or self._forget:
             self.counts, self._forget = torch.zeros(BINS, dtype=torch.float64,
                                                     device=ids.device), False
         c = self.counts = self.counts.to(ids.device)
-        b = torch.zeros_like(c).index_add_(0, ids, torch.ones_like(ids, dtype=c.dtype))
-        n, seen = c.sum(), (c > 0).sum() + 1
+        b = torch.zeros_like(c).index_add_(0, ids, w)
+        n, seen, m = c.sum(), (c > 0).sum() + 1, w.sum()
         # -mean log p(id), p = (c + 1/2) / (n + seen/2): only the batch's own ids are read
-        surprise = torch.log(n + 0.5 * seen) - torch.log(c[ids] + 0.5).mean()
-        # NaN before any batch was kept: no frequencies to be surprised by
-        score = torch.where(n > 0, surprise, math.nan)
+        mean_log_p = (w * torch.log(c[ids] + 0.5)).sum() / m.clamp(min=1)
+        surprise = torch.log(n + 0.5 * seen) - mean_log_p
+        # NaN before any batch was kept (no frequencies to be surprised by) or for a batch of
+        # padding only: no score, no flag
+        score = torch.where((n > 0) & (m > 0), surprise, math.nan)
         bar = self.bar()
         if bar is None:
             flag = torch.zeros((), dtype=torch.bool, device=b.device)
         else:
             flag = (score - bar[0]).abs() > bar[2]
-        keep = (~flag).to(c.dtype)
+        keep = (~flag & (m > 0)).to(c.dtype)
         c.mul_(1.0 - keep / DECAY).add_(b * keep)
         return score, flag
 
