@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import spikeguard as sg
 from spikeguard.data import load_corpus
 from spikeguard.integrations import hf as sg_hf
-from spikeguard.integrations._common import METRICS, HeldScheduler
+from spikeguard.integrations._common import METRICS, HeldScheduler, input_ids
 from spikeguard.sinks import read_metrics
 
 from ._hf_llama import CORRUPT, corrupt_embeddings, llama, poison_mlp, readme_loop
@@ -90,9 +90,10 @@ def make_trainer(tmp_path, *, steps=STEPS, outlier=None, callbacks=(), ga=1, mod
                                 callbacks=list(callbacks))
 
 
-def guard_config(steps=STEPS):
+def guard_config(steps=STEPS, **kw):
     # the flat 3x-median grad rule (grad_z near 0): these test the framework's skip, not the bar
-    return sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01))
+    return sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps, arm_after=5, grad_z=0.01),
+                          **kw)
 
 
 class Snapshots(transformers.TrainerCallback):
@@ -386,7 +387,9 @@ def test_llama_in_hf_trainer_clean_takes_no_action_and_an_outlier_is_skipped(tmp
     trainer = make_trainer(tmp_path / "bad", steps=steps, model=llama(), outlier=34,
                            callbacks=[snaps])
     snaps.trainer = trainer
-    sg_hf.guard_trainer(trainer, config=guard_config(steps))
+    # the input-token check off: a batch it flags gets no weights check and no re-run, and
+    # this test is of those (the check in HF Trainer: test_hf_trainer_passes_the_input_ids)
+    sg_hf.guard_trainer(trainer, config=guard_config(steps, token_z=0))
     trainer.train()
     (rec,) = _acted(read_metrics(tmp_path / "bad" / "metrics.jsonl")).values()
     assert rec["step"] == 34 and rec["action"] == "skip"
@@ -483,3 +486,52 @@ def test_per_layer_signals_follow_the_blocks_of_hf_models(tmp_path):
     trainer.train()
     record = read_metrics(tmp_path / "gpt2" / "metrics.jsonl")[-1]
     assert {"update_ratio/transformer.h.0", "update_ratio/transformer.h.1"} <= set(record)
+
+
+class PaddedDataset(ByteDataset):
+    """ByteDataset's rows with a tail of padding (id 0, attention 0, label -100) whose length
+    varies from row to row, 0 to 3/4 of the row; the outlier batch as ByteDataset's (NUL)."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(i)
+        pad = (i * 5) % (3 * SEQ // 4)
+        mask = torch.ones(SEQ, dtype=torch.int64)
+        if pad:
+            mask[-pad:] = 0
+            item["input_ids"][-pad:] = 0
+            item["labels"][-pad:] = -100
+        item["attention_mask"] = mask
+        return item
+
+
+def test_the_input_ids_of_a_model_call_with_padding_marked():
+    ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    assert torch.equal(input_ids((), {"input_ids": ids, "attention_mask": mask}),
+                       torch.tensor([[5, 6, 7], [8, 9, -1]]))
+    assert input_ids((ids,), {}) is ids
+    assert input_ids((), {"inputs_embeds": torch.zeros(2, 3, 4)}) is None
+
+
+def test_hf_trainer_passes_the_input_ids(tmp_path):
+    """Padded rows (a varying share of pad id 0) take no action; a batch of NUL bytes at step
+    12 is skipped for its input ids (the reason says so), with params, moments and LR position
+    untouched."""
+    steps = 16
+    trainer = make_trainer(tmp_path / "clean", steps=steps)
+    trainer.train_dataset = PaddedDataset(steps * BATCH)
+    sg_hf.guard_trainer(trainer, config=guard_config(steps))
+    trainer.train()
+    assert _acted(read_metrics(tmp_path / "clean" / "metrics.jsonl")) == {}
+    snaps = Snapshots()
+    trainer = make_trainer(tmp_path / "bad", steps=steps, callbacks=[snaps])
+    trainer.train_dataset = PaddedDataset(steps * BATCH, outlier_step=12)
+    snaps.trainer = trainer
+    sg_hf.guard_trainer(trainer, config=guard_config(steps))
+    trainer.train()
+    (rec,) = _acted(read_metrics(tmp_path / "bad" / "metrics.jsonl")).values()
+    assert rec["step"] == 12 and rec["action"] == "skip" and rec["cause"] == "data"
+    assert any(r.startswith("tokens: ") for r in rec["reasons"])
+    p0, m0, pos0, _ = snaps.before[12]
+    p1, m1, pos1, _ = snaps.after[12]
+    assert same(p0, p1) and same_moments(m0, m1) and pos1 == pos0

@@ -17,12 +17,27 @@ from .. import _dist
 from ..guard import Guard, GuardConfig, GuardedOptimizer, TrainingHalted
 from ..sinks import JsonlSink, encode_record
 
-__all__ = ["METRICS", "GuardParts", "HeldScheduler", "RecordSink", "build_guard",
+__all__ = ["METRICS", "GuardParts", "HeldScheduler", "RecordSink", "build_guard", "input_ids",
            "logger_metrics", "write_report", "write_run_config"]
 
 METRICS = ("loss", "grad_norm", "log_z", "loss_ema_ratio", "nan_frac")
 """The five health metrics that reach the framework's logger, as ``spikeguard/<name>``."""
 PREFIX = "spikeguard/"
+
+
+def input_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The token ids of a model call (``input_ids=`` or the first positional integer tensor)
+    for the guard's input-token check, padding (``attention_mask`` 0) marked -1 without a host
+    read; None when the call has none (``inputs_embeds``)."""
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = next((a for a in args if torch.is_tensor(a)), None)
+    if not torch.is_tensor(ids) or ids.is_floating_point() or ids.dtype == torch.bool:
+        return None
+    mask = kwargs.get("attention_mask")
+    if torch.is_tensor(mask) and mask.shape == ids.shape:
+        return ids.masked_fill(mask.to(ids.device) == 0, -1)
+    return ids
 
 
 class HeldScheduler(torch.optim.lr_scheduler.LRScheduler):

@@ -34,7 +34,7 @@ import torch
 from .. import _dist
 from ..guard import GuardConfig, GuardedOptimizer
 from ..prevent.losses import cross_entropy
-from ._common import GuardParts, HeldScheduler, build_guard, logger_metrics, write_report
+from ._common import GuardParts, HeldScheduler, build_guard, input_ids, logger_metrics, write_report
 
 __all__ = ["SpikeguardLoss", "guard_trainer"]
 
@@ -54,7 +54,8 @@ class SpikeguardLoss:
     While gradients are on (training, not evaluation) it hands the guard that ``guard_trainer``
     connects the micro-batch's mean cross-entropy and mean log Z, and a closure that re-runs
     the micro-batch (the model's inputs, kept by a forward pre-hook, and its labels): the
-    weights check, the attribution of a skip and the halt report's module need it.
+    weights check, the attribution of a skip and the halt report's module need it. The kept
+    ``input_ids`` (padding marked by ``attention_mask``) go to the guard's input-token check.
     """
 
     def __init__(self, *, z_loss: float = 1e-4, shift_labels: bool = True,
@@ -109,11 +110,12 @@ class SpikeguardLoss:
             if self.guard is None:
                 raise ValueError("SpikeguardLoss is not connected to a guard: call "
                                  "guard_trainer(trainer) before trainer.train()")
-            rerun = None
+            rerun = tokens = None
             if self.model is not None and self._call is not None:
                 rerun = functools.partial(self._rerun, self._call, labels, num_items_in_batch)
+                tokens = input_ids(*self._call)
             self._call = None
-            self.guard.accumulate(mean, rerun=rerun)
+            self.guard.accumulate(mean, rerun=rerun, tokens=tokens)
         return loss
 
     def _rerun(self, call: tuple[Any, Any], labels: torch.Tensor,
