@@ -3,7 +3,8 @@
 Each seed trains OLMo-core's own one-layer Transformer (tests/test_integrations_olmo.py's CPU
 set-up: d_model 32, the corpus' bytes from an offset of its own, two micro-batches a step) for
 ``--steps`` steps twice: with ``SpikeguardCallback`` at its defaults (``DetectorConfig.for_run``,
-the weights check and attribution through the train module's re-run, skips made up) and with
+the weights check and attribution through the train module's re-run, the input-token check on
+the ids ``model_forward`` gets, skips made up) and with
 the guard only measuring (``GuardConfig(respond=False)``: the unguarded run, the same records).
 No fault is injected, so every skip is a false one. Prints, per seed, the skips, the armed steps,
 and the held-out loss of both (mean cross-entropy of 256 fixed validation windows of 32
@@ -38,14 +39,19 @@ def held_out_loss(trainer, windows: int = 256) -> float:
 def run(seed: int, steps: int, out: Path, respond: bool) -> tuple[int, int, float]:
     folder = out / f"seed{seed}-{'guarded' if respond else 'unguarded'}"
     det = sg.DetectorConfig.for_run(steps)
-    trainer, _ = make_trainer(folder, steps=steps, seed=seed, detector=det, respond=respond)
+    # the guard's defaults, the input-token check included (the tests turn it off)
+    trainer, _ = make_trainer(folder, steps=steps, seed=seed, detector=det, respond=respond,
+                              token_z=sg.GuardConfig().token_z)
     loader = trainer.data_loader
     loader.tokens = loader.tokens[seed * 100_000:]
     trainer.fit()
     records = read_metrics(folder / "metrics.jsonl")
     skips = sum(bool(r.get("skipped")) for r in records)
     armed = sum(r["step"] > det.arm_after for r in records)
-    return skips, armed, held_out_loss(trainer)
+    by_ids = sum(bool(r.get("skipped")) and any(str(w).startswith("tokens")
+                                                for w in r.get("reasons") or ())
+                 for r in records)
+    return skips, armed, held_out_loss(trainer), by_ids
 
 
 def main() -> None:
@@ -54,13 +60,15 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", type=Path, default=Path("/tmp/olmo_clean"))
     a = p.parse_args()
-    print("seed | skips (guarded) | armed steps | held-out guarded | unguarded | ratio")
+    print("seed | skips (guarded) | of them for the input ids | armed steps | held-out guarded "
+          "| unguarded | ratio")
     total = armed_total = 0
     for seed in a.seeds:
-        skips, armed, g = run(seed, a.steps, a.out, True)
-        _, _, u = run(seed, a.steps, a.out, False)
+        skips, armed, g, by_ids = run(seed, a.steps, a.out, True)
+        u = run(seed, a.steps, a.out, False)[2]
         total, armed_total = total + skips, armed_total + armed
-        print(f"{seed} | {skips} | {armed} | {g:.4f} | {u:.4f} | {g / u:.4f}", flush=True)
+        print(f"{seed} | {skips} | {by_ids} | {armed} | {g:.4f} | {u:.4f} | {g / u:.4f}",
+              flush=True)
     print(f"all | {total} | {armed_total} | false skips per 1,000 armed steps: "
           f"{1000 * total / max(armed_total, 1):.2f}")
 

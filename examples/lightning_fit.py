@@ -27,7 +27,7 @@ class LitGPT(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         out = self.net.loss(self.net(x), y)  # loss, ce and log Z from one pass
-        guard_cb.accumulate(out)  # sg
+        guard_cb.accumulate(out, tokens=x)  # sg: the input ids too (the input-token check)
         return out.loss
 
     def configure_optimizers(self):

@@ -47,8 +47,9 @@ def batches(steps: int, outlier: int | None = None) -> list[tuple[torch.Tensor, 
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, guard_cb, *, nan_step: int | None = None):
+    def __init__(self, guard_cb, *, nan_step: int | None = None, tokens: bool = False):
         super().__init__()
+        self.tokens = tokens  # hand the guard the input ids
         torch.manual_seed(0)
         self.net = sg.GPT(sg.GPTConfig.tiny(seq_len=SEQ))
         self.guard_cb, self.nan_step = guard_cb, nan_step
@@ -63,7 +64,7 @@ class LitGPT(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         out = self.net.loss(self.net(x), y)
-        self.guard_cb.accumulate(out)
+        self.guard_cb.accumulate(out, tokens=x if self.tokens else None)
         return out.loss
 
     def configure_optimizers(self):
@@ -171,6 +172,27 @@ def test_outlier_batch_is_skipped_and_nothing_moves(tmp_path):
     assert float(rows[bad]["spikeguard/skipped"]) == 1.0
     assert float(rows[-1]["spikeguard/skips"]) == 1.0
     assert guard_cb.halted is None and not (out / "report.json").exists()
+
+
+def test_the_input_ids_reach_the_guard(tmp_path):
+    """accumulate(out, tokens=x): the NUL batch at OUTLIER is skipped for its ids, and nothing
+    moves; without the ids no step names them."""
+    seen = {}
+    for tokens in (True, False):
+        guard_cb = sg_lightning.SpikeguardCallback(config=guard_config())
+        module = LitGPT(guard_cb, tokens=tokens)
+        trainer, loader = make_trainer(tmp_path / str(tokens), guard_cb, outlier=OUTLIER)
+        trainer.fit(module, loader)
+        seen[tokens] = read_metrics(tmp_path / str(tokens) / "run" / "version_0" /
+                                    "metrics.jsonl"), module
+    records, module = seen[True]
+    assert [r["step"] for r in records if r["skipped"]] == [OUTLIER]
+    assert records[OUTLIER]["cause"] == "data"
+    assert any(r.startswith("tokens: ") for r in records[OUTLIER]["reasons"])
+    p0, m0, pos0, _ = module.snaps["before"][OUTLIER]
+    p1, m1, pos1, _ = module.snaps["after"][OUTLIER]
+    assert same(p0, p1) and same_moments(m0, m1) and pos1 == pos0
+    assert not any(r.startswith("tokens") for rec in seen[False][0] for r in rec["reasons"])
 
 
 def test_nan_stops_the_trainer_with_a_report_then_raises(tmp_path):

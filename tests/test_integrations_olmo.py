@@ -119,7 +119,9 @@ def trainer_config(tmp_path, *, probe=None, steps=STEPS, save=None):
 
 def make_trainer(tmp_path, *, outlier=None, probe=None, steps=STEPS, save=None, config=None,
                  storm=2, lr_scale=0.5, seed=0, detector=None, respond=True, keep=True,
-                 max_rollbacks=3, **guard_kw):
+                 max_rollbacks=3, token_z=0.0, **guard_kw):
+    # token_z 0: the input-token check off, so the outliers here test the rules that read the
+    # model, the weights check and the responses (the check: test_the_input_ids_reach_the_guard)
     torch.manual_seed(seed)
     model = TransformerConfig.llama_like(vocab_size=256, d_model=32, n_layers=1,
                                          n_heads=2).build(init_device="cpu")
@@ -136,7 +138,8 @@ def make_trainer(tmp_path, *, outlier=None, probe=None, steps=STEPS, save=None, 
                                                 max_consecutive_skips=storm)
     cb = SpikeguardCallback(config=sg.GuardConfig(detector=det, rollback_lr_scale=lr_scale,
                                                   rollback_lr_keep=keep,
-                                                  max_rollbacks=max_rollbacks, respond=respond),
+                                                  max_rollbacks=max_rollbacks, respond=respond,
+                                                  token_z=token_z),
                             out_dir=guard_kw.pop(
         "out_dir", tmp_path), **guard_kw)
     trainer.add_callback("spikeguard", cb)
@@ -147,6 +150,21 @@ def _same(a, b):
     (pa, sa), (pb, sb) = a, b
     return all(torch.equal(pa[k], pb[k]) for k in pa) and all(
         torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+def test_the_input_ids_reach_the_guard(tmp_path):
+    """model_forward hands the guard each micro-batch's input ids: the outlier batch (random
+    bytes) is skipped for them at the default token_z, and nothing moves."""
+    steps, at = STEPS + 20, OUTLIER + 20
+    probe = Probe()
+    trainer, _ = make_trainer(tmp_path, outlier=at, probe=probe, steps=steps,
+                               token_z=sg.GuardConfig().token_z)
+    trainer.fit()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records if r["skipped"]] == [at]
+    bad = records[at - 1]
+    assert bad["cause"] == "data" and any(r.startswith("tokens: ") for r in bad["reasons"])
+    assert _same(probe.before[at], probe.after[at])
 
 
 def test_an_outlier_batch_is_skipped_and_nothing_moves(tmp_path, caplog):

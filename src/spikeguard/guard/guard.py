@@ -236,12 +236,14 @@ class Guard:
         return self._take(out, log_z, rerun, reference, framework=False)
 
     def decide(self, out: Any = None, *, log_z: torch.Tensor | None = None,
-               rerun: Callable[..., Any] | None = None, reference: bool = True) -> Decision:
+               rerun: Callable[..., Any] | None = None, reference: bool = True,
+               tokens: Any = None) -> Decision:
         """``step()`` for a framework that steps the optimizer itself: measure, gate, clip, judge,
         respond, record, and return whether to apply the update (``Decision.apply``: then the
         framework calls ``optimizer.step()`` and its scheduler's ``step()``). Needs read_lag 0,
         no loss scaler and no ``scheduler`` in the guard. A halt raises TrainingHalted."""
         up = self.updater
+        up.tokens.add(tokens)
         check_decide(up.read_lag, up.precision.scaler, up.scheduler, self.checkpoints, up.bound)
         if self.probes is not None:  # the framework steps after the read: no update readings
             self.probes.signals.steps_after_read()

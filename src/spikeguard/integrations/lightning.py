@@ -5,7 +5,7 @@
     class LitLM(L.LightningModule):
         def training_step(self, batch, batch_idx):
             out = sg.cross_entropy(self.net(batch[0]), batch[1])   # loss, ce, log Z
-            guard_cb.accumulate(out)
+            guard_cb.accumulate(out, tokens=batch[0])             # tokens: the input ids
             return out.loss
 
         def configure_optimizers(self):
@@ -86,17 +86,20 @@ class _LightningGuardLogic:
         """The TrainingHalted of a halt (None while the run is healthy)."""
         return self.parts.optimizer.halted if self.parts is not None else None
 
-    def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None) -> None:
+    def accumulate(self, out: Any, *, log_z: torch.Tensor | None = None,
+                   tokens: torch.Tensor | None = None) -> None:
         """Record a micro-batch's loss and log Z with the guard (``guard.accumulate``): call it
-        in ``training_step`` with a LossOutput, or a 0-d mean loss and ``log_z``. The guard gets
-        a closure that re-runs this micro-batch (``_rerun``)."""
+        in ``training_step`` with a LossOutput, or a 0-d mean loss and ``log_z``; ``tokens``:
+        its input token ids, padding marked -1 (the guard's input-token check; left out, the
+        check does not run). The guard gets a closure that re-runs this micro-batch
+        (``_rerun``)."""
         if self._rerunning:  # a re-run's training_step is not a new micro-batch
             self._rerun_out = (out, log_z)
             return
         rerun = None
         if self._trainer_ref is not None and self._batch is not None:
             rerun = functools.partial(self._rerun, self._trainer_ref, self._batch)
-        self.guard.accumulate(out, log_z=log_z, rerun=rerun)
+        self.guard.accumulate(out, log_z=log_z, rerun=rerun, tokens=tokens)
 
     def _rerun(self, trainer: Any, batch: tuple[Any, int]) -> Any:
         """Re-run one micro-batch: ``training_step`` through the strategy (its precision

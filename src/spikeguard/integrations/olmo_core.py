@@ -17,8 +17,9 @@ sees leaves out the steps the guard withheld (``HeldSchedule``). Each micro-batc
 cross-entropy reaches the guard from ``model_forward`` (OLMo-core's loss is a share, its sum
 over the rank's token count: the callback turns it back into the micro-batch's mean), and log Z
 from a forward hook on the output layer (one logsumexp of the logits the loss computed anyway;
-none under the fused linear loss, which builds no logits). The guard numbers its steps as the
-Trainer does (the first batch is step 1).
+none under the fused linear loss, which builds no logits). Its input ids go to the guard's
+input-token check (padding marked -1 where the call carries an ``attention_mask``). The guard
+numbers its steps as the Trainer does (the first batch is step 1).
 
 A halt raises ``TrainingHalted`` from the optimizer step: the Trainer calls every callback's
 ``on_error`` (this one writes ``report.json`` and ``report.txt``), shuts down and re-raises, so
@@ -47,6 +48,7 @@ from ..guard import GuardConfig, GuardedOptimizer, HaltReport, TrainingHalted
 from ..guard.lr_scale import Stretch
 from ..prevent.losses import LossOutput
 from ._common import GuardParts, build_guard, logger_metrics, write_report, write_run_config
+from ._common import input_ids as input_ids_of
 from ._incidents import recurring, recurring_report
 from ._olmo_chain import RunLedger, next_config, relaunch_config
 
@@ -345,7 +347,8 @@ class _OlmoGuardLogic:
                     not torch.is_grad_enabled() or self._rerunning:
                 return out
             mean, log_z = means(out, labels, kwargs)
-            guard.accumulate(mean, log_z=log_z, rerun=rerun_of(input_ids, labels, kwargs))
+            guard.accumulate(mean, log_z=log_z, rerun=rerun_of(input_ids, labels, kwargs),
+                             tokens=input_ids_of((input_ids,), kwargs))
             return out
 
         tm.model_forward = model_forward

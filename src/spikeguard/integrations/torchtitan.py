@@ -11,7 +11,7 @@ torchtitan's CheckpointManager with its dataloader rewound and the poisoned batc
 ``GuardedTrainer`` replaces the end of ``Trainer.train_step``: after ``forward_backward_step``
 the guard measures the global grad norm (FSDP2 shards and pipeline stages from
 ``model_parts``), gates, clips (in place of torchtitan's ``clip_grad_norm_``), judges, responds
-and records. With read_lag 0 (the CPU's default) ``guard.decide()`` decides and the trainer
+and records; the step's input ids (``input_dict["input"]``) go to its input-token check. With read_lag 0 (the CPU's default) ``guard.decide()`` decides and the trainer
 calls ``optimizers.step()`` and ``lr_schedulers.step()`` only when it says apply; with read_lag
 1 (a GPU's) ``guard.step()`` steps them, a skip being fused AdamW's ``found_inf`` (no host
 read), and judges each step during the next. Its ``train()`` is torchtitan's loop with the checkpoint saves left to the guard (at
@@ -240,10 +240,12 @@ class GuardedTrainer(Trainer):
         if step != self.step - 1:
             raise RuntimeError(f"torchtitan's step {self.step} and the guard's {step} are out of "
                                "step; drive the loop with GuardedTrainer.train()")
-        if self.read_lag:
-            self.guard.step(out, rerun=rerun)  # resolves the step before, then steps or skips
+        ids = [d["input"] for group in groups for d, _ in group if torch.is_tensor(d.get("input"))]
+        tokens = torch.cat([x.reshape(-1) for x in ids]).to(self.device) if ids else None
+        if self.read_lag:  # resolves the step before, then steps or skips
+            self.guard.step(out, rerun=rerun, tokens=tokens)
         else:
-            decision = self.guard.decide(out, rerun=rerun)
+            decision = self.guard.decide(out, rerun=rerun, tokens=tokens)
             if decision.apply:  # else: skipped (no optimizer, no LR step) or rolled back
                 with scaled_lr(self.optimizers_view, decision.lr_factor):
                     self.optimizers.step()
