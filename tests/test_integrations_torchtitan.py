@@ -103,6 +103,9 @@ def test_outlier_batch_is_skipped_on_both_ranks_and_nothing_moves(job, name, lag
     assert [r["step"] for r in records if r["skipped"]] == [10]
     bad = records[10]
     assert bad["action"] == "skip" and bad["reasons"][0].startswith("grad_norm")
+    # GuardedTrainer hands the guard the batch's input ids: one token repeated is past the
+    # input-token check's bar too
+    assert any(r.startswith("tokens: ") for r in bad["reasons"]), bad["reasons"]
     prior = sorted(r["grad_norm"] for r in records[:10])
     assert bad["grad_norm"] > 3 * (prior[4] + prior[5]) / 2  # 3x the median before it
     # the LR of the step after the skip is the skipped step's: the schedule did not advance
