@@ -207,8 +207,9 @@ CHECKS["torchao_fp8_step"] = torchao_fp8_step
 
 
 def guard_no_sync(smoke: bool = False) -> tuple[bool, str]:
-    """A guarded fused-AdamW step on CUDA under ``set_sync_debug_mode("error")``: healthy steps
-    and the steps that skip (a random-byte batch after arming; the gate decides on the device)
+    """A guarded fused-AdamW step on CUDA under ``set_sync_debug_mode("error")``, its input ids
+    passed (``tokens=``, the input-token check on the device): healthy steps and the steps that
+    skip (a random-byte batch after arming; the gate decides on the device)
     raise nothing, and the skipped step left params untouched. Attribution of a skip, one step
     later, reads the skipped batch's per-sequence losses on the host by design: it alone runs
     outside the error mode, and the steps it examined are reported. Then the guard's overhead
@@ -250,7 +251,7 @@ def guard_no_sync(smoke: bool = False) -> tuple[bool, str]:
                 out.loss.backward()
                 if t == bad_at:
                     before = [p.detach().clone() for p in model.parameters()]
-                verdicts += guard.step(out)
+                verdicts += guard.step(out, tokens=x[:, :-1])  # the input-token check too
                 if t == bad_at:
                     after = [p.detach().clone() for p in model.parameters()]
             except RuntimeError as e:  # name the step and our innermost frames
@@ -291,7 +292,7 @@ def guard_no_sync(smoke: bool = False) -> tuple[bool, str]:
             out.loss.backward()
             mid.record()
             if tail is None:
-                guard.step(out)
+                guard.step(out, tokens=text[:, :-1])
             else:
                 tail()
             end.record()

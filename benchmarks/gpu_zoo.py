@@ -10,7 +10,8 @@ then cosine to 0.1, bf16-mixed through ``PrecisionPolicy``, clip 1.0,
 - ``outlier``: a batch of random token ids at mid-run; skipped, and the run ends no worse than
   unguarded;
 - ``lr``: the LR x50 for 20 steps from mid-run; alert, rollback and unguarded arms; paged within
-  10 steps and ends no worse than unguarded, and under rollback within 2% of clean.
+  10 steps and ends no worse than unguarded, and under rollback within 2% of clean ("no worse"
+  as the zoo scores it: within 1.005x, ``HARM_RATIO``).
 
 Then ``gpu_check.guard_no_sync`` on the same device: guarded steps under
 ``torch.cuda.set_sync_debug_mode("error")`` (0 syncs outside the one-step-late read) and the
@@ -40,6 +41,7 @@ import torch
 import spikeguard as sg
 from benchmarks.zoo_run import _loop
 from spikeguard.sinks import read_metrics
+from spikeguard.testing.detection import HARM_RATIO
 from spikeguard.train.data import load_train_data
 from spikeguard.train.faults import Injector
 
@@ -140,14 +142,15 @@ def _verdict(kind: str, arm: str, line: dict[str, Any], base: dict[str, Any],
     if line["halted"] or line["val_loss"] is None:
         return "halted"
     vs = line["val_loss"] / base["val_loss"]
+    # "no worse than unguarded" as the zoo and the matrix score it: within HARM_RATIO (1.005)
     if kind == "clean":
-        ok = not line["tier2"] and not line["rollbacks"] and vs <= 1.005
+        ok = not line["tier2"] and not line["rollbacks"] and vs <= HARM_RATIO
     elif kind == "outlier":
-        ok = at in line["skips"] and vs <= 1.0 + 1e-9
+        ok = at in line["skips"] and vs <= HARM_RATIO
     elif arm == "rollback":  # withheld before it was applied, or rolled back
         ok = line["val_loss"] <= 1.02 * clean
     else:
-        ok = any(at <= s <= at + 10 for s in line["tier2"]) and vs <= 1.0 + 1e-9
+        ok = any(at <= s <= at + 10 for s in line["tier2"]) and vs <= HARM_RATIO
     return "met" if ok else "NOT met"
 
 
