@@ -74,9 +74,9 @@ def _named(rows: list[dict[str, Any]]) -> str:
 
 def _no_evidence(verdict: Any, f: Finding) -> bool:
     """An ordinary skip (``_ordinary``) that no sequence explains: none quarantined (outlier
-    rows the batch without them still fails the gate with are not: ``Attribution._explain``). Tiny, LR 1e-2, seed 5: such a batch skipped at step 76
-    (10x the median grad norm) left weights on which the next batches reached 57x; two more
-    skips, 3.7% worse."""
+    rows without which the batch still fails the gate are not: ``Attribution._explain``).
+    Tiny, LR 1e-2, seed 5: such a batch skipped at step 76 (10x the median grad norm) left
+    weights on which the next batches reached 57x; two more skips, 3.7% worse."""
     return _ordinary(verdict, f) and not f.quarantined
 
 

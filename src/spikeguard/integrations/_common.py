@@ -26,9 +26,9 @@ PREFIX = "spikeguard/"
 
 
 def input_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The token ids of a model call (``input_ids=`` or the first positional integer tensor)
-    for the guard's input-token check, padding (``attention_mask`` 0) marked -1 without a host
-    read; None when the call has none (``inputs_embeds``)."""
+    """The token ids of a model call (``input_ids=``, else its first positional tensor) for the
+    guard's input-token check, padding (``attention_mask`` 0) marked -1 without a host read;
+    None when they are not integer ids (``inputs_embeds``) or the call has none."""
     ids = kwargs.get("input_ids")
     if ids is None:
         ids = next((a for a in args if torch.is_tensor(a)), None)

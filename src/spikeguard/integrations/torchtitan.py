@@ -11,13 +11,15 @@ torchtitan's CheckpointManager with its dataloader rewound and the poisoned batc
 ``GuardedTrainer`` replaces the end of ``Trainer.train_step``: after ``forward_backward_step``
 the guard measures the global grad norm (FSDP2 shards and pipeline stages from
 ``model_parts``), gates, clips (in place of torchtitan's ``clip_grad_norm_``), judges, responds
-and records; the step's input ids (``input_dict["input"]``) go to its input-token check. With read_lag 0 (the CPU's default) ``guard.decide()`` decides and the trainer
-calls ``optimizers.step()`` and ``lr_schedulers.step()`` only when it says apply; with read_lag
-1 (a GPU's) ``guard.step()`` steps them, a skip being fused AdamW's ``found_inf`` (no host
-read), and judges each step during the next. Its ``train()`` is torchtitan's loop with the checkpoint saves left to the guard (at
-torchtitan's own interval, by torchtitan's CheckpointManager, the guard's state inside as
-Statefuls) and the data drawn through a source that a rollback rewinds. docs/torchtitan.md has
-the whole recipe; examples/torchtitan_train.py is torchtitan's train.py with it.
+and records; the step's input ids (``input_dict["input"]``) go to its input-token check.
+With read_lag 0 (the CPU's default) ``guard.decide()`` decides and the trainer calls
+``optimizers.step()`` and ``lr_schedulers.step()`` only when it says apply; with read_lag 1 (a
+GPU's) ``guard.step()`` steps them, a skip being fused AdamW's ``found_inf`` (no host read), and
+judges each step during the next. Its ``train()`` is torchtitan's loop with the checkpoint saves
+left to the guard (at torchtitan's own interval, by torchtitan's CheckpointManager, the guard's
+state inside as Statefuls) and the data drawn through a source that a rollback rewinds.
+docs/torchtitan.md has the whole recipe; examples/torchtitan_train.py is torchtitan's train.py
+with it.
 
 torchtitan is imported with this module (its classes are subclassed here), not with
 ``spikeguard``.
