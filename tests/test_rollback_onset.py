@@ -85,8 +85,11 @@ def test_an_lr_jump_is_never_applied(policy, tmp_path):
         assert by_step[t]["tier"] == 1 and by_step[t]["skipped"] and by_step[t]["cause"] == "lr"
     assert not any(r.get("cause") == "weights" for r in by_step.values())
     assert run.guard.rollbacks == 0 and run.halted is None
-    if policy == "rollback":
+    if policy == "rollback":  # the page says nothing was rolled back, not where it would go
         assert "rollback_not_needed" in first
+        assert first["summary"]["rollback"].startswith("not needed: the update was withheld")
+    else:  # the suggestion for a person
+        assert first["summary"]["rollback"].startswith("to the checkpoint of step ")
 
 
 def test_with_the_lr_jump_check_off_the_jump_is_applied(tmp_path):

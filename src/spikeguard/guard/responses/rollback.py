@@ -51,10 +51,12 @@ class Rollback:
                                   detail=f"rollback budget of {control.max_rollbacks} exhausted")
         pending = incident.pending
         if getattr(pending, "lr_jump", None) is not None and pending.lr_onset is None:
+            why = "the update was withheld before it was applied (its LR jumped): the weights " \
+                  "are as they were"
+            # the page says what was done, not the checkpoint a rollback would have taken
+            summary["rollback"] = f"not needed: {why}"
             page(incident, control, summary)
-            return Reply(Action.ALERT, record={
-                "summary": summary, "rollback_not_needed": "the update was withheld before it "
-                "was applied (its LR jumped): the weights are as they were"})
+            return Reply(Action.ALERT, record={"summary": summary, "rollback_not_needed": why})
         onset, step, ledger = incident.onset, incident.step, control.ledger
         skip = ledger.data_range(onset, step)
         # before the restore, which takes the attribution history back to the checkpoint
@@ -64,6 +66,8 @@ class Rollback:
         except CheckpointError as e:
             log.warning("spikeguard: Tier 2 at step %d: cannot roll back (%s); alerting and "
                         "going on", step, e)
+            if summary["rollback_checkpoint"] is not None:  # it was found, but not restored
+                summary["rollback"] = f"failed ({e}); training goes on"
             page(incident, control, summary)
             return Reply(Action.ALERT, record={"summary": summary, "rollback_failed": str(e)})
         control.rollbacks += 1
