@@ -11,13 +11,14 @@ A designed set, not a cross product: each axis varied around one base. The base 
 reference GPT (2 layers, d=64, T=64, QK-norm, z-loss 1e-4), fused AdamW at 3e-3 (betas 0.9/0.95,
 weight decay 0.1), fp32, warmup 20 then cosine to 0.1, batch 8, dropout 0, 300 steps, clip 1.0,
 ``DetectorConfig.for_run(300)`` (the warmup not given, as README's loop writes it), checkpoints
-every 25 steps (keep 5).
+every 25 steps (keep 5), the pydoc corpus as bytes.
 
 - clean (arms alert, unguarded): the base; AdamW foreach; Adam beta2 0.999; SGD (momentum 0.9,
   LR 0.1); Adafactor (LR 1e-2); Muon (LR 3e-3, ``adjust_lr_fn="match_rms_adamw"``) with AdamW
   for embeddings and norms; HF LlamaForCausalLM; bf16-mixed; fp16-mixed (the scaler);
   WSD; constant after warmup; the warmup given to for_run; a 100-step warmup given; batch 4,
-  32, 64; dropout 0.1;
+  32, 64; dropout 0.1; another corpus (``stdlib``: the standard library's Python source, as
+  bytes) and another tokenizer (``bpe``: pydoc in a 4,096-id BPE);
 - faults (arms alert, rollback, unguarded): outlier, storm of 5, NaN gradient, LR x50 for 20
   steps, the same sticky, logit drift 0.05, at five timings: ``warmup`` (step 10, inside the
   warmup), ``arming`` (2 steps after the earliest step the last rule can arm: step 52 on the
@@ -26,7 +27,7 @@ every 25 steps (keep 5).
   into its cooldown: 254), ``last`` (288, in the last 5%). Outliers and storms also get their
   gap run (unguarded, the stream without the batches they replace). On the other axes, at
   ``mid``: the LR transient and the outlier for SGD, Adafactor, Muon, Adam beta2 0.999, Llama,
-  bf16 and fp16; the LR transient at ``arming`` for Llama;
+  bf16, fp16, stdlib and BPE; the LR transient at ``arming`` for Llama;
 - natural instabilities (no injection; arms alert, rollback, unguarded), Wortsman et al. 2023's
   small-scale proxies on the tiny GPT at LR 1.0 (a 100-step warmup): ``attn-logit`` without
   QK-norm, ``output-logit`` without z-loss.
@@ -35,7 +36,8 @@ Halves: seeds 0 and 1 are the tuning half, 2 and 3 the held-out half (each resul
 ``half``); jobs run seed by seed in the order 0, 2, 1, 3, so a partial run covers every cell on
 one seed of each half first. ``--table --half holdout`` scores the held-out half alone.
 
-Sizing: one seed of the whole set is 219 runs, 65,700 steps. A tiny fp32 run of 300 steps takes
+Sizing: one seed of the whole set is 237 runs, 71,100 steps (219 before the corpus and
+tokenizer cells). A tiny fp32 run of 300 steps takes
 ~4-6 s on a quiet core (Llama and Muon ~1.5x, bf16 ~2x, fp16-mixed ~3x, batch 64 ~7x); on this
 2-core machine shared with other jobs (load ~10) seed 0 took 68 min on one worker (a run 1-105 s,
 median 16 s), so the four seeds are ~4.5 h there, ~1.5-2 h on a quiet machine with two workers.
@@ -63,7 +65,7 @@ __all__ = ["CLEAN", "SEEDS", "cells", "main", "smoke", "table"]
 BASE: dict[str, Any] = {
     "model": "tiny", "optimizer": "adamw-fused", "lr": 3e-3, "precision": "fp32",
     "schedule": "cosine", "warmup": 20, "warmup_given": False, "batch": 8, "dropout": 0.0,
-    "steps": 300, "qk_norm": True, "z_loss": 1e-4}
+    "steps": 300, "qk_norm": True, "z_loss": 1e-4, "corpus": "pydoc", "tokenizer": "bytes"}
 CLEAN: dict[str, dict[str, Any]] = {
     "base": {}, "adamw-foreach": {"optimizer": "adamw-foreach"},
     "adam-b2-0.999": {"optimizer": "adam-b2-0.999"},
@@ -74,7 +76,8 @@ CLEAN: dict[str, dict[str, Any]] = {
     "warmup-given": {"warmup_given": True},
     "warmup100-given": {"warmup": 100, "warmup_given": True},
     "b4": {"batch": 4}, "b32": {"batch": 32}, "b64": {"batch": 64},
-    "dropout0.1": {"dropout": 0.1}}
+    "dropout0.1": {"dropout": 0.1}, "stdlib": {"corpus": "stdlib"},
+    "bpe": {"tokenizer": "bpe"}}
 """Each clean cell: its changes to BASE."""
 NATURAL: dict[str, dict[str, Any]] = {
     "attn-logit": {"qk_norm": False, "lr": 1.0, "warmup": 100},
@@ -90,7 +93,7 @@ FAULT_SETS: list[tuple[str, str, tuple[str, ...]]] = [   # (clean cell, timing, 
     ("wsd", "cooldown", ALL), ("base", "last", ALL), ("warmup-given", "arming", ALL),
     ("warmup100-given", "arming", ("lr", "outlier")), ("llama", "arming", ("lr",)),
     *[(v, "mid", ("lr", "outlier")) for v in ("sgd", "adafactor", "muon", "adam-b2-0.999",
-                                              "llama", "bf16", "fp16")]]
+                                              "llama", "bf16", "fp16", "stdlib", "bpe")]]
 SEEDS = {"tune": (0, 1), "holdout": (2, 3)}
 """The default seeds; any other seed given with --seeds is held out too (nothing was tuned on
 it): ``--cells clean/llama --seeds $(seq 2 39)`` measures a cell's false-skip rate on more

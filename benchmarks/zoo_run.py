@@ -1,8 +1,8 @@
 """One zoo run: a plain training loop through the guard's public API, as a user writes it.
 
 ``sg.Guard`` with ``sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps[, warmup_steps]))``,
-an ``sg.CheckpointManager`` (every 25 steps, keep 5), an ``sg.TokenStream`` over the pydoc
-corpus, an ``sg.JsonlSink``, and the fault injector of ``spikeguard.train.faults`` called at the
+an ``sg.CheckpointManager`` (every 25 steps, keep 5), an ``sg.TokenStream`` over the cell's
+corpus and tokenizer (pydoc as bytes unless the cell says), an ``sg.JsonlSink``, and the fault injector of ``spikeguard.train.faults`` called at the
 loop's points as ``spikeguard train`` calls it. The loop runs until ``guard.step_index`` reaches
 the run's steps plus the updates the guard withheld (made up with more batches, at most 100, as
 ``spikeguard train`` does), so a skipped garbage batch costs a batch, not an update. The arm
@@ -60,7 +60,8 @@ def run_one(job: dict[str, Any], records: list | None = None) -> dict[str, Any]:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            data = load_train_data(corpus="pydoc", data=None, tokenizer="bytes", vocab_size=None)
+            data = load_train_data(corpus=s.get("corpus", "pydoc"), data=None,
+                                   tokenizer=s.get("tokenizer", "bytes"), vocab_size=None)
             torch.manual_seed(job["seed"])
             model, optimizer = build(s["model"], data.vocab_size, dropout=s["dropout"],
                                      qk_norm=s["qk_norm"], z_loss=s["z_loss"],
