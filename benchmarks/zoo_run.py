@@ -2,8 +2,9 @@
 
 ``sg.Guard`` with ``sg.GuardConfig(detector=sg.DetectorConfig.for_run(steps[, warmup_steps]))``,
 an ``sg.CheckpointManager`` (every 25 steps, keep 5), an ``sg.TokenStream`` over the cell's
-corpus and tokenizer (pydoc as bytes unless the cell says), an ``sg.JsonlSink``, and the fault injector of ``spikeguard.train.faults`` called at the
-loop's points as ``spikeguard train`` calls it. The loop runs until ``guard.step_index`` reaches
+corpus and tokenizer (pydoc as bytes unless the cell says), an ``sg.JsonlSink``, and the fault
+injector of ``spikeguard.train.faults`` called at the loop's points as ``spikeguard train``
+calls it. The loop runs until ``guard.step_index`` reaches
 the run's steps plus the updates the guard withheld (made up with more batches, at most 100, as
 ``spikeguard train`` does), so a skipped garbage batch costs a batch, not an update. The arm
 ``unguarded`` is the same run with ``GuardConfig(respond=False)``: same seed, same weights,
