@@ -385,7 +385,8 @@ class SpikeDetector:
         elif t1:
             tier, action = 1, (Action.SKIP if x.skip and not x.released else Action.ALERT)
             ls = self._rules["loss_spike"]  # where the loss stood: for attribution's release
-            evidence.update(loss_flag=x.loss_flag, loss_median=ls.med, loss_limit=ls.limit)
+            evidence.update(loss_flag=x.loss_flag, loss_median=ls.med, loss_limit=ls.limit,
+                            loss_spread=ls.noise)
         elif advice:
             tier, action = 0, Action.ALERT
         else:

@@ -285,8 +285,8 @@ class LossSpike(Rule):
     grad turbulence comes at an ordinary loss, a garbage batch moves both).
     """
 
-    __slots__ = ("c", "early_reason", "joint_reason", "level", "limit", "med", "reason",
-                 "spread", "storm", "storm_reason")
+    __slots__ = ("c", "early_reason", "joint_reason", "level", "limit", "med", "noise",
+                 "reason", "spread", "storm", "storm_reason")
     _stats = ("level", "spread")
     tier, phase = 1, "judge"
 
@@ -294,7 +294,8 @@ class LossSpike(Rule):
         self.c = c
         self.level = RunningMedian(c.loss_window)
         self.spread = Spread(c.loss_window)
-        self.med = self.limit = _nan
+        self.med = self.limit = self.noise = _nan
+        """The median, the bar and the spread this step was judged against (NaN while empty)."""
         self.reason = f"loss > median + {c.loss_z:g} spreads"
         self.joint_reason = "loss and grad_norm both past half their bars"
         self.early_reason = "loss and grad_norm both past half their bars, grad rule not on"
@@ -305,7 +306,8 @@ class LossSpike(Rule):
 
     def update(self, x: StepInput) -> Event | None:
         med = self.med = self.level.value
-        self.limit = limit = loss_limit(med, self.spread.value, self.c)
+        self.noise = self.spread.value
+        self.limit = limit = loss_limit(med, self.noise, self.c)
         if not x.armed:
             return None
         if loss_spike(x.loss, limit):
