@@ -36,7 +36,8 @@ def held_out_loss(trainer, windows: int = 256) -> float:
     return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()))
 
 
-def run(seed: int, steps: int, out: Path, respond: bool) -> tuple[int, int, float]:
+def run(seed: int, steps: int, out: Path, respond: bool) -> tuple[int, int, float, int]:
+    """(skips, armed steps, held-out loss, skips that name the input ids) of one run."""
     folder = out / f"seed{seed}-{'guarded' if respond else 'unguarded'}"
     det = sg.DetectorConfig.for_run(steps)
     # the guard's defaults, the input-token check included (the tests turn it off)

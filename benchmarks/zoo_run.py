@@ -61,8 +61,8 @@ def run_one(job: dict[str, Any], records: list | None = None) -> dict[str, Any]:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            data = load_train_data(corpus=s.get("corpus", "pydoc"), data=None,
-                                   tokenizer=s.get("tokenizer", "bytes"), vocab_size=None)
+            data = load_train_data(corpus=s["corpus"], data=None, tokenizer=s["tokenizer"],
+                                   vocab_size=None)
             torch.manual_seed(job["seed"])
             model, optimizer = build(s["model"], data.vocab_size, dropout=s["dropout"],
                                      qk_norm=s["qk_norm"], z_loss=s["z_loss"],

@@ -241,10 +241,11 @@ class Guard:
         """``step()`` for a framework that steps the optimizer itself: measure, gate, clip, judge,
         respond, record, and return whether to apply the update (``Decision.apply``: then the
         framework calls ``optimizer.step()`` and its scheduler's ``step()``). Needs read_lag 0,
-        no loss scaler and no ``scheduler`` in the guard. A halt raises TrainingHalted."""
+        no loss scaler and no ``scheduler`` in the guard. ``tokens``: the input ids, as for
+        ``step``. A halt raises TrainingHalted."""
         up = self.updater
-        up.tokens.add(tokens)
         check_decide(up.read_lag, up.precision.scaler, up.scheduler, self.checkpoints, up.bound)
+        up.tokens.add(tokens)
         if self.probes is not None:  # the framework steps after the read: no update readings
             self.probes.signals.steps_after_read()
         (verdict,) = self._take(out, log_z, rerun, reference, framework=True)
