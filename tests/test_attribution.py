@@ -115,9 +115,10 @@ def test_read_lag_1_attributes_and_drops_as_read_lag_0(tmp_path):
 
 
 def test_the_budget_bounds_re_runs_and_the_state_round_trips(tmp_path):
-    # 1% of 34 or 39 steps rounds up to one re-run: the skip at 33 is re-run, the one at 38 not
+    # with no allowance, 1% of 34 or 39 steps rounds up to one re-run: the skip at 33 is re-run,
+    # the one at 38 not
     run = attributed_run(steps=SHORT, batch=8, garbage=((AT, ROW), (38, 1)), kind="repeat",
-                         out=tmp_path)
+                         out=tmp_path, attribution=AttributionConfig(rerun_allowance=0))
     recs = _by_step(run)
     assert recs[AT]["cause"] == "data" and recs[38]["skipped"] and recs[38]["cause"] == "unknown"
     assert [(r["step"], r["row"]) for r in run.quarantine()][:2] == [(AT, ROW), (38, 1)]
@@ -130,6 +131,21 @@ def test_the_budget_bounds_re_runs_and_the_state_round_trips(tmp_path):
     fresh.reruns = 5
     fresh.load_state_dict(att.state_dict())  # a rollback restores older state: spent stays spent
     assert fresh.reruns == 5
+
+
+def test_the_allowance_re_runs_skips_beyond_the_share(tmp_path):
+    # one re-run beyond the share: the skip at 38 is re-run too, and the data reproduced it
+    run = attributed_run(steps=SHORT, batch=8, garbage=((AT, ROW), (38, 1)), kind="repeat",
+                         out=tmp_path, attribution=AttributionConfig(rerun_allowance=1))
+    att = run.guard.attribution
+    assert att.reruns == 2 and [(s, c) for s, c, _ in att.skips] == [(AT, "data"), (38, "data")]
+    assert _by_step(run)[38]["rerun"]["grad_norm"] == _by_step(run)[38]["grad_norm"]
+    # the allowance is spent once, whenever the skips come: 3 beyond 1 per 100 steps so far
+    three = Attribution(AttributionConfig(rerun_allowance=3))
+    for step, spent, allowed in ((0, 3, True), (0, 4, False), (99, 4, False), (100, 4, True),
+                                 (100, 5, False), (1000, 13, True), (1000, 14, False)):
+        three.reruns = spent
+        assert three._allowed(step) is allowed, (step, spent)
 
 
 @pytest.mark.slow

@@ -302,6 +302,9 @@ def _cases(tmp_factory: Callable[[], Any]) -> list[Case]:
              ("qk_clip=0", "None")),
         Case("AttributionConfig", "rerun_budget 0", lambda c: sg.AttributionConfig(rerun_budget=0),
              ("AttributionConfig.rerun_budget=0",)),
+        Case("AttributionConfig", "rerun_allowance -1",
+             lambda c: sg.AttributionConfig(rerun_allowance=-1),
+             ("AttributionConfig.rerun_allowance=-1", "integer >= 0")),
         Case("AttributionConfig", "rerun 'yes'", lambda c: sg.AttributionConfig(rerun="yes"),
              ("AttributionConfig.rerun='yes'", "True or False")),
         Case("mup_param_groups", "a model built without init='mup'", lambda c: mup_param_groups(
