@@ -1,16 +1,17 @@
 """Attribution of a skipped step: was it the data or the machine, and which sequences did it.
 
-A Tier 1 skip leaves the weights as they were before the step, so re-running the step's batch
-(the ``rerun`` closure given to ``guard.step``) is cheap and must reproduce it: loss and grad norm
-equal within ``rerun_rtol`` (bit-equal on deterministic kernels) mean the data caused the spike;
-anything else means a transient fault (hardware, a numeric accident). ``rerun_budget`` bounds the
-re-runs. From the per-sequence values of the loss (``LossOutput.sequences``, no extra pass) the
-sequences whose mean loss or log Z stands out against the rest of the batch (a robust z-score:
-median and MAD over the rows of every data-parallel rank) are quarantined, one JSON line each in
-``quarantine.jsonl`` beside the metrics file. With ``drop_sequences`` the guard re-runs the step
-without them (``guard.backward`` weighs each rank's loss so that the update is the mean over the
-tokens kept on every rank) and applies that update if it passes the gate; a Tier 2 rollback
-drops them from its data range instead of skipping it whole.
+A Tier 1 skip leaves the weights as they were before the step, so re-running the step's batch (the
+``rerun`` closure given to ``guard.step``) is cheap and must reproduce it: loss and grad norm equal
+within ``rerun_rtol`` (bit-equal on deterministic kernels) mean the data caused the spike; anything
+else means a transient fault (hardware, a numeric accident). ``rerun_budget`` (a share of the steps
+so far) plus ``rerun_allowance`` (a fixed number a run) bound the re-runs. From the per-sequence
+values of the loss (``LossOutput.sequences``, no extra pass) the sequences whose mean loss or log Z
+stands out against the rest of the batch (a robust z-score: median and MAD over the rows of every
+data-parallel rank) are quarantined, one JSON line each in ``quarantine.jsonl`` beside the metrics
+file. With ``drop_sequences`` the guard re-runs the step without them (``guard.backward`` weighs
+each rank's loss so that the update is the mean over the tokens kept on every rank) and applies
+that update if it passes the gate; a Tier 2 rollback drops them from its data range instead of
+skipping it whole.
 
 A skip that the re-run reproduced with nothing in the batch out of place (the grad norm alone
 flagged it, its loss within one robust spread of the recent median, no sequence that explains it:
