@@ -22,7 +22,11 @@ where the run as recorded turns its grad rule on: the steps from the fault's fir
 and that the run as recorded does not have at that step (its own false alarms do not count).
 "x1.3" multiplies that step's own loss, "+0.5 nats" adds to every loss from then on.
 
-    PYTHONPATH=src:. python benchmarks/rule_far.py [--json PATH]
+``--zoo`` replays the zoo's clean settings instead (``grad_tail.py --generate`` records them:
+the tiny model under AdamW, SGD, Adafactor and Muon, at batch 4, on Python source and in a
+4,096-id BPE, and the HF Llama; seeds 0-7, 300 steps), with the detector the zoo's guard has.
+
+    PYTHONPATH=src:. python benchmarks/rule_far.py [--zoo] [--json PATH]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import math
 import statistics
 from collections.abc import Callable
 
+from benchmarks.grad_tail import SERIES
 from benchmarks.replay_clean import clean_runs
 from spikeguard.detector import DetectorConfig, SpikeDetector
 from spikeguard.detector.rules import GradSpike, LossHalt, LossRatio, LossSpike
@@ -76,7 +81,9 @@ def _labels(c: DetectorConfig) -> dict[str, str]:
 
 def _config(run: dict, warm_given: bool) -> DetectorConfig:
     warm = {"warmup_steps": run["warm"]} if warm_given else {}
-    return DetectorConfig.for_run(run["steps"], vocab_size=VOCAB, **warm)
+    vocab = run.get("vocab", VOCAB)  # None: the field's default, as the zoo's guard has it
+    return DetectorConfig.for_run(run["steps"], **warm, **({} if vocab is None else
+                                                          {"vocab_size": vocab}))
 
 
 def _replay(run: dict, warm_given: bool, series: dict | None = None) -> list[tuple]:
@@ -98,6 +105,20 @@ def _replay(run: dict, warm_given: bool, series: dict | None = None) -> list[tup
         fired = {labels[r] for r in v.reasons if r in labels}
         out.append((t, fired, armed, armed and d._grad.on, after))  # grad: its quiet arming
     return out
+
+
+def zoo_runs() -> list[dict]:
+    """The zoo's clean, unguarded runs that ``grad_tail.py --generate`` recorded (eight settings,
+    seeds 0-7, 300 steps, warmup 20), in the same form as ``clean_runs``; replayed with the
+    detector the zoo's guard has (``for_run(steps)``, no vocabulary size given)."""
+    if not SERIES.exists():
+        raise SystemExit(f"{SERIES} is missing: run benchmarks/grad_tail.py --generate first")
+    runs = {}
+    for r in map(json.loads, open(SERIES)):
+        runs[(r["cell"], r["seed"])] = {
+            "name": f"zoo/{r['cell'].removeprefix('clean/')}/s{r['seed']}", "steps": r["steps"],
+            "warm": r["warm"], "s": r["series"], "vocab": None}
+    return list(runs.values())
 
 
 def _half(run: dict) -> str:
@@ -290,8 +311,10 @@ def _delay_table(res: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="also write the counts and delays to this file")
+    p.add_argument("--zoo", action="store_true",
+                   help="replay the zoo's clean settings instead (grad_tail.py --generate)")
     args = p.parse_args(argv)
-    runs = clean_runs()
+    runs = zoo_runs() if args.zoo else clean_runs()
     halves = collections.Counter(_half(r) for r in runs)
     print(f"{len(runs)} clean runs: {halves['tuning']} tuning (even seeds), "
           f"{halves['held-out']} held-out (odd seeds)")
