@@ -36,7 +36,7 @@ from pathlib import Path
 from spikeguard.detector import DetectorConfig, SpikeDetector
 from spikeguard.record import StepMetrics
 
-__all__ = ["main", "tail_bar"]
+__all__ = ["main", "series", "tail_bar"]
 
 SERIES = Path(__file__).parent / "results" / "zoo_clean_series.jsonl"
 CELLS = ("base", "sgd", "adafactor", "muon", "llama", "b4", "stdlib", "bpe")
@@ -56,6 +56,13 @@ def tail_bar(history: list[float]) -> float:
         return u
     beta = sum(v - u for v in above) / len(above)
     return u + beta * math.log(len(above) / n / P)
+
+
+def series() -> list[dict]:
+    """The recorded runs, one per (cell, seed) (a later line replaces an earlier one)."""
+    if not SERIES.exists():
+        raise SystemExit(f"{SERIES} is missing: run benchmarks/grad_tail.py --generate first")
+    return list({(r["cell"], r["seed"]): r for r in map(json.loads, open(SERIES))}.values())
 
 
 def _generate() -> None:
@@ -103,9 +110,9 @@ def _replay(run: dict) -> dict[str, int]:
         med, limit = g_rule.med, g_rule.limit
         if not (med > 0 and limit == limit and g is not None):
             continue
+        r = math.log(g / med) if g > 0 else -math.inf
         if d.armed and g_rule.on:
             bar = max(math.log(limit / med), tail_bar(hist))
-            r = math.log(g / med)
             n["steps"] += 1
             n["today"] += g > limit
             n["tail"] += r > bar
@@ -113,7 +120,6 @@ def _replay(run: dict) -> dict[str, int]:
                 n[f"today x{k}"] += k * g > limit
                 n[f"tail x{k}"] += r + math.log(k) > bar
         if not v.skip and g > 0 and g_rule.on:  # kept steps once the rule is on
-            r = math.log(g / med)
             bisect.insort(hist, r)
             order.append(r)
             if len(order) > WINDOW:
@@ -127,11 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.generate:
         _generate()
-    if not SERIES.exists():
-        raise SystemExit(f"{SERIES} is missing: run with --generate first")
     per: dict[tuple[str, str], collections.Counter] = collections.defaultdict(collections.Counter)
-    runs = {(r["cell"], r["seed"]): r for r in map(json.loads, open(SERIES))}
-    for run in runs.values():
+    for run in series():
         half = "tuning" if run["seed"] < 4 else "held-out"
         per[(run["cell"], half)].update(_replay(run))
     print("| cell | half | grad-on steps | today /1k | tail bar /1k | x5 caught today | "

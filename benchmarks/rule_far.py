@@ -38,7 +38,7 @@ import math
 import statistics
 from collections.abc import Callable
 
-from benchmarks.grad_tail import SERIES
+from benchmarks.grad_tail import series
 from benchmarks.replay_clean import clean_runs
 from spikeguard.detector import DetectorConfig, SpikeDetector
 from spikeguard.detector.rules import GradSpike, LossHalt, LossRatio, LossSpike
@@ -82,8 +82,9 @@ def _labels(c: DetectorConfig) -> dict[str, str]:
 def _config(run: dict, warm_given: bool) -> DetectorConfig:
     warm = {"warmup_steps": run["warm"]} if warm_given else {}
     vocab = run.get("vocab", VOCAB)  # None: the field's default, as the zoo's guard has it
-    return DetectorConfig.for_run(run["steps"], **warm, **({} if vocab is None else
-                                                          {"vocab_size": vocab}))
+    if vocab is not None:
+        warm["vocab_size"] = vocab
+    return DetectorConfig.for_run(run["steps"], **warm)
 
 
 def _replay(run: dict, warm_given: bool, series: dict | None = None) -> list[tuple]:
@@ -111,14 +112,8 @@ def zoo_runs() -> list[dict]:
     """The zoo's clean, unguarded runs that ``grad_tail.py --generate`` recorded (eight settings,
     seeds 0-7, 300 steps, warmup 20), in the same form as ``clean_runs``; replayed with the
     detector the zoo's guard has (``for_run(steps)``, no vocabulary size given)."""
-    if not SERIES.exists():
-        raise SystemExit(f"{SERIES} is missing: run benchmarks/grad_tail.py --generate first")
-    runs = {}
-    for r in map(json.loads, open(SERIES)):
-        runs[(r["cell"], r["seed"])] = {
-            "name": f"zoo/{r['cell'].removeprefix('clean/')}/s{r['seed']}", "steps": r["steps"],
-            "warm": r["warm"], "s": r["series"], "vocab": None}
-    return list(runs.values())
+    return [{"name": f"zoo/{r['cell'].removeprefix('clean/')}/s{r['seed']}", "steps": r["steps"],
+             "warm": r["warm"], "s": r["series"], "vocab": None} for r in series()]
 
 
 def _half(run: dict) -> str:

@@ -128,8 +128,11 @@ def fault_step(s: dict[str, Any], timing: str) -> int:
     raise ValueError(f"unknown timing {timing!r}")
 
 
-def _job(kind: str, cell: str, name: str, seed: int, arm: str, **extra: Any) -> dict[str, Any]:
-    s = setting(name)
+def _job(kind: str, cell: str, name: str, seed: int, arm: str, *,
+         s: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """One run's job dict; ``s`` a setting outside CLEAN and NATURAL (zoo_probe's), else
+    ``setting(name)``; ``extra`` keys go last and win."""
+    s = setting(name) if s is None else s
     return {"cell": cell, "kind": kind, "variant": name, "seed": seed, "arm": arm,
             "half": "tune" if seed in SEEDS["tune"] else "holdout", "setting": s,
             "model": s["model"], "steps": s["steps"], "lr": s["lr"], "precision": s["precision"],

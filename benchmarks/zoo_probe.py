@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.detection import load_results, run_jobs
-from benchmarks.zoo import BASE, _safe_run, table
+from benchmarks.zoo import BASE, _job, _safe_run, table
 
 __all__ = ["PROBES", "SEEDS", "jobs", "main"]
 
@@ -49,16 +49,9 @@ SEEDS = (50, 51)
 
 def jobs(seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
     """Every probe run: the alert arm and the unguarded arm of each probe and seed."""
-    out = []
-    for seed in seeds:
-        for name, change in PROBES.items():
-            s = {**BASE, **change}
-            for arm in ("alert", "unguarded"):
-                out.append({"cell": f"clean/probe-{name}", "kind": "clean", "variant": name,
-                            "seed": seed, "arm": arm, "half": "holdout", "setting": s,
-                            "model": s["model"], "steps": s["steps"], "lr": s["lr"],
-                            "precision": s["precision"], "clean_ref": f"clean/probe-{name}"})
-    return out
+    return [_job("clean", f"clean/probe-{name}", name, seed, arm, s={**BASE, **change},
+                 clean_ref=f"clean/probe-{name}")
+            for seed in seeds for name, change in PROBES.items() for arm in ("alert", "unguarded")]
 
 
 def main(argv: list[str] | None = None) -> int:
