@@ -78,6 +78,21 @@ class DetectorConfig:
     by a mean that carries the first, higher losses)."""
     loss_min_rise: float = 0.4
     """...and at least this fraction above that median (a run whose loss barely varies)."""
+    loss_tail_rate: float = 1e-4
+    """The loss rules' false-alarm rate where the run's own loss tail is heavier than loss_z
+    spreads assume: the loss rule's bar becomes max(loss_z, z_p) spreads, z_p the excursion an
+    exponential tail fitted to the run's excursions past loss_tail_from spreads puts at this
+    rate a step; the loss / EMA rules need the loss past that many spreads too
+    (``detector/loss_tail.py``). 0: off (the fixed bar; the loss / EMA rules still need the
+    loss past loss_z spreads)."""
+    loss_tail_from: float = 2.5
+    """Spreads above the loss median where the fitted tail starts (its threshold)."""
+    loss_tail_min: int = 5
+    """Excursions past loss_tail_from before the tail is fitted."""
+    loss_tail_window: int = 1000
+    """Armed steps after which the tail's sums halve (old steps fade)."""
+    loss_tail_far: float = 3.0
+    """A loss past this multiple of the bar is not counted in the tail (a fault, not noise)."""
     grad_elevated: float = 1.5
     """A norm above this multiple of the median is 'elevated'; the run of them dates the onset."""
     storm_loss_frac: float = 0.25
@@ -176,6 +191,11 @@ class DetectorConfig:
                                      "[0, 1) (a fraction of the loss bar's rise; default 0.25; "
                                      "0: off)")
                 continue
+            if f.name == "loss_tail_rate":
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 0.01:
+                    raise ValueError(f"DetectorConfig.loss_tail_rate={v!r} must be a number in "
+                                     "[0, 0.01) (false alarms a step; default 1e-4; 0: off)")
+                continue
             if f.name == "grad_arm_quiet":
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                     raise ValueError(f"DetectorConfig.grad_arm_quiet={v!r} must be an int >= 0 "
@@ -195,6 +215,12 @@ class DetectorConfig:
             if getattr(self, name) <= 1.0:
                 raise ValueError(f"DetectorConfig.{name}={getattr(self, name)} must be > 1: it "
                                  "is a multiple of a typical value, and <= 1 flags normal steps")
+        if self.loss_tail_from >= self.loss_z:
+            raise ValueError(f"DetectorConfig.loss_tail_from={self.loss_tail_from} must be < "
+                             f"loss_z={self.loss_z}: the tail is fitted below the bar it moves")
+        if self.loss_tail_far <= 1.0:
+            raise ValueError(f"DetectorConfig.loss_tail_far={self.loss_tail_far} must be > 1: "
+                             "a multiple of the loss bar (default 3)")
         if self.grad_elevated > self.grad_k:
             raise ValueError(f"DetectorConfig.grad_elevated={self.grad_elevated} must be <= "
                              f"grad_k={self.grad_k}: it dates the run that leads to a skip")

@@ -5,10 +5,12 @@ floats in and out (its running statistics compiled, measure/_cstats.c); about 5 
 (bench_detector on a 2-core Xeon). Tiers (every number a DetectorConfig field):
 
 * Tier 0: nothing, a z-loss advice ALERT, or an fp16 GradScaler overflow (SKIP, reason "scaler").
-* Tier 1: SKIP when grad_norm > 3x its running median OR loss_ema_ratio > 2.0. Either alone
-  suffices because a bad batch can move one without the other: a batch of repeated bytes gives a
-  huge gradient at a low loss, a batch of noise a high loss at an ordinary gradient. ALERT when
-  loss_ema_ratio > 1.5 alone. Right after a skip the caller's weights check blamed on its batch,
+* Tier 1: SKIP when grad_norm > 3x its running median OR the loss past its short median by 6
+  spreads (or its own tail's 1-in-10,000 excursion where wider: ``loss_tail.py``) OR
+  loss_ema_ratio > 2.0 with the loss past that many spreads. Either alone suffices because a bad
+  batch can move one without the other: a batch of repeated bytes gives a huge gradient at a
+  low loss, a batch of noise a high loss at an ordinary gradient. ALERT when loss_ema_ratio >
+  1.5 alone (the loss past the same spreads). Right after a skip the caller's weights check blamed on its batch,
   the next batch of a storm is skipped at a lower bar (a quarter of the loss bar's rise and 1.5x
   the grad median: ``after_skip``). A skipped step never enters a median or an EMA. A skip must
   recover (short loss EMA back below max(spike-step loss, pre-spike EMA + 0.1)) within 200
@@ -66,17 +68,17 @@ from .rules_tier2 import (
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
-_STATE_VERSION = 8
+_STATE_VERSION = 9
 _NEWER_RULES = frozenset({"log_z_jump"})
 """Rules a version-5 state saved before them may lack: they start fresh on load."""
-"""8: the log Z jump rule keeps which of its last updates were past the bar
+"""9: the loss rule keeps its tail (``loss_tail.LossTail``); 8: the log Z jump rule keeps which of its last updates were past the bar
 (``log_z_jump_run``); 7: the
 grad-norm rule keeps its quiet count and whether it is on (``arm_quiet``); 6: the log
 Z rules keep their quiet count (``arm_quiet``), the skip storm its suspicion of
 the weights; 5: adds the update-ratio rule; 4:
 the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the spreads; 2: one
-entry per rule; 1: one flat dict. Version-5 to 7 states still load (``_from_v5``,
-``_from_v6``, ``_from_v7``)."""
+entry per rule; 1: one flat dict. Version-5 to 8 states still load (``_from_v5``,
+``_from_v6``, ``_from_v7``, ``_from_v8``)."""
 _QUIET_RULES = ("log_z_drift", "log_z_rise", "log_z_jump")
 
 
@@ -112,6 +114,16 @@ def _from_v7(state: dict[str, Any]) -> dict[str, Any]:
     rules = {name: dict(rule) for name, rule in state["rules"].items()}
     if "log_z_jump" in rules:
         rules["log_z_jump"].setdefault("above", 0)
+    return {**state, "version": 8, "rules": rules}
+
+
+def _from_v8(state: dict[str, Any]) -> dict[str, Any]:
+    """A version-8 state as version 9: its loss rule had no tail, so the tail starts empty (the
+    fixed bars until ``loss_tail_min`` excursions are seen)."""
+    rules = {name: dict(rule) for name, rule in state["rules"].items()}
+    if "loss_spike" in rules:
+        rules["loss_spike"].setdefault("tail", {"held": 0.0, "exceed": 0.0, "excess": 0.0,
+                                                "count": 0, "bars": None})
     return {**state, "version": _STATE_VERSION, "rules": rules}
 
 
@@ -386,7 +398,7 @@ class SpikeDetector:
             tier, action = 1, (Action.SKIP if x.skip and not x.released else Action.ALERT)
             ls = self._rules["loss_spike"]  # where the loss stood: for attribution's release
             evidence.update(loss_flag=x.loss_flag, loss_median=ls.med, loss_limit=ls.limit,
-                            loss_spread=ls.noise)
+                            loss_spread=ls.noise, loss_bar_spreads=ls.z)
         elif advice:
             tier, action = 0, Action.ALERT
         else:
@@ -457,6 +469,9 @@ class SpikeDetector:
             version = 7
         if version == 7:
             state = _from_v7(state)
+            version = 8
+        if version == 8:
+            state = _from_v8(state)
             version = _STATE_VERSION
         if version != _STATE_VERSION:
             raise ValueError(

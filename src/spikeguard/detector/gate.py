@@ -4,8 +4,8 @@ At step t the gate is a 0-d bool tensor, true when the step must not be applied:
 
     not finite(grad_norm) or not finite(loss)
     or armed and grad on and grad_norm > median x max(grad_k, exp(grad_z x spread of log g))
-    or armed and loss > its short running median + max(loss_min_rise x median, loss_z x spread)
-    or armed and loss / EMA of earlier kept losses > skip_ratio
+    or armed and loss > its short running median + max(loss_min_rise x median, z x spread)
+    or armed and loss / EMA of earlier kept losses > skip_ratio and loss past the tail's gate
     or armed and loss past half its bar's rise and grad norm past sqrt(median x bar)
     or armed and after_skip and loss past storm_loss_frac of its bar's rise and grad norm
        past grad_elevated x median (the storm test)
@@ -16,7 +16,8 @@ quiet arming done (``arm_quiet`` finite updates in a row inside the grad bar, co
 DetectorConfig as
 the host SpikeDetector and keeps the same histories (DeviceRunningMedian and DeviceEMA are
 twins of the host statistics: the medians and the EMA bit-identical, the log-spread equal up to
-the last bit of ``log``/``exp``), so on every step of tier <= 1 the gate equals the host
+the last bit of ``log``/``exp``; the loss tail's bar ``z`` and gate, ``loss_tail.LossTail``,
+the same sums to the last bit of ``log``), so on every step of tier <= 1 the gate equals the host
 verdict's ``skip``; it just needs no host read. A flagged step never enters the histories,
 on the device as on the host. Rules that need host state (Tier 2 windows, the loss > 10 nats
 halt) stay with the host detector. ``after_skip`` is the host's word (``resolved``): the step
@@ -52,6 +53,11 @@ class DeviceGate:
         self.loss_spread = DeviceSpread(config.loss_window, device=self.device)
         self.grad_quiet = torch.zeros((), dtype=torch.int64, device=self.device)
         self.grad_on = torch.zeros((), dtype=torch.bool, device=self.device)
+        f64 = {"dtype": torch.float64, "device": self.device}
+        # loss_tail.LossTail's sums: held, the steps past u, their excess; the count
+        self.tail = [torch.zeros((), **f64) for _ in range(3)]
+        self.tail_count = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.tail_bars = self._fixed_bars()
         self.skip_run = 0
         """Skips in a row, up to the last step resolved, that the weights check blamed on their
         batch (a host int: the Guard tells ``resolved`` before the next step is gated)."""
@@ -94,12 +100,17 @@ class DeviceGate:
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
         grad_on = self.grad_armed()
-        llimit, med = self._loss_limit(), self.median.value
+        z = self._tail_bars()[0]
+        llimit, med = self._loss_limit(z), self.median.value
+        spread = self.loss_spread.value
+        # the loss / EMA rules' gate: the loss bar's spread part (rules.LossSpike)
+        gate = torch.where(spread > 0, self.level.value + z * spread,
+                           torch.where(spread == 0, self.level.value, -math.inf))
         # rules.joint_grad_bar: the midpoint of the median and the grad bar
         half = torch.where(med > 0, torch.sqrt(med * glimit), math.inf)
         joint = joint_spike(g, half, x, self.level.value, llimit)
         spike = ((grad_spike(g, glimit) & grad_on) | loss_spike(x, llimit) | joint
-                 | ratio_spike(ratio, self.config))
+                 | ratio_spike(ratio, self.config, x, gate))
         if storm and self.config.storm_loss_frac > 0:
             spike = spike | storm_spike(g, med, x, self.level.value, llimit, self.config)
         return ~torch.isfinite(g) | ~torch.isfinite(x) | (self.armed() & spike)
@@ -117,7 +128,8 @@ class DeviceGate:
         fails its bars too: else a flag the weights caused would blame the batch and chain."""
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
-        c, level, ema, llimit = self.config, self.level.value, self.ema.value, self._loss_limit()
+        c, level, ema = self.config, self.level.value, self.ema.value
+        llimit = self._loss_limit(self._tail_bars()[0])
         ratio = torch.where(ema > 0, x / ema, math.nan)
         loss_up = (x > level + 0.5 * (llimit - level)) | (ratio > 0.5 * (1.0 + c.skip_ratio))
         if self.after_skip and c.storm_loss_frac > 0:
@@ -145,10 +157,55 @@ class DeviceGate:
                                                                  min=c.grad_k))
         return self.median.value * mult
 
-    def _loss_limit(self) -> torch.Tensor:
-        """rules.loss_limit on the device (NaN while the loss median or spread is empty)."""
+    def _loss_limit(self, z: torch.Tensor | float | None = None) -> torch.Tensor:
+        """rules.loss_limit on the device (NaN while the loss median or spread is empty), ``z``
+        the bar in spreads (None: ``_tail_bars``'s)."""
         c, level = self.config, self.level.value
-        return level + torch.maximum(c.loss_min_rise * level, c.loss_z * self.loss_spread.value)
+        z = self._tail_bars()[0] if z is None else z
+        return level + torch.maximum(c.loss_min_rise * level, z * self.loss_spread.value)
+
+    def _fixed_bars(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bars with no tail fitted: ``loss_z`` and ``loss_tail_from``."""
+        c = self.config
+        return (torch.tensor(c.loss_z, dtype=torch.float64, device=self.device),
+                torch.tensor(c.loss_tail_from, dtype=torch.float64, device=self.device))
+
+    def _tail_bars(self) -> tuple[Any, Any]:
+        """``LossTail.bars`` on the device: (the loss bar, the loss / EMA gate) in spreads."""
+        return self.tail_bars
+
+    def _tail_add(self, x: torch.Tensor) -> None:
+        """``LossTail.add`` on the device: count an armed step's loss (NaN: not a step that
+        reached the host's rules), then refit the bars on a step past u or a halving."""
+        c = self.config
+        if c.loss_tail_rate == 0:
+            return
+        level, spread, u = self.level.value, self.loss_spread.value, c.loss_tail_from
+        bar = self.tail_bars[0]
+        past = x > level + u * spread
+        count = (self.armed() & torch.isfinite(x) & (spread > 0)
+                 & ~(past & (x > level + c.loss_tail_far * bar * spread)))
+        past = past & count
+        held, exceed, excess = self.tail
+        exceed = torch.where(past, exceed + 1.0, exceed)
+        excess = torch.where(past, excess + (torch.minimum((x - level) / spread, bar) - u),
+                             excess)
+        self.tail_count = self.tail_count + count.to(torch.int64)
+        w = c.loss_tail_window
+        half = count & (self.tail_count % w == 0)
+        held = torch.where(half, 0.5 * (held + w), held)
+        self.tail = held, exceed, excess = [held] + [torch.where(half, v * 0.5, v)
+                                                     for v in (exceed, excess)]
+        rate = exceed / (held + (self.tail_count % w).to(torch.float64))
+        zp = u + excess / exceed * torch.log(rate / c.loss_tail_rate)
+        zp = torch.where(rate > c.loss_tail_rate, zp, u)
+        fitted = exceed >= c.loss_tail_min
+        refit = past | half
+        self.tail_bars = (
+            torch.where(refit, torch.where(fitted, torch.clamp(zp, min=c.loss_z), c.loss_z),
+                        bar),
+            torch.where(refit, torch.where(fitted, torch.clamp(zp, min=u), u),
+                        self.tail_bars[1]))
 
     def __call__(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """The gate for this step (0-d bool); then fold the step into the histories unless
@@ -166,6 +223,8 @@ class DeviceGate:
         self.grad_quiet = torch.where(judged, quiet, self.grad_quiet)
         self.grad_on = self.grad_on | (judged & (self.grad_quiet >= self.config.grad_quiet_need))
         gate = self._test(g, x, glimit, self.after_skip)
+        # the host counts a step that reached the rules: finite loss and grad norm
+        self._tail_add(torch.where(torch.isfinite(g), x, math.nan))
         ok = (g > 0) & torch.isfinite(g)
         # NaN where the host's log_value gives NaN: never kept
         self.spread.add(torch.where(ok, torch.log(g), math.nan), flagged=gate)
@@ -181,7 +240,9 @@ class DeviceGate:
                 "ema": self.ema.state_dict(), "level": self.level.state_dict(),
                 "loss_spread": self.loss_spread.state_dict(),
                 "grad_quiet": int(self.grad_quiet), "grad_on": bool(self.grad_on),
-                "skip_run": self.skip_run}
+                "skip_run": self.skip_run,
+                "tail": [float(v) for v in self.tail] + [int(self.tail_count)]
+                + [float(v) for v in self.tail_bars]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in ("median", "spread", "ema", "level", "loss_spread"):
@@ -193,3 +254,10 @@ class DeviceGate:
         self.grad_quiet = torch.tensor(int(state.get("grad_quiet", 0)), device=self.device)
         self.grad_on = torch.tensor(bool(on), device=self.device)
         self.skip_run = int(state.get("skip_run", 0))
+        tail = state.get("tail")  # None: a state saved before the loss tail
+        f64 = {"dtype": torch.float64, "device": self.device}
+        self.tail = [torch.tensor(float(v), **f64) for v in (tail or [0.0] * 3)[:3]]
+        self.tail_count = torch.tensor(int(tail[3]) if tail else 0, dtype=torch.int64,
+                                       device=self.device)
+        self.tail_bars = (tuple(torch.tensor(float(v), **f64) for v in tail[4:6])
+                          if tail else self._fixed_bars())

@@ -22,6 +22,7 @@ from ..measure.spread import LogSpread, Spread
 from ..measure.stats import EMA, RunningMedian
 from ..record import StepMetrics
 from .config import DetectorConfig
+from .loss_tail import LossTail
 
 __all__ = ["Event", "GradSpike", "LossHalt", "LossRatio", "LossSpike", "NonFinite", "Rule",
            "ScalerOverflow", "StepInput", "grad_limit", "grad_spike", "joint_grad_bar",
@@ -49,11 +50,12 @@ def grad_spike(grad_norm: Any, limit: Any) -> Any:
     return grad_norm > limit
 
 
-def loss_limit(level: float, spread: float, c: DetectorConfig) -> float:
+def loss_limit(level: float, spread: float, c: DetectorConfig, z: float | None = None) -> float:
     """The loss above which a step is a Tier 1 outlier: its running median plus max(loss_min_rise
-    x median, loss_z x spread) (NaN while either is unknown). Host floats; the device twin is
+    x median, z x spread) (NaN while either is unknown), ``z`` the bar in spreads (``loss_z``
+    unless the run's own tail widens it: ``LossTail``). Host floats; the device twin is
     DeviceGate._loss_limit."""
-    return level + max(c.loss_min_rise * level, c.loss_z * spread)
+    return level + max(c.loss_min_rise * level, (c.loss_z if z is None else z) * spread)
 
 
 def joint_spike(grad_norm: Any, grad_half: Any, loss: Any, level: Any, limit: Any) -> Any:
@@ -112,10 +114,13 @@ def loss_spike(loss: Any, limit: Any) -> Any:
     return loss > limit
 
 
-def ratio_spike(ratio: Any, c: DetectorConfig) -> Any:
+def ratio_spike(ratio: Any, c: DetectorConfig, loss: Any = None, gate: Any = None) -> Any:
     """The Tier 1 loss test: loss / EMA of the kept losses > skip_ratio (floats or tensors; a
-    NaN ratio, before any history, compares false)."""
-    return ratio > c.skip_ratio
+    NaN ratio, before any history, compares false), with the loss past ``gate`` (its median
+    plus the loss bar's spreads, ``LossSpike``) where given."""
+    if gate is None:
+        return ratio > c.skip_ratio
+    return (ratio > c.skip_ratio) & (loss > gate)
 
 
 class StepInput:
@@ -124,8 +129,8 @@ class StepInput:
 
     __slots__ = ("after_skip", "armed", "blind", "ema_prev", "given_ratio", "grad_half",
                  "grad_med", "grad_norm", "grad_on", "i", "j", "kept", "log_z", "log_z_onset",
-                 "loss", "loss_flag", "ratio", "ratio_onset", "released", "short", "skip",
-                 "spike", "step", "t1_onset", "update_ratio")
+                 "loss", "loss_flag", "loss_gate", "ratio", "ratio_onset", "released", "short",
+                 "skip", "spike", "step", "t1_onset", "update_ratio")
 
     def __init__(self) -> None:
         self.step = self.i = self.j = 0
@@ -154,6 +159,9 @@ class StepInput:
         (GradSpike); a loss rule asks for a skip (LossSpike, LossRatio)."""
         self.ratio = self.ema_prev = _nan
         """loss / EMA_{t-1} and EMA_{t-1} (LossRatio)."""
+        self.loss_gate = -math.inf
+        """The loss the loss / EMA rules need it past: its median plus the loss bar's spreads
+        (LossSpike; ``loss_tail.LossTail``), -inf while the spread is unknown."""
         self.ratio_onset: int | None = None
         """Start of the current run of ratios above alert_ratio (LossRatio)."""
         self.kept = False
@@ -286,14 +294,17 @@ class LossSpike(Rule):
     """
 
     __slots__ = ("c", "early_reason", "joint_reason", "level", "limit", "med", "noise",
-                 "reason", "spread", "storm", "storm_reason")
-    _stats = ("level", "spread")
+                 "reason", "spread", "storm", "storm_reason", "tail", "z")
+    _stats = ("level", "spread", "tail")
     tier, phase = 1, "judge"
 
     def __init__(self, c: DetectorConfig) -> None:
         self.c = c
         self.level = RunningMedian(c.loss_window)
         self.spread = Spread(c.loss_window)
+        self.tail = LossTail(c)
+        self.z = c.loss_z
+        """The bar this step was judged against, in spreads (``LossTail.bars``)."""
         self.med = self.limit = self.noise = _nan
         """The median, the bar and the spread this step was judged against (NaN while empty)."""
         self.reason = f"loss > median + {c.loss_z:g} spreads"
@@ -306,10 +317,20 @@ class LossSpike(Rule):
 
     def update(self, x: StepInput) -> Event | None:
         med = self.med = self.level.value
-        self.noise = self.spread.value
-        self.limit = limit = loss_limit(med, self.noise, self.c)
+        self.noise = noise = self.spread.value
+        self.z = self.tail.bars[0]
+        self.limit = limit = loss_limit(med, noise, self.c, self.z)
         if not x.armed:
+            x.loss_gate = -math.inf
             return None
+        if noise > 0.0:  # LossTail.add, its common case inlined (the hot path)
+            x.loss_gate = med + self.z * noise
+            tail = self.tail
+            tail.count = k = tail.count + 1
+            if x.loss > med + tail.u * noise or k % tail.window == 0:
+                tail.after(x.loss, med, noise)
+        else:  # no spread yet (no gate: the loss / EMA rules as they were), or none at all
+            x.loss_gate = med if noise == 0.0 else -math.inf
         if loss_spike(x.loss, limit):
             x.skip = x.loss_flag = True
             return (x.step, self.reason)
@@ -376,10 +397,10 @@ class LossRatio(Rule):
         x.ratio_onset = self.onset
         if not x.armed:
             return None
-        if ratio_spike(ratio, self.c):
+        if ratio_spike(ratio, self.c, x.loss, x.loss_gate):
             self.skip = x.skip = x.loss_flag = True
             return (self.onset, self.skip_reason)
-        if ratio > self.alert:
+        if ratio > self.alert and x.loss > x.loss_gate:
             self.skip = False
             return (self.onset, self.alert_reason)
         return None

@@ -1,0 +1,123 @@
+"""The loss rules' bar from the run's own tail (host floats; the device twin is in ``gate.py``).
+
+The loss-outlier rule's bar, 6 robust spreads above the loss's short median, assumes a batch's
+loss is nearly Gaussian about its level: a language model averages thousands of token losses a
+batch, and no clean run of the detection matrix or the zoo stood 6 spreads out more than 0.23
+times per 1,000 steps. A loss that averages a few dozen heavy-tailed example losses does not
+behave so: a classifier on noisy labels (a batch of 32 holds 0-8 mislabelled examples at 3-5
+nats each), a CNN once most examples are fitted (a batch with one hard example stands 15x the
+median), a regression with heavy-tailed targets. There a healthy run stood past the bar 5-68
+times per 1,000 steps, and past loss / EMA = 2 12-48 times: skipped batches, Tier 2 pages for a
+skip storm, and held-out losses up to 2.3% worse than the same run unguarded.
+
+So the rules measure the tail they judge against. Each armed step's excursion r = (loss -
+median) / spread (the loss rule's own median and spread, before the step) is a sample of it;
+the excursions past ``loss_tail_from`` spreads (u) are the tail's. An exponential tail above u
+(the peaks-over-threshold model) with rate a (the share of steps past u) and scale beta (their
+mean excess over u) puts the 1-in-1/p excursion at
+
+    z_p = u + beta x ln(a / p),       p = ``loss_tail_rate``
+
+and the loss rule's bar becomes max(``loss_z``, z_p) spreads: a run whose tail is as light as
+the 6-spread bar assumes keeps that bar (a Gaussian's z_p at p = 1e-4 is 3.9), a heavy one
+gets the bar its own tail sets, with p as its stated false-alarm rate. The loss / EMA rules
+(skip past ``skip_ratio``, alert past ``alert_ratio``) also need the loss past that many
+spreads above its median: a doubled loss is far out for a language model (there it always was)
+and ordinary for a noisy classifier, whose first excursions, before any fit, stand 3-4 spreads
+out.
+
+The sums are cumulative over armed steps and halve every ``loss_tail_window`` of them, so old
+steps fade. A step flagged by a rule counts too, its excursion capped at the bar (its tail is
+censored there, and a heavy tail shows as steps piling up at the bar); a step past
+``loss_tail_far`` times the bar counts not at all: a garbage batch is not the run's noise, and a
+storm of them must not widen the bar for the next. The fit waits for ``loss_tail_min``
+excursions past u. The work is a comparison a step, and a division on a step past u.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .config import DetectorConfig
+
+__all__ = ["LossTail"]
+
+
+class LossTail:
+    """The loss excursions' tail (module docstring): ``bars`` holds the loss rule's bar in
+    spreads (and the fitted quantile); ``add`` takes an armed step's loss. The bars are refitted
+    only on a step past u or a halving (the work of a step is then one comparison)."""
+
+    __slots__ = ("bars", "c", "count", "exceed", "excess", "far", "held", "u", "window")
+
+    def __init__(self, c: DetectorConfig) -> None:
+        self.c = c
+        self.u = c.loss_tail_from if c.loss_tail_rate else math.inf  # off: nothing is past it
+        self.far, self.window = c.loss_tail_far, c.loss_tail_window
+        self.exceed = self.excess = 0.0
+        """Steps past ``loss_tail_from``, their summed excess (halved every ``loss_tail_window``
+        counted steps)."""
+        self.held = 0.0
+        """The counted steps before the last halving, halved at each (``n``)."""
+        self.count = 0
+        """Steps counted, never halved (it times the halving)."""
+        self.bars: tuple[float, float] = (c.loss_z, c.loss_tail_from)
+        """(the loss rule's bar, the fitted quantile floored at u), in spreads above the median."""
+
+    @property
+    def n(self) -> float:
+        """Steps counted, halved every ``loss_tail_window`` (exact: halves of small ints)."""
+        return self.held + self.count % self.window
+
+    def quantile(self) -> float | None:
+        """z_p, the fitted 1-in-1/p excursion; None while off or with fewer than
+        ``loss_tail_min`` excursions past u (u itself where their rate is at or below p)."""
+        c = self.c
+        if c.loss_tail_rate == 0 or self.exceed < c.loss_tail_min:
+            return None
+        rate = self.exceed / self.n
+        if not rate > c.loss_tail_rate:
+            return c.loss_tail_from
+        return c.loss_tail_from + self.excess / self.exceed * math.log(rate / c.loss_tail_rate)
+
+    def add(self, loss: float, level: float, spread: float) -> None:
+        """Count an armed step's ``loss`` against the ``level`` and ``spread`` it was judged
+        against (and ``bars``, which judged it). ``LossSpike.update`` inlines the common case: a
+        step not past u and not at a halving only adds to ``count``."""
+        if not spread > 0.0:
+            return
+        self.count += 1
+        self.after(loss, level, spread)
+
+    def after(self, loss: float, level: float, spread: float) -> None:
+        """``add`` once ``count`` has taken the step (``spread`` > 0)."""
+        u = self.u
+        past = loss > level + u * spread
+        if past:
+            bar = self.bars[0]
+            if loss > level + self.far * bar * spread:  # not the run's noise: not counted
+                self.count -= 1
+                return
+            self.exceed += 1.0
+            self.excess += min((loss - level) / spread, bar) - u
+        half = self.count % self.window == 0
+        if half:
+            self.held = 0.5 * (self.held + self.window)
+            self.exceed *= 0.5
+            self.excess *= 0.5
+        if past or half:
+            zp = self.quantile()
+            c = self.c
+            self.bars = ((c.loss_z, c.loss_tail_from) if zp is None else
+                         (max(c.loss_z, zp), max(c.loss_tail_from, zp)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"held": self.held, "exceed": self.exceed, "excess": self.excess,
+                "count": self.count, "bars": list(self.bars)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.held, self.exceed = float(state["held"]), float(state["exceed"])
+        self.excess, self.count = float(state["excess"]), int(state["count"])
+        bars = state.get("bars") or (self.c.loss_z, self.c.loss_tail_from)
+        self.bars = (float(bars[0]), float(bars[1]))
