@@ -28,12 +28,12 @@ def test_a_light_tail_keeps_the_fixed_bar_and_a_heavy_one_gets_its_own_quantile(
     light = LossTail(c)
     for _ in range(5000):
         light.add(rng.gauss(0.0, 1.0), 0.0, 1.0)
-    assert light.bars[0] == c.loss_z
+    assert light.bar == c.loss_z
     heavy = LossTail(sg.DetectorConfig(loss_tail_window=10**6))
     u, exceed, excess, n = c.loss_tail_from, 0.0, 0.0, 0
     for _ in range(3000):  # within one window (10**6 steps): no halving
         r = u + rng.expovariate(0.5) if rng.random() < 0.2 else rng.uniform(-2.0, u)
-        bar = heavy.bars[0]
+        bar = heavy.bar
         heavy.add(r, 0.0, 1.0)
         if r > c.loss_tail_far * bar:
             continue
@@ -41,9 +41,9 @@ def test_a_light_tail_keeps_the_fixed_bar_and_a_heavy_one_gets_its_own_quantile(
         if r > u:  # the fit is refreshed on a step past u
             exceed, excess = exceed + 1, excess + min(r, bar) - u
             want = u + excess / exceed * math.log(exceed / n / c.loss_tail_rate)
-    assert heavy.bars[0] == want or abs(heavy.bars[0] - want) < 1e-12 * want
+    assert heavy.bar == want or abs(heavy.bar - want) < 1e-12 * want
     true = u + 2.0 * math.log(0.2 / c.loss_tail_rate)
-    assert abs(heavy.bars[0] - true) < 0.1 * true, (heavy.bars, true)
+    assert abs(heavy.bar - true) < 0.1 * true, (heavy.bar, true)
 
 
 def _stream(seed: int, steps: int) -> list[tuple[float, float]]:
@@ -83,10 +83,10 @@ def test_the_device_gate_equals_the_host_detector_and_a_resumed_run():
     whole, gate, det = run(list(enumerate(stream)))
     assert whole[400], "the garbage batch is still skipped"
     tail = det.state_dict()["rules"]["loss_spike"]["tail"]
-    assert tail["exceed"] >= config.loss_tail_min and tail["bars"][0] > config.loss_z
+    assert tail["exceed"] >= config.loss_tail_min and tail["bar"] > config.loss_z
     dev = gate.state_dict()["tail"]
     assert dev[:4] == [tail["held"], tail["exceed"], tail["excess"], tail["count"]]
-    assert dev[4] == tail["bars"][0] or abs(dev[4] - tail["bars"][0]) < 1e-12 * dev[4]
+    assert dev[4] == tail["bar"] or abs(dev[4] - tail["bar"]) < 1e-12 * dev[4]
     first, gate1, det1 = run(list(enumerate(stream))[:500])
     gate2, det2 = DeviceGate(config), sg.SpikeDetector(config)
     gate2.load_state_dict(json.loads(json.dumps(gate1.state_dict())))

@@ -211,6 +211,10 @@ class DetectorConfig:
                           minimum=0 if f.name == "grad_arm_after" else 1)
             else:
                 check_positive(v, f"DetectorConfig.{f.name}", default=f.default)
+        self._check_relations()
+
+    def _check_relations(self) -> None:
+        """The checks that read two fields or more (``__post_init__``)."""
         for name in ("grad_k", "grad_elevated", "alert_ratio", "skip_ratio", "tier2_ratio"):
             if getattr(self, name) <= 1.0:
                 raise ValueError(f"DetectorConfig.{name}={getattr(self, name)} must be > 1: it "

@@ -117,13 +117,13 @@ def _from_v7(state: dict[str, Any]) -> dict[str, Any]:
     return {**state, "version": 8, "rules": rules}
 
 
-def _from_v8(state: dict[str, Any]) -> dict[str, Any]:
+def _from_v8(state: dict[str, Any], config: DetectorConfig) -> dict[str, Any]:
     """A version-8 state as version 9: its loss rule had no tail, so the tail starts empty (the
     fixed bars until ``loss_tail_min`` excursions are seen)."""
     rules = {name: dict(rule) for name, rule in state["rules"].items()}
     if "loss_spike" in rules:
         rules["loss_spike"].setdefault("tail", {"held": 0.0, "exceed": 0.0, "excess": 0.0,
-                                                "count": 0, "bars": None})
+                                                "count": 0, "bar": config.loss_z})
     return {**state, "version": _STATE_VERSION, "rules": rules}
 
 
@@ -471,7 +471,7 @@ class SpikeDetector:
             state = _from_v7(state)
             version = 8
         if version == 8:
-            state = _from_v8(state)
+            state = _from_v8(state, self.config)
             version = _STATE_VERSION
         if version != _STATE_VERSION:
             raise ValueError(

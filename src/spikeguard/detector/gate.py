@@ -5,7 +5,7 @@ At step t the gate is a 0-d bool tensor, true when the step must not be applied:
     not finite(grad_norm) or not finite(loss)
     or armed and grad on and grad_norm > median x max(grad_k, exp(grad_z x spread of log g))
     or armed and loss > its short running median + max(loss_min_rise x median, z x spread)
-    or armed and loss / EMA of earlier kept losses > skip_ratio and loss past the tail's gate
+    or armed and loss / EMA of earlier kept losses > skip_ratio and loss past z spreads
     or armed and loss past half its bar's rise and grad norm past sqrt(median x bar)
     or armed and after_skip and loss past storm_loss_frac of its bar's rise and grad norm
        past grad_elevated x median (the storm test)
@@ -16,8 +16,8 @@ quiet arming done (``arm_quiet`` finite updates in a row inside the grad bar, co
 DetectorConfig as
 the host SpikeDetector and keeps the same histories (DeviceRunningMedian and DeviceEMA are
 twins of the host statistics: the medians and the EMA bit-identical, the log-spread equal up to
-the last bit of ``log``/``exp``; the loss tail's bar ``z`` and gate, ``loss_tail.LossTail``,
-the same sums to the last bit of ``log``), so on every step of tier <= 1 the gate equals the host
+the last bit of ``log``/``exp``; the loss tail's sums bit-identical and its bar ``z``,
+``loss_tail.LossTail``, to the last bit of ``log``), so on every step of tier <= 1 the gate equals the host
 verdict's ``skip``; it just needs no host read. A flagged step never enters the histories,
 on the device as on the host. Rules that need host state (Tier 2 windows, the loss > 10 nats
 halt) stay with the host detector. ``after_skip`` is the host's word (``resolved``): the step
@@ -57,7 +57,8 @@ class DeviceGate:
         # loss_tail.LossTail's sums: held, the steps past u, their excess; the count
         self.tail = [torch.zeros((), **f64) for _ in range(3)]
         self.tail_count = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.tail_bars = self._fixed_bars()
+        self.tail_bar = torch.tensor(config.loss_z, **f64)
+        """The loss rule's bar in spreads (``LossTail.bar``)."""
         self.skip_run = 0
         """Skips in a row, up to the last step resolved, that the weights check blamed on their
         batch (a host int: the Guard tells ``resolved`` before the next step is gated)."""
@@ -100,7 +101,7 @@ class DeviceGate:
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
         grad_on = self.grad_armed()
-        z = self._tail_bars()[0]
+        z = self.tail_bar
         llimit, med = self._loss_limit(z), self.median.value
         spread = self.loss_spread.value
         # the loss / EMA rules' gate: the loss bar's spread part (rules.LossSpike)
@@ -129,7 +130,7 @@ class DeviceGate:
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
         c, level, ema = self.config, self.level.value, self.ema.value
-        llimit = self._loss_limit(self._tail_bars()[0])
+        llimit = self._loss_limit(self.tail_bar)
         ratio = torch.where(ema > 0, x / ema, math.nan)
         loss_up = (x > level + 0.5 * (llimit - level)) | (ratio > 0.5 * (1.0 + c.skip_ratio))
         if self.after_skip and c.storm_loss_frac > 0:
@@ -159,29 +160,19 @@ class DeviceGate:
 
     def _loss_limit(self, z: torch.Tensor | float | None = None) -> torch.Tensor:
         """rules.loss_limit on the device (NaN while the loss median or spread is empty), ``z``
-        the bar in spreads (None: ``_tail_bars``'s)."""
+        the bar in spreads (None: ``tail_bar``)."""
         c, level = self.config, self.level.value
-        z = self._tail_bars()[0] if z is None else z
+        z = self.tail_bar if z is None else z
         return level + torch.maximum(c.loss_min_rise * level, z * self.loss_spread.value)
-
-    def _fixed_bars(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bars with no tail fitted: ``loss_z`` and ``loss_tail_from``."""
-        c = self.config
-        return (torch.tensor(c.loss_z, dtype=torch.float64, device=self.device),
-                torch.tensor(c.loss_tail_from, dtype=torch.float64, device=self.device))
-
-    def _tail_bars(self) -> tuple[Any, Any]:
-        """``LossTail.bars`` on the device: (the loss bar, the loss / EMA gate) in spreads."""
-        return self.tail_bars
 
     def _tail_add(self, x: torch.Tensor) -> None:
         """``LossTail.add`` on the device: count an armed step's loss (NaN: not a step that
-        reached the host's rules), then refit the bars on a step past u or a halving."""
+        reached the host's rules), then refit the bar on a step past u or a halving."""
         c = self.config
         if c.loss_tail_rate == 0:
             return
         level, spread, u = self.level.value, self.loss_spread.value, c.loss_tail_from
-        bar = self.tail_bars[0]
+        bar = self.tail_bar
         past = x > level + u * spread
         count = (self.armed() & torch.isfinite(x) & (spread > 0)
                  & ~(past & (x > level + c.loss_tail_far * bar * spread)))
@@ -199,13 +190,8 @@ class DeviceGate:
         rate = exceed / (held + (self.tail_count % w).to(torch.float64))
         zp = u + excess / exceed * torch.log(rate / c.loss_tail_rate)
         zp = torch.where(rate > c.loss_tail_rate, zp, u)
-        fitted = exceed >= c.loss_tail_min
-        refit = past | half
-        self.tail_bars = (
-            torch.where(refit, torch.where(fitted, torch.clamp(zp, min=c.loss_z), c.loss_z),
-                        bar),
-            torch.where(refit, torch.where(fitted, torch.clamp(zp, min=u), u),
-                        self.tail_bars[1]))
+        fitted = torch.where(exceed >= c.loss_tail_min, torch.clamp(zp, min=c.loss_z), c.loss_z)
+        self.tail_bar = torch.where(past | half, fitted, bar)
 
     def __call__(self, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """The gate for this step (0-d bool); then fold the step into the histories unless
@@ -242,7 +228,7 @@ class DeviceGate:
                 "grad_quiet": int(self.grad_quiet), "grad_on": bool(self.grad_on),
                 "skip_run": self.skip_run,
                 "tail": [float(v) for v in self.tail] + [int(self.tail_count)]
-                + [float(v) for v in self.tail_bars]}
+                + [float(self.tail_bar)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in ("median", "spread", "ema", "level", "loss_spread"):
@@ -259,5 +245,4 @@ class DeviceGate:
         self.tail = [torch.tensor(float(v), **f64) for v in (tail or [0.0] * 3)[:3]]
         self.tail_count = torch.tensor(int(tail[3]) if tail else 0, dtype=torch.int64,
                                        device=self.device)
-        self.tail_bars = (tuple(torch.tensor(float(v), **f64) for v in tail[4:6])
-                          if tail else self._fixed_bars())
+        self.tail_bar = torch.tensor(float(tail[4]) if tail else self.config.loss_z, **f64)

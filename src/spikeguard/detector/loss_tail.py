@@ -45,11 +45,11 @@ __all__ = ["LossTail"]
 
 
 class LossTail:
-    """The loss excursions' tail (module docstring): ``bars`` holds the loss rule's bar in
-    spreads (and the fitted quantile); ``add`` takes an armed step's loss. The bars are refitted
-    only on a step past u or a halving (the work of a step is then one comparison)."""
+    """The loss excursions' tail (module docstring): ``bar`` is the loss rule's bar in spreads;
+    ``add`` takes an armed step's loss. The bar is refitted only on a step past u or a halving
+    (the work of a step is then one comparison)."""
 
-    __slots__ = ("bars", "c", "count", "exceed", "excess", "far", "held", "u", "window")
+    __slots__ = ("bar", "c", "count", "exceed", "excess", "far", "held", "u", "window")
 
     def __init__(self, c: DetectorConfig) -> None:
         self.c = c
@@ -62,8 +62,8 @@ class LossTail:
         """The counted steps before the last halving, halved at each (``n``)."""
         self.count = 0
         """Steps counted, never halved (it times the halving)."""
-        self.bars: tuple[float, float] = (c.loss_z, c.loss_tail_from)
-        """(the loss rule's bar, the fitted quantile floored at u), in spreads above the median."""
+        self.bar = c.loss_z
+        """The loss rule's bar in spreads above the median: max(loss_z, z_p)."""
 
     @property
     def n(self) -> float:
@@ -83,7 +83,7 @@ class LossTail:
 
     def add(self, loss: float, level: float, spread: float) -> None:
         """Count an armed step's ``loss`` against the ``level`` and ``spread`` it was judged
-        against (and ``bars``, which judged it). ``LossSpike.update`` inlines the common case: a
+        against (and ``bar``, which judged it). ``LossSpike.update`` inlines the common case: a
         step not past u and not at a halving only adds to ``count``."""
         if not spread > 0.0:
             return
@@ -95,7 +95,7 @@ class LossTail:
         u = self.u
         past = loss > level + u * spread
         if past:
-            bar = self.bars[0]
+            bar = self.bar
             if loss > level + self.far * bar * spread:  # not the run's noise: not counted
                 self.count -= 1
                 return
@@ -108,16 +108,13 @@ class LossTail:
             self.excess *= 0.5
         if past or half:
             zp = self.quantile()
-            c = self.c
-            self.bars = ((c.loss_z, c.loss_tail_from) if zp is None else
-                         (max(c.loss_z, zp), max(c.loss_tail_from, zp)))
+            self.bar = self.c.loss_z if zp is None else max(self.c.loss_z, zp)
 
     def state_dict(self) -> dict[str, Any]:
         return {"held": self.held, "exceed": self.exceed, "excess": self.excess,
-                "count": self.count, "bars": list(self.bars)}
+                "count": self.count, "bar": self.bar}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.held, self.exceed = float(state["held"]), float(state["exceed"])
         self.excess, self.count = float(state["excess"]), int(state["count"])
-        bars = state.get("bars") or (self.c.loss_z, self.c.loss_tail_from)
-        self.bars = (float(bars[0]), float(bars[1]))
+        self.bar = float(state["bar"])

@@ -304,7 +304,7 @@ class LossSpike(Rule):
         self.spread = Spread(c.loss_window)
         self.tail = LossTail(c)
         self.z = c.loss_z
-        """The bar this step was judged against, in spreads (``LossTail.bars``)."""
+        """The bar this step was judged against, in spreads (``LossTail.bar``)."""
         self.med = self.limit = self.noise = _nan
         """The median, the bar and the spread this step was judged against (NaN while empty)."""
         self.reason = f"loss > median + {c.loss_z:g} spreads"
@@ -318,7 +318,7 @@ class LossSpike(Rule):
     def update(self, x: StepInput) -> Event | None:
         med = self.med = self.level.value
         self.noise = noise = self.spread.value
-        self.z = self.tail.bars[0]
+        self.z = self.tail.bar
         self.limit = limit = loss_limit(med, noise, self.c, self.z)
         if not x.armed:
             x.loss_gate = -math.inf
