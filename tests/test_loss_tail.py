@@ -151,8 +151,8 @@ def test_a_noisy_label_classifier_is_not_skipped_and_a_garbage_batch_still_is():
     """Before the tail, this healthy run (seed 4, held out from the bar's tuning) took 13 skips,
     48 alerts and a Tier 2 page for a skip storm in 464 armed steps (loss / EMA past 2 and 1.5
     on batches with a few more flipped labels) and ended 1.0107x its unguarded run; now at most
-    one skip per 1,000 armed steps, no Tier 2, its held-out loss within 0.5% of the unguarded. A batch whose labels are all wrong is still skipped
-    at its own step."""
+    one skip per 1,000 armed steps, no Tier 2, its held-out loss within 0.5% of the unguarded.
+    A batch whose labels are all wrong is still skipped at its own step."""
     acts, val, armed = _classifier_run(True, seed=4)
     _, base, _ = _classifier_run(False, seed=4)
     skips = [a for a in acts if a[1] == "skip"]

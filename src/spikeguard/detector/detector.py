@@ -10,9 +10,9 @@ floats in and out (its running statistics compiled, measure/_cstats.c); about 5 
   loss_ema_ratio > 2.0 with the loss past that many spreads. Either alone suffices because a bad
   batch can move one without the other: a batch of repeated bytes gives a huge gradient at a
   low loss, a batch of noise a high loss at an ordinary gradient. ALERT when loss_ema_ratio >
-  1.5 alone (the loss past the same spreads). Right after a skip the caller's weights check blamed on its batch,
-  the next batch of a storm is skipped at a lower bar (a quarter of the loss bar's rise and 1.5x
-  the grad median: ``after_skip``). A skipped step never enters a median or an EMA. A skip must
+  1.5 alone (the loss past the same spreads). Right after a skip the caller's weights check
+  blamed on its batch, the next batch of a storm is skipped at a lower bar (a quarter of the
+  loss bar's rise and 1.5x the grad median: ``after_skip``). A skipped step never enters a median or an EMA. A skip must
   recover (short loss EMA back below max(spike-step loss, pre-spike EMA + 0.1)) within 200
   updates, else Tier 2.
 * Tier 2 (an ALERT: which response it gets, a page, a rollback or a question to a person, is the
@@ -71,8 +71,8 @@ __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 _STATE_VERSION = 9
 _NEWER_RULES = frozenset({"log_z_jump"})
 """Rules a version-5 state saved before them may lack: they start fresh on load."""
-"""9: the loss rule keeps its tail (``loss_tail.LossTail``); 8: the log Z jump rule keeps which of its last updates were past the bar
-(``log_z_jump_run``); 7: the
+"""9: the loss rule keeps its tail (``loss_tail.LossTail``); 8: the log Z jump rule keeps
+which of its last updates were past the bar (``log_z_jump_run``); 7: the
 grad-norm rule keeps its quiet count and whether it is on (``arm_quiet``); 6: the log
 Z rules keep their quiet count (``arm_quiet``), the skip storm its suspicion of
 the weights; 5: adds the update-ratio rule; 4:

@@ -17,9 +17,9 @@ DetectorConfig as
 the host SpikeDetector and keeps the same histories (DeviceRunningMedian and DeviceEMA are
 twins of the host statistics: the medians and the EMA bit-identical, the log-spread equal up to
 the last bit of ``log``/``exp``; the loss tail's sums bit-identical and its bar ``z``,
-``loss_tail.LossTail``, to the last bit of ``log``), so on every step of tier <= 1 the gate equals the host
-verdict's ``skip``; it just needs no host read. A flagged step never enters the histories,
-on the device as on the host. Rules that need host state (Tier 2 windows, the loss > 10 nats
+``loss_tail.LossTail``, to the last bit of ``log``), so on every step of tier <= 1 the gate
+equals the host verdict's ``skip``; it just needs no host read. A flagged step never enters
+the histories, on the device as on the host. Rules that need host state (Tier 2 windows, the loss > 10 nats
 halt) stay with the host detector. ``after_skip`` is the host's word (``resolved``): the step
 before was a skip the weights check blamed on its batch, one of fewer than
 ``max_consecutive_skips`` in a row.
@@ -101,12 +101,10 @@ class DeviceGate:
         # the host detector's ratio is NaN (never a skip) while the EMA is not positive
         ratio = torch.where(ema > 0, x / ema, math.nan)
         grad_on = self.grad_armed()
-        z = self.tail_bar
-        llimit, med = self._loss_limit(z), self.median.value
-        spread = self.loss_spread.value
-        # the loss / EMA rules' gate: the loss bar's spread part (rules.LossSpike)
-        gate = torch.where(spread > 0, self.level.value + z * spread,
-                           torch.where(spread == 0, self.level.value, -math.inf))
+        llimit, med, spread = self._loss_limit(), self.median.value, self.loss_spread.value
+        # the loss / EMA rules' gate: the loss bar's spread part (rules.LossSpike); none while
+        # the spread is unknown
+        gate = torch.where(spread >= 0, self.level.value + self.tail_bar * spread, -math.inf)
         # rules.joint_grad_bar: the midpoint of the median and the grad bar
         half = torch.where(med > 0, torch.sqrt(med * glimit), math.inf)
         joint = joint_spike(g, half, x, self.level.value, llimit)
@@ -130,7 +128,7 @@ class DeviceGate:
         g = grad_norm.detach().to(self.device, torch.float64).reshape(())
         x = loss.detach().to(self.device, torch.float64).reshape(())
         c, level, ema = self.config, self.level.value, self.ema.value
-        llimit = self._loss_limit(self.tail_bar)
+        llimit = self._loss_limit()
         ratio = torch.where(ema > 0, x / ema, math.nan)
         loss_up = (x > level + 0.5 * (llimit - level)) | (ratio > 0.5 * (1.0 + c.skip_ratio))
         if self.after_skip and c.storm_loss_frac > 0:
@@ -158,12 +156,12 @@ class DeviceGate:
                                                                  min=c.grad_k))
         return self.median.value * mult
 
-    def _loss_limit(self, z: torch.Tensor | float | None = None) -> torch.Tensor:
-        """rules.loss_limit on the device (NaN while the loss median or spread is empty), ``z``
-        the bar in spreads (None: ``tail_bar``)."""
+    def _loss_limit(self) -> torch.Tensor:
+        """rules.loss_limit on the device (NaN while the loss median or spread is empty), at
+        the bar ``tail_bar``."""
         c, level = self.config, self.level.value
-        z = self.tail_bar if z is None else z
-        return level + torch.maximum(c.loss_min_rise * level, z * self.loss_spread.value)
+        spread = self.loss_spread.value
+        return level + torch.maximum(c.loss_min_rise * level, self.tail_bar * spread)
 
     def _tail_add(self, x: torch.Tensor) -> None:
         """``LossTail.add`` on the device: count an armed step's loss (NaN: not a step that

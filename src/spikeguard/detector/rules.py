@@ -114,12 +114,10 @@ def loss_spike(loss: Any, limit: Any) -> Any:
     return loss > limit
 
 
-def ratio_spike(ratio: Any, c: DetectorConfig, loss: Any = None, gate: Any = None) -> Any:
+def ratio_spike(ratio: Any, c: DetectorConfig, loss: Any, gate: Any) -> Any:
     """The Tier 1 loss test: loss / EMA of the kept losses > skip_ratio (floats or tensors; a
     NaN ratio, before any history, compares false), with the loss past ``gate`` (its median
-    plus the loss bar's spreads, ``LossSpike``) where given."""
-    if gate is None:
-        return ratio > c.skip_ratio
+    plus the loss bar's spreads, ``LossSpike``)."""
     return (ratio > c.skip_ratio) & (loss > gate)
 
 
