@@ -415,7 +415,7 @@ def test_loss_ema_is_what_the_next_ratio_divides_by():
 
 def test_version_1_state_is_refused_with_what_to_do():
     old = {"version": 1, "config": DetectorConfig().to_dict(), "scalars": {}, "pending": None}
-    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 9.*fresh "
+    with pytest.raises(ValueError, match=r"version 1 cannot be loaded.*reads version 10.*fresh "
                                          r"SpikeDetector.*arm_after=50"):
         SpikeDetector().load_state_dict(old)
 
@@ -584,7 +584,7 @@ def test_log_z_jump_state_round_trip_and_a_state_saved_before_it():
     before = SpikeDetector(cfg)
     before.load_state_dict(v7)
     assert before.state_dict()["rules"]["log_z_jump"]["above"] == 0
-    assert before.state_dict()["version"] == 9
+    assert before.state_dict()["version"] == 10
     assert before.state_dict()["rules"]["loss_spike"]["tail"]["count"] == 0
     old = d.state_dict()
     del old["rules"]["log_z_jump"]

@@ -99,7 +99,7 @@ def test_a_version_6_state_loads_with_its_grad_rule_on():
         resumed = sg.SpikeDetector(config)
         resumed.load_state_dict(state)
         assert resumed.state_dict()["rules"]["grad_spike"]["on"] is on
-        assert resumed.state_dict()["version"] == 9
+        assert resumed.state_dict()["version"] == 10
 
 
 def test_a_version_5_state_loads_with_its_log_z_rules_on():

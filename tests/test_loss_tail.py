@@ -46,6 +46,41 @@ def test_a_light_tail_keeps_the_fixed_bar_and_a_heavy_one_gets_its_own_quantile(
     assert abs(heavy.bar - true) < 0.1 * true, (heavy.bar, true)
 
 
+def test_a_power_law_tail_gets_the_pareto_quantile_and_an_exponential_one_does_not():
+    """Losses whose excursions past x_u = median + u spreads follow a Pareto law about the
+    loss's zero (tail index 1.5, 20% of steps past x_u), as a squared heavy-tailed residual's do:
+    the bar is the Pareto tail's 1-in-10,000 loss within 20% (the exponential fit puts it far
+    lower), and equals the estimator computed apart: the likelihood of the two tails compared
+    on the same excursions, the Pareto quantile x_u (a / p)^b where it wins. The exponential
+    stream of the test above keeps the exponential quantile (it equals that estimator)."""
+    c = sg.DetectorConfig(loss_tail_window=10**6)
+    rng, tail, level, u = random.Random(0), LossTail(c), 1.0, c.loss_tail_from
+    base = level + u
+    n = exceed = excess = lexcess = 0.0
+    for _ in range(5000):
+        x = base * (1.0 - rng.random()) ** (-1 / 1.5) if rng.random() < 0.2 else \
+            rng.uniform(0.0, base)
+        bar = tail.bar
+        tail.add(x, level, 1.0)
+        if x > level + c.loss_tail_far * bar:
+            continue
+        n += 1
+        if x > base:
+            exceed, excess = exceed + 1, excess + min(x - level, bar) - u
+            lexcess += math.log(min(x, level + bar) / base)
+            k, b = math.log(exceed / n / c.loss_tail_rate), lexcess / exceed
+            want = u + excess / exceed * k
+            if exceed >= c.loss_tail_min and math.log(excess / exceed / (base * b)) > b:
+                want = base * math.exp(b * k) - level
+            want = max(c.loss_z, want)
+    assert tail.lexceed == exceed
+    assert abs(tail.bar - want) < 1e-9 * want, (tail.bar, want)
+    true = base * (0.2 / c.loss_tail_rate) ** (1 / 1.5) - level
+    assert abs(tail.bar - true) < 0.2 * true, (tail.bar, true)
+    exponential = u + tail.excess / tail.exceed * math.log(0.2 / c.loss_tail_rate)
+    assert exponential < 0.25 * true
+
+
 def _stream(seed: int, steps: int) -> list[tuple[float, float]]:
     """(grad norm, loss) of a classifier-like run: a falling level, a batch-mean of 32 example
     losses of which about 10% are mislabelled (3-5 nats), and a garbage batch at step 400."""
@@ -62,37 +97,94 @@ def _stream(seed: int, steps: int) -> list[tuple[float, float]]:
     return out
 
 
+def _pair(config, items, gate=None, det=None):
+    """Feed (step, (grad norm, loss)) to a device gate and a host detector side by side,
+    asserting on each step that they decide the same skip; returns the skips and the pair."""
+    gate, det = gate or DeviceGate(config), det or sg.SpikeDetector(config)
+    skips = []
+    for t, (g, x) in items:
+        dev = bool(gate(torch.tensor(g, dtype=torch.float64),
+                        torch.tensor(x, dtype=torch.float64)))
+        v = det.update(sg.StepMetrics(step=t, loss=x, grad_norm=g))
+        assert dev == v.skip, (t, dev, v.reasons)
+        skips.append(dev)
+    return skips, gate, det
+
+
+def _same_tail(gate, det):
+    """The gate's tail sums equal the host's (the log sum and the bar to the last bits of
+    ``log``/``exp``); returns the host's tail."""
+    tail = det.state_dict()["rules"]["loss_spike"]["tail"]
+    dev = gate.state_dict()["tail"]
+    assert dev[:4] == [tail["held"], tail["exceed"], tail["excess"], tail["count"]]
+    assert dev[5] == tail["lexceed"]
+    for mine, host in ((dev[4], tail["bar"]), (dev[6], tail["lexcess"])):
+        assert mine == host or abs(mine - host) < 1e-12 * abs(host), (mine, host)
+    return tail
+
+
 def test_the_device_gate_equals_the_host_detector_and_a_resumed_run():
     """On a heavy-tailed stream the device gate skips exactly the steps the host detector skips,
     their tail sums agree, and a gate and a detector resumed from their states mid-run decide
     the rest as the uninterrupted pair (the thresholds of a resumed run are the run's)."""
     config = sg.DetectorConfig.for_run(2000)
-    stream = _stream(1, 900)
-
-    def run(items, gate=None, det=None):
-        gate, det = gate or DeviceGate(config), det or sg.SpikeDetector(config)
-        skips = []
-        for t, (g, x) in items:
-            dev = bool(gate(torch.tensor(g, dtype=torch.float64),
-                            torch.tensor(x, dtype=torch.float64)))
-            v = det.update(sg.StepMetrics(step=t, loss=x, grad_norm=g))
-            assert dev == v.skip, (t, dev, v.reasons)
-            skips.append(dev)
-        return skips, gate, det
-
-    whole, gate, det = run(list(enumerate(stream)))
+    stream = list(enumerate(_stream(1, 900)))
+    whole, gate, det = _pair(config, stream)
     assert whole[400], "the garbage batch is still skipped"
-    tail = det.state_dict()["rules"]["loss_spike"]["tail"]
+    tail = _same_tail(gate, det)
     assert tail["exceed"] >= config.loss_tail_min and tail["bar"] > config.loss_z
-    dev = gate.state_dict()["tail"]
-    assert dev[:4] == [tail["held"], tail["exceed"], tail["excess"], tail["count"]]
-    assert dev[4] == tail["bar"] or abs(dev[4] - tail["bar"]) < 1e-12 * dev[4]
-    first, gate1, det1 = run(list(enumerate(stream))[:500])
+    first, gate1, det1 = _pair(config, stream[:500])
     gate2, det2 = DeviceGate(config), sg.SpikeDetector(config)
     gate2.load_state_dict(json.loads(json.dumps(gate1.state_dict())))
     det2.load_state_dict(json.loads(json.dumps(det1.state_dict())))
-    rest, _, _ = run(list(enumerate(stream))[500:], gate2, det2)
+    rest, _, _ = _pair(config, stream[500:], gate2, det2)
     assert first + rest == whole
+
+
+def _power_law(steps: int) -> list[tuple[int, tuple[float, float]]]:
+    """A regression-like stream: the batch loss averages 16 squared Student-t(2) residuals (a
+    power law with no mean) about a falling level; the grad norm moves with it; a garbage batch
+    10^5 times the level at step 900."""
+    rng = random.Random(3)
+    stream = []
+    for t in range(steps):
+        level = 1.0 + 2.0 * math.exp(-t / 100)
+        sq = [(rng.gauss(0.0, 1.0) ** 2) / -math.log(1.0 - rng.random()) for _ in range(16)]
+        loss = level * sum(sq) / 16
+        stream.append((math.sqrt(loss) * rng.lognormvariate(0.0, 0.2), loss))
+    stream[900] = (1e3, 1e5)
+    return list(enumerate(stream))
+
+
+def test_the_device_gate_follows_the_host_on_a_power_law_loss():
+    """On a loss with no mean the gate and the host decide every step alike, the Pareto fit
+    widens the bar past 30 spreads, and the garbage batch is still skipped."""
+    skips, gate, det = _pair(sg.DetectorConfig.for_run(1200), _power_law(1200))
+    assert skips[900]
+    tail = _same_tail(gate, det)
+    assert tail["lexceed"] >= 5 and tail["bar"] > 30, tail
+
+
+def test_a_state_saved_before_the_pareto_fit_resumes_on_host_and_device():
+    """A detector state of version 9 and a gate state with the five-entry tail (saved before
+    the Pareto fit) load: the exponential fit's sums as saved, the Pareto sums from zero, and
+    the resumed pair still decides every step alike."""
+    config, stream = sg.DetectorConfig.for_run(1200), _power_law(1200)
+    _, gate, det = _pair(config, stream[:600])
+    state, dev = json.loads(json.dumps(det.state_dict())), gate.state_dict()
+    state["version"] = 9
+    for key in ("lexceed", "lexcess"):
+        del state["rules"]["loss_spike"]["tail"][key]
+    dev["tail"] = dev["tail"][:5]
+    det2, gate2 = sg.SpikeDetector(config), DeviceGate(config)
+    det2.load_state_dict(state)
+    gate2.load_state_dict(dev)
+    tail = det2.state_dict()["rules"]["loss_spike"]["tail"]
+    assert det2.state_dict()["version"] == 10 and tail["exceed"] > 0
+    assert (tail["lexceed"], tail["lexcess"]) == (0.0, 0.0)
+    skips, gate2, det2 = _pair(config, stream[600:], gate2, det2)
+    assert skips[300]  # step 900
+    _same_tail(gate2, det2)
 
 
 def _classifier_run(respond: bool, seed: int, steps: int = 500, poison: int | None = None):

@@ -80,9 +80,10 @@ class DetectorConfig:
     """...and at least this fraction above that median (a run whose loss barely varies)."""
     loss_tail_rate: float = 1e-4
     """The loss rules' false-alarm rate where the run's own loss tail is heavier than loss_z
-    spreads assume: the loss rule's bar becomes max(loss_z, z_p) spreads, z_p the excursion an
-    exponential tail fitted to the run's excursions past loss_tail_from spreads puts at this
-    rate a step; the loss / EMA rules need the loss past that many spreads too
+    spreads assume: the loss rule's bar becomes max(loss_z, z_p) spreads, z_p the excursion
+    that the tail fitted to the run's excursions past loss_tail_from spreads (exponential, or
+    Pareto about the loss's zero where that fits them better) puts at this rate a step; the
+    loss / EMA rules need the loss past that many spreads too
     (``detector/loss_tail.py``). 0: off (the fixed bar; the loss / EMA rules still need the
     loss past loss_z spreads)."""
     loss_tail_from: float = 2.5

@@ -68,17 +68,18 @@ from .rules_tier2 import (
 
 __all__ = ["Action", "DetectorConfig", "SpikeDetector", "Verdict"]
 
-_STATE_VERSION = 9
+_STATE_VERSION = 10
 _NEWER_RULES = frozenset({"log_z_jump"})
 """Rules a version-5 state saved before them may lack: they start fresh on load."""
-"""9: the loss rule keeps its tail (``loss_tail.LossTail``); 8: the log Z jump rule keeps
+"""10: the loss tail keeps the Pareto fit's sums; 9: the loss rule keeps its tail
+(``loss_tail.LossTail``); 8: the log Z jump rule keeps
 which of its last updates were past the bar (``log_z_jump_run``); 7: the
 grad-norm rule keeps its quiet count and whether it is on (``arm_quiet``); 6: the log
 Z rules keep their quiet count (``arm_quiet``), the skip storm its suspicion of
 the weights; 5: adds the update-ratio rule; 4:
 the spreads are of step-to-step differences; 3: adds the loss-outlier rule and the spreads; 2: one
-entry per rule; 1: one flat dict. Version-5 to 8 states still load (``_from_v5``,
-``_from_v6``, ``_from_v7``, ``_from_v8``)."""
+entry per rule; 1: one flat dict. Version-5 to 9 states still load (``_from_v5``,
+``_from_v6``, ``_from_v7``, ``_from_v8``, ``_from_v9``)."""
 _QUIET_RULES = ("log_z_drift", "log_z_rise", "log_z_jump")
 
 
@@ -124,6 +125,16 @@ def _from_v8(state: dict[str, Any], config: DetectorConfig) -> dict[str, Any]:
     if "loss_spike" in rules:
         rules["loss_spike"].setdefault("tail", {"held": 0.0, "exceed": 0.0, "excess": 0.0,
                                                 "count": 0, "bar": config.loss_z})
+    return {**state, "version": 9, "rules": rules}
+
+
+def _from_v9(state: dict[str, Any]) -> dict[str, Any]:
+    """A version-9 state as version 10: its loss tail had no Pareto fit, so that fit's sums
+    start empty (the exponential fit alone until ``loss_tail_min`` such excursions)."""
+    rules = {name: dict(rule) for name, rule in state["rules"].items()}
+    if "loss_spike" in rules and "tail" in rules["loss_spike"]:
+        rules["loss_spike"]["tail"] = {"lexceed": 0.0, "lexcess": 0.0,
+                                       **rules["loss_spike"]["tail"]}
     return {**state, "version": _STATE_VERSION, "rules": rules}
 
 
@@ -472,6 +483,9 @@ class SpikeDetector:
             version = 8
         if version == 8:
             state = _from_v8(state, self.config)
+            version = 9
+        if version == 9:
+            state = _from_v9(state)
             version = _STATE_VERSION
         if version != _STATE_VERSION:
             raise ValueError(

@@ -35,6 +35,7 @@ import torch
 from ..measure.spread import DeviceSpread
 from ..measure.stats import DeviceEMA, DeviceRunningMedian
 from .config import DetectorConfig
+from .loss_tail import _EXP_MAX
 from .rules import grad_spike, joint_spike, loss_spike, ratio_spike, storm_spike
 
 __all__ = ["DeviceGate"]
@@ -54,8 +55,9 @@ class DeviceGate:
         self.grad_quiet = torch.zeros((), dtype=torch.int64, device=self.device)
         self.grad_on = torch.zeros((), dtype=torch.bool, device=self.device)
         f64 = {"dtype": torch.float64, "device": self.device}
-        # loss_tail.LossTail's sums: held, the steps past u, their excess; the count
-        self.tail = [torch.zeros((), **f64) for _ in range(3)]
+        # loss_tail.LossTail's sums: held, the steps past u, their excess, the Pareto fit's
+        # two; the count
+        self.tail = [torch.zeros((), **f64) for _ in range(5)]
         self.tail_count = torch.zeros((), dtype=torch.int64, device=self.device)
         self.tail_bar = torch.tensor(config.loss_z, **f64)
         """The loss rule's bar in spreads (``LossTail.bar``)."""
@@ -175,18 +177,30 @@ class DeviceGate:
         count = (self.armed() & torch.isfinite(x) & (spread > 0)
                  & ~(past & (x > level + c.loss_tail_far * bar * spread)))
         past = past & count
-        held, exceed, excess = self.tail
+        held, exceed, excess, lexceed, lexcess = self.tail
         exceed = torch.where(past, exceed + 1.0, exceed)
         excess = torch.where(past, excess + (torch.minimum((x - level) / spread, bar) - u),
                              excess)
+        base = level + u * spread
+        lpast = past & (base > 0)
+        lexceed = torch.where(lpast, lexceed + 1.0, lexceed)
+        lexcess = torch.where(lpast, lexcess + torch.log(torch.minimum(x, level + bar * spread)
+                                                         / base), lexcess)
         self.tail_count = self.tail_count + count.to(torch.int64)
         w = c.loss_tail_window
         half = count & (self.tail_count % w == 0)
         held = torch.where(half, 0.5 * (held + w), held)
-        self.tail = held, exceed, excess = [held] + [torch.where(half, v * 0.5, v)
-                                                     for v in (exceed, excess)]
+        self.tail = held, exceed, excess, lexceed, lexcess = [held] + [
+            torch.where(half, v * 0.5, v) for v in (exceed, excess, lexceed, lexcess)]
         rate = exceed / (held + (self.tail_count % w).to(torch.float64))
-        zp = u + excess / exceed * torch.log(rate / c.loss_tail_rate)
+        k = torch.log(rate / c.loss_tail_rate)
+        zp = u + excess / exceed * k
+        # the Pareto tail's z_p' where it explains the excursions better (LossTail.quantile)
+        b, scale = lexcess / lexceed, level / spread + u
+        pareto = ((lexceed >= c.loss_tail_min) & (base > 0) & (b > 0)
+                  & (torch.log(excess / exceed / (scale * b)) > b))
+        grow = torch.expm1(torch.clamp(b * k, max=_EXP_MAX))
+        zp = torch.where(pareto, u + scale * grow, zp)
         zp = torch.where(rate > c.loss_tail_rate, zp, u)
         fitted = torch.where(exceed >= c.loss_tail_min, torch.clamp(zp, min=c.loss_z), c.loss_z)
         self.tail_bar = torch.where(past | half, fitted, bar)
@@ -225,8 +239,8 @@ class DeviceGate:
                 "loss_spread": self.loss_spread.state_dict(),
                 "grad_quiet": int(self.grad_quiet), "grad_on": bool(self.grad_on),
                 "skip_run": self.skip_run,
-                "tail": [float(v) for v in self.tail] + [int(self.tail_count)]
-                + [float(self.tail_bar)]}
+                "tail": [float(v) for v in self.tail[:3]] + [int(self.tail_count)]
+                + [float(self.tail_bar)] + [float(v) for v in self.tail[3:]]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name in ("median", "spread", "ema", "level", "loss_spread"):
@@ -240,7 +254,10 @@ class DeviceGate:
         self.skip_run = int(state.get("skip_run", 0))
         tail = state.get("tail")  # None: a state saved before the loss tail
         f64 = {"dtype": torch.float64, "device": self.device}
-        self.tail = [torch.tensor(float(v), **f64) for v in (tail or [0.0] * 3)[:3]]
+        # [held, exceed, excess, count, bar, lexceed, lexcess]; a state saved before the Pareto
+        # fit has the first five
+        sums = (tail or [0.0] * 3)[:3] + ((tail or [])[5:7] or [0.0, 0.0])
+        self.tail = [torch.tensor(float(v), **f64) for v in sums]
         self.tail_count = torch.tensor(int(tail[3]) if tail else 0, dtype=torch.int64,
                                        device=self.device)
         self.tail_bar = torch.tensor(float(tail[4]) if tail else self.config.loss_z, **f64)
