@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import json
+import math
+import random
 
 import pytest
 import torch
@@ -134,3 +136,35 @@ def test_grad_arm_quiet_zero_turns_the_grad_rule_on_at_its_arming_point_spikes_o
         assert verdicts[spike].skip is skipped, quiet
     with pytest.raises(ValueError, match="grad_arm_quiet=-1 must be an int >= 0"):
         sg.DetectorConfig(grad_arm_quiet=-1)
+
+
+def _falling(seed: int, sd: float, shift_at: int | None = None, shift: float = 0.0):
+    """1,000 steps of a loss falling from 5 to 2 nats with Gaussian batch noise of ``sd`` nats
+    (half as much again early on), and ``shift`` nats added from ``shift_at`` on."""
+    rng = random.Random(seed)
+    for t in range(1000):
+        level = 2.0 + 3.0 * math.exp(-t / 60) + (shift if shift_at and t >= shift_at else 0.0)
+        loss = level + sd * rng.gauss(0.0, 1.0) * (1.0 + 0.5 * math.exp(-t / 60))
+        yield sg.StepMetrics(step=t, loss=loss, grad_norm=1.0 + 0.1 * rng.random())
+
+
+def _elevated_pages(stream, **overrides) -> list:
+    d = sg.SpikeDetector(sg.DetectorConfig.for_run(1000, **overrides))
+    return [v for v in map(d.update, stream) if v.tier == 2
+            and any(r.startswith("loss +0.1 nats for") for r in v.reasons)]
+
+
+def test_the_slow_rule_sizes_its_levels_by_the_loss_noise():
+    """A healthy loss whose batch noise is 1 nat wide: its short EMA (span 50) has a standard
+    error of 0.1 nats, and the fixed 0.1-nat level paged 3 of 10 such runs. Sized to 6 of those
+    errors, none is paged, and a sustained rise of 0.5 nats past that level still is, on every
+    seed; a loss as quiet as a language model's (0.05 nats) keeps the fixed 0.1 nats."""
+    fixed = sum(bool(_elevated_pages(_falling(s, 1.0), elevated_z=0)) for s in range(10))
+    assert fixed >= 2
+    for seed in range(10):
+        assert not _elevated_pages(_falling(seed, 1.0)), seed
+        level = 0.5 + 6.0 * 1.0 / math.sqrt(99)
+        shifted = _elevated_pages(_falling(seed, 1.0, 400, level))
+        assert shifted and 0.3 < shifted[0].evidence["loss_elevated_nats"] < 0.9, seed
+        quiet = _elevated_pages(_falling(seed, 0.05, 400, 0.5))
+        assert quiet and quiet[0].evidence["loss_elevated_nats"] == 0.1, seed

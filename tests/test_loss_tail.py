@@ -51,8 +51,10 @@ def test_a_power_law_tail_gets_the_pareto_quantile_and_an_exponential_one_does_n
     loss's zero (tail index 1.5, 20% of steps past x_u), as a squared heavy-tailed residual's do:
     the bar is the Pareto tail's 1-in-10,000 loss within 20% (the exponential fit puts it far
     lower), and equals the estimator computed apart: the likelihood of the two tails compared
-    on the same excursions, the Pareto quantile x_u (a / p)^b where it wins. The exponential
-    stream of the test above keeps the exponential quantile (it equals that estimator)."""
+    on the same excursions, the Pareto quantile x_u (a / p)^b where its likelihood is 1/p times
+    the exponential's and it is further out (it never narrows the exponential fit's bar). The
+    exponential stream of the test above keeps the exponential quantile (it equals that
+    estimator)."""
     c = sg.DetectorConfig(loss_tail_window=10**6)
     rng, tail, level, u = random.Random(0), LossTail(c), 1.0, c.loss_tail_from
     base = level + u
@@ -70,8 +72,9 @@ def test_a_power_law_tail_gets_the_pareto_quantile_and_an_exponential_one_does_n
             lexcess += math.log(min(x, level + bar) / base)
             k, b = math.log(exceed / n / c.loss_tail_rate), lexcess / exceed
             want = u + excess / exceed * k
-            if exceed >= c.loss_tail_min and math.log(excess / exceed / (base * b)) > b:
-                want = base * math.exp(b * k) - level
+            if exceed >= c.loss_tail_min and exceed * (math.log(excess / exceed / (base * b))
+                                                       - b) > -math.log(c.loss_tail_rate):
+                want = max(want, base * math.exp(b * k) - level)
             want = max(c.loss_z, want)
     assert tail.lexceed == exceed
     assert abs(tail.bar - want) < 1e-9 * want, (tail.bar, want)

@@ -82,8 +82,8 @@ class DetectorConfig:
     """The loss rules' false-alarm rate where the run's own loss tail is heavier than loss_z
     spreads assume: the loss rule's bar becomes max(loss_z, z_p) spreads, z_p the excursion
     that the tail fitted to the run's excursions past loss_tail_from spreads (exponential, or
-    Pareto about the loss's zero where that fits them better) puts at this rate a step; the
-    loss / EMA rules need the loss past that many spreads too
+    Pareto about the loss's zero where that fits them decisively better) puts at this rate a
+    step; the loss / EMA rules need the loss past that many spreads too
     (``detector/loss_tail.py``). 0: off (the fixed bar; the loss / EMA rules still need the
     loss past loss_z spreads)."""
     loss_tail_from: float = 2.5
@@ -121,6 +121,11 @@ class DetectorConfig:
     """A loss excursion (and its onset) starts where the short EMA rises this far above its floor."""
     elevated_steps: int = 500
     """Tier 2 when the short loss EMA stays spike_nats above pre-spike for more updates than this."""
+    elevated_z: float = 6.0
+    """The elevated-loss rule's levels (spike_nats, loss_onset_nats) are raised, in proportion,
+    until spike_nats is at least this many standard errors of the short loss EMA (the loss's
+    spread / sqrt(2 recovery_ema_steps - 1)): on a loss whose batch-to-batch noise is nats wide
+    that EMA wanders past 0.1 nats for hundreds of steps. 0: off (the fixed nats alone)."""
     log_z_rise: float = 3.0
     """Tier 2 when log Z rises more than this within log_z_rise_steps (a fast logit blow-up)."""
     log_z_rise_steps: int = 300
@@ -191,6 +196,13 @@ class DetectorConfig:
                     raise ValueError(f"DetectorConfig.storm_loss_frac={v!r} must be a number in "
                                      "[0, 1) (a fraction of the loss bar's rise; default 0.25; "
                                      "0: off)")
+                continue
+            if f.name == "elevated_z":
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                        0 <= v < math.inf):
+                    raise ValueError(f"DetectorConfig.elevated_z={v!r} must be a number >= 0 "
+                                     "(standard errors of the short loss EMA; default 6; 0: "
+                                     "off)")
                 continue
             if f.name == "loss_tail_rate":
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 0.01:

@@ -417,6 +417,7 @@ class SpikeDetector:
         if lx.onset is not None:
             evidence["pre_spike_loss"] = lx.pre
             evidence["loss_elevated_steps"] = lx.count
+            evidence["loss_elevated_nats"] = lx.spike_nats * lx.scale  # its level, noise-sized
         evidence["skips_consecutive"] = storm.run
         if x.update_ratio == x.update_ratio:  # a reading: the update_jump rule's numbers
             evidence["update_ratio"] = x.update_ratio

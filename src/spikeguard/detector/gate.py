@@ -195,12 +195,15 @@ class DeviceGate:
         rate = exceed / (held + (self.tail_count % w).to(torch.float64))
         k = torch.log(rate / c.loss_tail_rate)
         zp = u + excess / exceed * k
-        # the Pareto tail's z_p' where it explains the excursions better (LossTail.quantile)
+        # the Pareto tail's z_p' where it explains the excursions decisively better and is
+        # further out
+        # (LossTail.quantile)
         b, scale = lexcess / lexceed, level / spread + u
         pareto = ((lexceed >= c.loss_tail_min) & (base > 0) & (b > 0)
-                  & (torch.log(excess / exceed / (scale * b)) > b))
+                  & (lexceed * (torch.log(excess / exceed / (scale * b)) - b)
+                     > -math.log(c.loss_tail_rate)))
         grow = torch.expm1(torch.clamp(b * k, max=_EXP_MAX))
-        zp = torch.where(pareto, u + scale * grow, zp)
+        zp = torch.where(pareto, torch.maximum(zp, u + scale * grow), zp)
         zp = torch.where(rate > c.loss_tail_rate, zp, u)
         fitted = torch.where(exceed >= c.loss_tail_min, torch.clamp(zp, min=c.loss_z), c.loss_z)
         self.tail_bar = torch.where(past | half, fitted, bar)

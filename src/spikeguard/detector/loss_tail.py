@@ -31,15 +31,24 @@ is
 
     z_p' = u + (median / spread + u) x (exp(b ln(a / p)) - 1)   spreads,
 
-and the bar is max(``loss_z``, z_p, z_p'). Where the spread is small beside the level (a
-language model's loss, a few hundredths of a nat about 2-4) ln(loss / x_u) is (loss - x_u) /
-x_u to first order and z_p' is z_p; the two part only where the loss's own noise is of the
-order of its level. A loss whose x_u is not positive (a loss that can be negative) has no
-Pareto fit: those steps add nothing to its sums. The loss / EMA rules
-(skip past ``skip_ratio``, alert past ``alert_ratio``) also need the loss past that many
-spreads above its median: a doubled loss is far out for a language model (there it always was)
-and ordinary for a noisy classifier, whose first excursions, before any fit, stand 3-4 spreads
-out.
+where the Pareto tail explains the excursions decisively better than the exponential one.
+Both have one parameter, so their maximised likelihoods on the m excursions compare directly:
+the log of their ratio is m (ln(beta / ((median / spread + u) b)) - b), and the Pareto tail is
+taken where that passes ln(1/p), a likelihood 1/p times the exponential's. The bar is then
+max(``loss_z``, z_p, z_p'): the Pareto fit only ever widens it. On the recorded runs that
+ratio's log reached 24-126 on every Student-t(2) regression and at most 6.8 on any other loss
+(language models, a noisy classifier, a CNN, a denoiser); taken wherever it was merely
+positive, the Pareto fit moved the bar on 10 of 278 language-model runs, and a chaotic natural
+instability's page by a step past its departure. Where the
+spread is small beside the level (a language model's loss, a few hundredths of a nat about 2-4)
+ln(loss / x_u) is (loss - x_u) / x_u to first order and z_p' is z_p; the two part only where
+the loss's own noise is of the order of its level. A loss whose x_u is not positive (a loss
+that can be negative) has no Pareto fit: those steps add nothing to its sums.
+
+The loss / EMA rules (skip past ``skip_ratio``, alert past ``alert_ratio``) also need the loss
+past that many spreads above its median: a doubled loss is far out for a language model (there
+it always was) and ordinary for a noisy classifier, whose first excursions, before any fit,
+stand 3-4 spreads out.
 
 The sums are cumulative over armed steps and halve every ``loss_tail_window`` of them, so old
 steps fade. A step flagged by a rule counts too, its excursion capped at the bar (its tail is
@@ -94,10 +103,10 @@ class LossTail:
         return self.held + self.count % self.window
 
     def quantile(self, level: float, spread: float) -> float | None:
-        """The fitted 1-in-1/p excursion in spreads, at ``level`` and ``spread``: the larger of
-        the exponential tail's z_p and the Pareto tail's z_p' (module docstring); None while off
-        or with fewer than ``loss_tail_min`` excursions past u (u itself where their rate is at
-        or below p)."""
+        """The fitted 1-in-1/p excursion in spreads, at ``level`` and ``spread``: the exponential
+        tail's z_p, or the Pareto tail's z_p' where that fits the excursions decisively better
+        and is larger (module docstring); None while off or with fewer than ``loss_tail_min``
+        excursions past u (u itself where their rate is at or below p)."""
         c = self.c
         if c.loss_tail_rate == 0 or self.exceed < c.loss_tail_min:
             return None
@@ -108,10 +117,12 @@ class LossTail:
         zp = u + self.excess / self.exceed * k
         if self.lexceed >= c.loss_tail_min and level + u * spread > 0.0:
             b, scale = self.lexcess / self.lexceed, level / spread + u
-            # the Pareto tail where it explains the excursions better (by likelihood)
-            if b > 0.0 and math.log(self.excess / self.exceed / (scale * b)) > b:
+            # the Pareto tail where its likelihood is 1/p times the exponential's and it puts
+            # the bar further out
+            if b > 0.0 and self.lexceed * (math.log(self.excess / self.exceed / (scale * b))
+                                           - b) > -math.log(c.loss_tail_rate):
                 # the exponent capped where exp would overflow: a bar past any float loss
-                zp = u + scale * math.expm1(min(b * k, _EXP_MAX))
+                zp = max(zp, u + scale * math.expm1(min(b * k, _EXP_MAX)))
         return zp
 
     def add(self, loss: float, level: float, spread: float) -> None:

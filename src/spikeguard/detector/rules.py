@@ -127,7 +127,7 @@ class StepInput:
 
     __slots__ = ("after_skip", "armed", "blind", "ema_prev", "given_ratio", "grad_half",
                  "grad_med", "grad_norm", "grad_on", "i", "j", "kept", "log_z", "log_z_onset",
-                 "loss", "loss_flag", "loss_gate", "ratio", "ratio_onset", "released", "short",
+                 "loss", "loss_flag", "loss_gate", "loss_noise", "ratio", "ratio_onset", "released", "short",
                  "skip", "spike", "step", "t1_onset", "update_ratio")
 
     def __init__(self) -> None:
@@ -160,6 +160,9 @@ class StepInput:
         self.loss_gate = -math.inf
         """The loss the loss / EMA rules need it past: its median plus the loss bar's spreads
         (LossSpike; ``loss_tail.LossTail``), -inf while the spread is unknown."""
+        self.loss_noise = _nan
+        """The loss's spread this step was judged against (LossSpike; LossElevated sizes its
+        levels by it), NaN while unknown."""
         self.ratio_onset: int | None = None
         """Start of the current run of ratios above alert_ratio (LossRatio)."""
         self.kept = False
@@ -315,7 +318,7 @@ class LossSpike(Rule):
 
     def update(self, x: StepInput) -> Event | None:
         med = self.med = self.level.value
-        self.noise = noise = self.spread.value
+        self.noise = x.loss_noise = noise = self.spread.value
         self.z = self.tail.bar
         self.limit = limit = loss_limit(med, noise, self.c, self.z)
         if not x.armed:

@@ -184,11 +184,18 @@ class LossElevated(Rule):
     above the floor, and ends when it falls back within loss_onset_nats of that level. Measuring
     against the floor rather than a long EMA matters: a long EMA follows a slow climb and would
     never see it as elevated.
+
+    Both levels are in nats, and a short EMA of a noisy loss wanders by more: its standard error
+    is the loss's spread / sqrt(2 span - 1), and a regression on Student-t(2) noise (spread
+    0.5-1.5 nats) held its EMA 0.2-0.9 nats above the floor for 250 healthy steps. So both are
+    raised in proportion until spike_nats is ``elevated_z`` such errors (the loss rule's spread
+    before each step, ``x.loss_noise``; the scale is fixed at an excursion's onset, as its floor
+    is). A language model's spread of a few hundredths of a nat keeps 0.1.
     """
 
-    __slots__ = ("context", "count", "ema", "floor", "onset", "onset_nats", "pre", "reason",
-                 "short", "spike_nats", "steps")
-    _scalars = ("onset", "pre", "count")
+    __slots__ = ("context", "count", "ema", "err", "floor", "onset", "onset_nats", "pre",
+                 "reason", "scale", "short", "spike_nats", "steps")
+    _scalars = ("onset", "pre", "count", "scale")
     _stats = ("ema", "floor")
 
     def __init__(self, c: DetectorConfig) -> None:
@@ -197,9 +204,14 @@ class LossElevated(Rule):
         self.onset_nats = c.loss_onset_nats
         self.spike_nats = c.spike_nats
         self.steps = c.elevated_steps
+        # spike_nats in the EMA's standard errors per unit of the loss's spread
+        self.err = c.elevated_z / math.sqrt(2 * c.recovery_ema_steps - 1) / c.spike_nats
         self.onset: int | None = None
         self.pre = 0.0
         self.count = 0
+        self.scale = 1.0
+        """The levels' multiple, >= 1 (the class docstring): the current excursion's, fixed at
+        its onset."""
         self.short = _nan
         """The short loss EMA after this update (this step's loss in it when kept)."""
         self.reason = f"loss +{c.spike_nats:g} nats for > {c.elevated_steps} steps"
@@ -209,21 +221,25 @@ class LossElevated(Rule):
         """``x.j``: the index of this update among the kept ones (the floor's window counts
         them). Publishes ``x.short``."""
         step, loss, j, armed = x.step, x.loss, x.j, x.armed
+        if self.onset is None:  # no excursion: the levels follow the loss's noise
+            scale = self.err * x.loss_noise
+            self.scale = scale if scale > 1.0 else 1.0  # NaN (no spread yet): 1
+        onset_nats, spike_nats = self.onset_nats * self.scale, self.spike_nats * self.scale
         if x.kept:
             self.ema.update(loss)
             short = x.short = self.short = self.ema.value
             floor, _ = self.floor.min_before(j)
             self.floor.push(j, short, step)
             # an excursion starts on a kept step only: a flagged step is another rule's business
-            if armed and self.onset is None and short > floor + self.onset_nats:
+            if armed and self.onset is None and short > floor + onset_nats:
                 self.onset, self.pre, self.count = step, floor, 0
         else:
             short = x.short = self.short = self.ema.value
         if self.onset is None:
             return None
-        if short <= self.pre + self.onset_nats:
+        if short <= self.pre + onset_nats:
             self.onset, self.count = None, 0
-        elif short > self.pre + self.spike_nats:
+        elif short > self.pre + spike_nats:
             self.count += 1
             if self.count == self.steps + 1:
                 return (self.onset, self.reason)
@@ -232,6 +248,10 @@ class LossElevated(Rule):
             # kept), but the count of spike-level updates must be consecutive
             self.count = 0
         return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a state saved before the levels followed the noise: the fixed nats
+        super().load_state_dict({"scale": 1.0, **state})
 
 
 class Recovery(Rule):
