@@ -76,6 +76,8 @@ def test_a_100_step_run_catches_an_outlier_soon_after_a_tenth_of_it():
     ({"vocab_size": 1}, "vocab_size=1"),
     ({"max_skip_fraction": 1.5}, "max_skip_fraction=1.5"),
     ({"arm_after": 2.5}, "arm_after=2.5"),
+    ({"elevated_z": -1.0}, r"elevated_z=-1.0 must be a number >= 0.*0: off"),
+    ({"elevated_z": float("inf")}, "elevated_z=inf"),
 ])
 def test_bad_config_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -196,8 +196,7 @@ class DeviceGate:
         k = torch.log(rate / c.loss_tail_rate)
         zp = u + excess / exceed * k
         # the Pareto tail's z_p' where it explains the excursions decisively better and is
-        # further out
-        # (LossTail.quantile)
+        # further out (LossTail.quantile)
         b, scale = lexcess / lexceed, level / spread + u
         pareto = ((lexceed >= c.loss_tail_min) & (base > 0) & (b > 0)
                   & (lexceed * (torch.log(excess / exceed / (scale * b)) - b)

@@ -39,10 +39,10 @@ max(``loss_z``, z_p, z_p'): the Pareto fit only ever widens it. On the recorded 
 ratio's log reached 24-126 on every Student-t(2) regression and at most 6.8 on any other loss
 (language models, a noisy classifier, a CNN, a denoiser); taken wherever it was merely
 positive, the Pareto fit moved the bar on 10 of 278 language-model runs, and a chaotic natural
-instability's page by a step past its departure. Where the
-spread is small beside the level (a language model's loss, a few hundredths of a nat about 2-4)
-ln(loss / x_u) is (loss - x_u) / x_u to first order and z_p' is z_p; the two part only where
-the loss's own noise is of the order of its level. A loss whose x_u is not positive (a loss
+instability's page by a step past its departure. Where the spread is small beside the level (a
+language model's loss, a few hundredths of a nat about 2-4) ln(loss / x_u) is (loss - x_u) / x_u
+to first order and z_p' is z_p; the two part only where the loss's own noise is of the order of
+its level. A loss whose x_u is not positive (a loss
 that can be negative) has no Pareto fit: those steps add nothing to its sums.
 
 The loss / EMA rules (skip past ``skip_ratio``, alert past ``alert_ratio``) also need the loss
