@@ -12,9 +12,9 @@ floats in and out (its running statistics compiled, measure/_cstats.c); about 5 
   low loss, a batch of noise a high loss at an ordinary gradient. ALERT when loss_ema_ratio >
   1.5 alone (the loss past the same spreads). Right after a skip the caller's weights check
   blamed on its batch, the next batch of a storm is skipped at a lower bar (a quarter of the
-  loss bar's rise and 1.5x the grad median: ``after_skip``). A skipped step never enters a median or an EMA. A skip must
-  recover (short loss EMA back below max(spike-step loss, pre-spike EMA + 0.1)) within 200
-  updates, else Tier 2.
+  loss bar's rise and 1.5x the grad median: ``after_skip``). A skipped step never enters a
+  median or an EMA. A skip must recover (short loss EMA back below max(spike-step loss,
+  pre-spike EMA + 0.1)) within 200 updates, else Tier 2.
 * Tier 2 (an ALERT: which response it gets, a page, a rollback or a question to a person, is the
   caller's policy; ``Verdict.advice`` says what a loop with only the detector does): ratio > 2.5
   for 10 updates; short loss

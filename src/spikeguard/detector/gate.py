@@ -173,7 +173,8 @@ class DeviceGate:
             return
         level, spread, u = self.level.value, self.loss_spread.value, c.loss_tail_from
         bar = self.tail_bar
-        past = x > level + u * spread
+        base = level + u * spread  # x_u
+        past = x > base
         count = (self.armed() & torch.isfinite(x) & (spread > 0)
                  & ~(past & (x > level + c.loss_tail_far * bar * spread)))
         past = past & count
@@ -181,7 +182,6 @@ class DeviceGate:
         exceed = torch.where(past, exceed + 1.0, exceed)
         excess = torch.where(past, excess + (torch.minimum((x - level) / spread, bar) - u),
                              excess)
-        base = level + u * spread
         lpast = past & (base > 0)
         lexceed = torch.where(lpast, lexceed + 1.0, lexceed)
         lexcess = torch.where(lpast, lexcess + torch.log(torch.minimum(x, level + bar * spread)

@@ -137,7 +137,8 @@ class LossTail:
     def after(self, loss: float, level: float, spread: float) -> None:
         """``add`` once ``count`` has taken the step (``spread`` > 0)."""
         u = self.u
-        past = loss > level + u * spread
+        base = level + u * spread  # x_u
+        past = loss > base
         if past:
             bar = self.bar
             if loss > level + self.far * bar * spread:  # not the run's noise: not counted
@@ -145,7 +146,6 @@ class LossTail:
                 return
             self.exceed += 1.0
             self.excess += min((loss - level) / spread, bar) - u
-            base = level + u * spread
             if base > 0.0:
                 self.lexceed += 1.0
                 self.lexcess += math.log(min(loss, level + bar * spread) / base)

@@ -127,8 +127,8 @@ class StepInput:
 
     __slots__ = ("after_skip", "armed", "blind", "ema_prev", "given_ratio", "grad_half",
                  "grad_med", "grad_norm", "grad_on", "i", "j", "kept", "log_z", "log_z_onset",
-                 "loss", "loss_flag", "loss_gate", "loss_noise", "ratio", "ratio_onset", "released", "short",
-                 "skip", "spike", "step", "t1_onset", "update_ratio")
+                 "loss", "loss_flag", "loss_gate", "loss_noise", "ratio", "ratio_onset",
+                 "released", "short", "skip", "spike", "step", "t1_onset", "update_ratio")
 
     def __init__(self) -> None:
         self.step = self.i = self.j = 0
