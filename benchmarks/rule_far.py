@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import statistics
@@ -84,7 +85,11 @@ def _config(run: dict, warm_given: bool) -> DetectorConfig:
     vocab = run.get("vocab", VOCAB)  # None: the field's default, as the zoo's guard has it
     if vocab is not None:
         warm["vocab_size"] = vocab
-    return DetectorConfig.for_run(run["steps"], **warm)
+    return DetectorConfig.for_run(run["steps"], **warm, **OVERRIDES)
+
+
+OVERRIDES: dict[str, float] = {}
+"""DetectorConfig fields set on every replay (``--set``), e.g. {"log_z_jump_alone": 3}."""
 
 
 def _replay(run: dict, warm_given: bool, series: dict | None = None) -> list[tuple]:
@@ -303,12 +308,33 @@ def _delay_table(res: dict) -> list[str]:
     return rows
 
 
+def _overrides(pairs: list[str]) -> dict[str, float]:
+    """``--set FIELD=VALUE`` pairs as DetectorConfig keywords (numbers; checked by the config)."""
+    known = {f.name for f in dataclasses.fields(DetectorConfig)}
+    out: dict[str, float] = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if name not in known or not value:
+            raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE with FIELD a DetectorConfig "
+                             "field, e.g. --set log_z_jump_alone=3")
+        out[name] = int(value) if value.lstrip("-").isdigit() else float(value)
+    try:
+        DetectorConfig(**out)  # a bad value is refused here, with the field named
+    except ValueError as e:
+        raise SystemExit(f"--set: {e}") from None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="also write the counts and delays to this file")
     p.add_argument("--zoo", action="store_true",
                    help="replay the zoo's clean settings instead (grad_tail.py --generate)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a DetectorConfig field for every replay, e.g. log_z_jump_alone=3")
     args = p.parse_args(argv)
+    OVERRIDES.clear()
+    OVERRIDES.update(_overrides(args.set))
     runs = zoo_runs() if args.zoo else clean_runs()
     halves = collections.Counter(_half(r) for r in runs)
     print(f"{len(runs)} clean runs: {halves['tuning']} tuning (even seeds), "

@@ -146,6 +146,19 @@ class DetectorConfig:
     log_z_jump_run + 1 updates were (1: the first update past it). 2 waits out one batch of easy
     text, which can lift a noisy log Z (a run without z-loss) by more than a nat, at the price
     of later pages on a drift."""
+    log_z_jump_rate: float = 1e-3
+    """A log Z jump alone (at that update neither the grad norm past the joint test's grad bar,
+    half-way to the grad rule's own noise-sized bar, nor a loss rule's flag) must also pass the
+    level that this run's healed log Z excursions pass with this probability an update: an
+    exponential tail fitted to the kept updates that stood more than log_z_onset above the
+    short median in excursions that have since ended (rules_log_z.LogZJump). Under SGD with
+    momentum the tiny GPT's log Z swings by 0.5-1 nat with a period of 10-15 updates, and 6 of
+    72 clean runs crossed the 1-nat bar for one or two updates: a page each, none with this
+    bar. A jump with a second sign, or one in a run whose log Z has not wandered, keeps the
+    1-nat bar. 0: off (every jump against log_z_jump)."""
+    log_z_jump_min: int = 5
+    """The log Z jump's tail waits for this many kept updates past log_z_onset in healed
+    excursions before it moves the bar (fewer fit nothing)."""
     z_loss_advice_log_z: float = 12.0
     """Above this log Z, still rising over the median window, the verdict advises z-loss."""
     max_consecutive_skips: int = 5
@@ -204,10 +217,11 @@ class DetectorConfig:
                                      "(standard errors of the short loss EMA; default 6; 0: "
                                      "off)")
                 continue
-            if f.name == "loss_tail_rate":
+            if f.name in ("loss_tail_rate", "log_z_jump_rate"):
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 0.01:
-                    raise ValueError(f"DetectorConfig.loss_tail_rate={v!r} must be a number in "
-                                     "[0, 0.01) (false alarms a step; default 1e-4; 0: off)")
+                    raise ValueError(f"DetectorConfig.{f.name}={v!r} must be a number in "
+                                     f"[0, 0.01) (false alarms a step; default {f.default:g}; "
+                                     "0: off)")
                 continue
             if f.name == "grad_arm_quiet":
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):

@@ -10,6 +10,7 @@ of the last few dozen updates (``LogZJump``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ..measure.stats import RunningMedian, SlidingMin
 from .config import DetectorConfig
@@ -141,7 +142,17 @@ class LogZJump(Rule):
     fast as the grad norm does (the clean runs stood up to 0.92 above their median at step 32,
     at most 0.78 from step 40 on). Fires on an update past the bar when log_z_jump_run (1) of
     the last log_z_jump_run + 1 were past it (2: two of three, which waits out one batch of easy
-    text: docs/design.md). A missing log Z leaves it untouched. 0: off."""
+    text: docs/design.md).
+
+    A jump alone, with neither the grad norm past the joint test's grad bar (``x.grad_half``,
+    half-way to the grad rule's noise-sized bar) nor a loss rule's flag at that update, must
+    also pass the bar of the run's own healed excursions: the kept updates that stood more than
+    log_z_onset (u) above the median, in excursions that have since come back under u, are an
+    exponential tail with rate a (their share of the kept updates judged) and scale beta (their
+    mean excess over u), and the bar is max(log_z_jump, u + beta ln(a / p)), p =
+    log_z_jump_rate. An excursion in progress is not the run's noise
+    until it ends: a drift that never ends never widens its own bar. The tail waits for
+    log_z_jump_min such updates. A missing log Z leaves it untouched. 0: off."""
 
     __slots__ = (
         "above",
@@ -156,11 +167,14 @@ class LogZJump(Rule):
         "onset",
         "onset_dev",
         "quiet",
+        "rate",
         "reason",
         "run",
+        "tail",
+        "tail_min",
         "window",
     )
-    _scalars = ("onset", "fired", "quiet", "on", "above")
+    _scalars = ("onset", "fired", "quiet", "on", "above", "tail")
     _stats = ("median",)
 
     def __init__(self, c: DetectorConfig) -> None:
@@ -178,6 +192,10 @@ class LogZJump(Rule):
         """Which of the last log_z_jump_run + 1 updates were past the bar (bit 0: this one)."""
         self.dev = _nan
         """log Z minus the short median at this update; NaN until the window is full."""
+        self.rate, self.tail_min = c.log_z_jump_rate, c.log_z_jump_min
+        self.tail = [0, 0, 0.0, 0, 0.0]
+        """[kept updates judged, those past onset_dev in healed excursions, their summed excess
+        over onset_dev, the same two for the excursion in progress]."""
         self.reason = f"log_z > median of last {c.log_z_jump_window} + {c.log_z_jump:g}"
 
     def update(self, x: StepInput) -> Event | None:
@@ -196,11 +214,38 @@ class LogZJump(Rule):
         if self.on:
             past = dev > self.jump
             self.above = ((self.above << 1) | past) & self.mask
-            if past and self.above.bit_count() >= self.run and not self.fired:
+            if (past and self.above.bit_count() >= self.run and not self.fired
+                    and (x.loss_flag or x.grad_norm > x.grad_half or dev > self._lone_bar())):
                 self.fired = True
                 event = (self.onset, self.reason)
         elif x.armed and x.j >= self.arm and dev == dev:
             self.quiet, self.on = quiet_arm(self.quiet, self.need, dev > self.jump)
         if x.kept:
             median.update(lz)
+            if self.rate and dev == dev:
+                self._add(dev)
         return event
+
+    def _add(self, dev: float) -> None:
+        """A kept update's deviation into the tail: past u it joins the excursion in progress,
+        under u it ends that excursion, which then counts."""
+        tail, u = self.tail, self.onset_dev
+        tail[0] += 1
+        if dev > u:
+            tail[3] += 1
+            tail[4] += dev - u
+        elif tail[3]:
+            tail[1] += tail[3]
+            tail[2] += tail[4]
+            tail[3], tail[4] = 0, 0.0
+
+    def _lone_bar(self) -> float:
+        """The bar of a jump with no second sign (the class docstring)."""
+        judged, m, excess = self.tail[:3]
+        if not self.rate or m < self.tail_min:
+            return self.jump
+        return max(self.jump, self.onset_dev + excess / m * math.log(m / judged / self.rate))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a state saved before the tail: nothing on record, the bar is log_z_jump's
+        super().load_state_dict({"tail": [0, 0, 0.0, 0, 0.0], **state})
