@@ -51,13 +51,14 @@ def _pages(metrics: list, **config) -> list[int]:
 def _reference_bar(log_z: list[float], t: int, u: float = 0.5, p: float = 1e-3) -> float:
     """The bar at update t from the series alone: every update is kept (a flat loss and grad
     norm); deviations from the median of the 32 before; the exceedances of u in excursions
-    that ended before t; exponential tail u + beta ln(a / p), at least 1 nat."""
+    that came back to the median (a deviation <= 0) before t; exponential tail
+    u + beta ln(a / p), at least 1 nat."""
     devs = [log_z[s] - statistics.median(log_z[s - 32:s]) for s in range(32, t)]
     healed, current = [], []
     for d in devs:
         if d > u:
             current.append(d - u)
-        else:
+        elif d <= 0:
             healed += current
             current = []
     if len(healed) < 5:
@@ -87,10 +88,17 @@ def test_a_lone_jump_in_a_swinging_log_z_is_judged_against_its_healed_swings():
 
 
 def test_a_drift_is_not_its_own_noise():
-    """An excursion in progress is not counted: a drift that stays past u never widens its own
-    bar, and is paged where the 1-nat bar pages it, swings before it or not."""
+    """An excursion counts only once log Z is back at its median: a drift whose deviation dips
+    under u and rises past it again (its median following behind) never widens its own bar,
+    and is paged where the 1-nat bar pages it."""
     base = _log_z(swings=False)[:LONE]
-    drift = [z + 0.08 * max(0, t - 100) for t, z in enumerate(base)]
+    # 0.05 nats a step, with a 0.3-nat wobble of period 8: the deviation crosses u again and
+    # again without coming back to the median, then crosses 1 nat
+    drift = [z + 0.05 * max(0, t - 60) + 0.3 * math.sin(t * math.pi / 4) * (t > 60)
+             for t, z in enumerate(base)]
+    devs = [drift[t] - statistics.median(drift[t - 32:t]) for t in range(32, LONE)]
+    crossings = sum(a <= 0.5 < b for a, b in zip(devs, devs[1:]))
+    assert crossings >= 3 and _reference_bar(drift, LONE) == 1.0
     assert _pages(_metrics(drift)) == _pages(_metrics(drift), log_z_jump_rate=0.0) != []
 
 

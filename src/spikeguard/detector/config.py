@@ -151,10 +151,10 @@ class DetectorConfig:
     half-way to the grad rule's own noise-sized bar, nor a loss rule's flag) must also pass the
     level that this run's healed log Z excursions pass with this probability an update: an
     exponential tail fitted to the kept updates that stood more than log_z_onset above the
-    short median in excursions that have since ended (rules_log_z.LogZJump). Under SGD with
-    momentum the tiny GPT's log Z swings by 0.5-1 nat with a period of 10-15 updates, and 6 of
-    72 clean runs crossed the 1-nat bar for one or two updates: a page each, none with this
-    bar. A jump with a second sign, or one in a run whose log Z has not wandered, keeps the
+    short median in excursions that have since come back to it (rules_log_z.LogZJump). Under SGD
+    with momentum the tiny GPT's log Z swings by 0.5-1 nat with a period of 10-15 updates, and
+    8 of 108 clean runs crossed the 1-nat bar for one or two updates: a page each (2 with this
+    bar, none of them on the 36 seeds held out). A jump with a second sign, or one in a run whose log Z has not wandered, keeps the
     1-nat bar. 0: off (every jump against log_z_jump)."""
     log_z_jump_min: int = 5
     """The log Z jump's tail waits for this many kept updates past log_z_onset in healed

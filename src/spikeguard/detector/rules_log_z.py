@@ -147,12 +147,13 @@ class LogZJump(Rule):
     A jump alone, with neither the grad norm past the joint test's grad bar (``x.grad_half``,
     half-way to the grad rule's noise-sized bar) nor a loss rule's flag at that update, must
     also pass the bar of the run's own healed excursions: the kept updates that stood more than
-    log_z_onset (u) above the median, in excursions that have since come back under u, are an
-    exponential tail with rate a (their share of the kept updates judged) and scale beta (their
-    mean excess over u), and the bar is max(log_z_jump, u + beta ln(a / p)), p =
-    log_z_jump_rate. An excursion in progress is not the run's noise
-    until it ends: a drift that never ends never widens its own bar. The tail waits for
-    log_z_jump_min such updates. A missing log Z leaves it untouched. 0: off."""
+    log_z_onset (u) above the median, in excursions that have since come back to the median, are
+    an exponential tail with rate a (their share of the kept updates judged) and scale beta
+    (their mean excess over u), and the bar is max(log_z_jump, u + beta ln(a / p)), p =
+    log_z_jump_rate. An excursion is not the run's noise until log Z is back at its median: a
+    swing comes back, a drift that hovers above it (its median following a little behind) does
+    not, and never widens its own bar. The tail waits for log_z_jump_min such updates. A
+    missing log Z leaves it untouched. 0: off."""
 
     __slots__ = (
         "above",
@@ -194,8 +195,9 @@ class LogZJump(Rule):
         """log Z minus the short median at this update; NaN until the window is full."""
         self.rate, self.tail_min = c.log_z_jump_rate, c.log_z_jump_min
         self.tail = [0, 0, 0.0, 0, 0.0]
-        """[kept updates judged, those past onset_dev in healed excursions, their summed excess
-        over onset_dev, the same two for the excursion in progress]."""
+        """[kept updates judged, those past onset_dev in healed excursions (back at the median
+        since), their summed excess over onset_dev, the same two for the excursion in
+        progress]."""
         self.reason = f"log_z > median of last {c.log_z_jump_window} + {c.log_z_jump:g}"
 
     def update(self, x: StepInput) -> Event | None:
@@ -227,14 +229,14 @@ class LogZJump(Rule):
         return event
 
     def _add(self, dev: float) -> None:
-        """A kept update's deviation into the tail: past u it joins the excursion in progress,
-        under u it ends that excursion, which then counts."""
+        """A kept update's deviation into the tail: past u it joins the excursion in progress;
+        at or under the median (dev <= 0) it ends that excursion, which then counts."""
         tail, u = self.tail, self.onset_dev
         tail[0] += 1
         if dev > u:
             tail[3] += 1
             tail[4] += dev - u
-        elif tail[3]:
+        elif dev <= 0.0 and tail[3]:
             tail[1] += tail[3]
             tail[2] += tail[4]
             tail[3], tail[4] = 0, 0.0
