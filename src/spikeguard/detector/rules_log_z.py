@@ -225,21 +225,19 @@ class LogZJump(Rule):
         if x.kept:
             median.update(lz)
             if self.rate and dev == dev:
-                self._add(dev)
+                # the tail (inline: a kept update's cost): past u the deviation joins the
+                # excursion in progress; at or under the median it ends it, which then counts
+                tail = self.tail
+                tail[0] += 1
+                if dev > self.onset_dev:
+                    tail[3] += 1
+                    tail[4] += dev - self.onset_dev
+                elif dev <= 0.0 and tail[3]:
+                    tail[1] += tail[3]
+                    tail[2] += tail[4]
+                    tail[3] = 0
+                    tail[4] = 0.0
         return event
-
-    def _add(self, dev: float) -> None:
-        """A kept update's deviation into the tail: past u it joins the excursion in progress;
-        at or under the median (dev <= 0) it ends that excursion, which then counts."""
-        tail, u = self.tail, self.onset_dev
-        tail[0] += 1
-        if dev > u:
-            tail[3] += 1
-            tail[4] += dev - u
-        elif dev <= 0.0 and tail[3]:
-            tail[1] += tail[3]
-            tail[2] += tail[4]
-            tail[3], tail[4] = 0, 0.0
 
     def _lone_bar(self) -> float:
         """The bar of a jump with no second sign (the class docstring)."""
