@@ -89,7 +89,7 @@ def _config(run: dict, warm_given: bool) -> DetectorConfig:
 
 
 OVERRIDES: dict[str, float] = {}
-"""DetectorConfig fields set on every replay (``--set``), e.g. {"log_z_jump_alone": 3}."""
+"""DetectorConfig fields set on every replay (``--set``), e.g. {"log_z_jump_rate": 0.0}."""
 
 
 def _replay(run: dict, warm_given: bool, series: dict | None = None) -> list[tuple]:
@@ -316,7 +316,7 @@ def _overrides(pairs: list[str]) -> dict[str, float]:
         name, _, value = pair.partition("=")
         if name not in known or not value:
             raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE with FIELD a DetectorConfig "
-                             "field, e.g. --set log_z_jump_alone=3")
+                             "field, e.g. --set log_z_jump_rate=0")
         out[name] = int(value) if value.lstrip("-").isdigit() else float(value)
     try:
         DetectorConfig(**out)  # a bad value is refused here, with the field named
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zoo", action="store_true",
                    help="replay the zoo's clean settings instead (grad_tail.py --generate)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="a DetectorConfig field for every replay, e.g. log_z_jump_alone=3")
+                   help="a DetectorConfig field for every replay, e.g. log_z_jump_rate=0")
     args = p.parse_args(argv)
     OVERRIDES.clear()
     OVERRIDES.update(_overrides(args.set))

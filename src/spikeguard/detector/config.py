@@ -154,7 +154,7 @@ class DetectorConfig:
     short median in excursions that have since come back to it (rules_log_z.LogZJump). Under SGD
     with momentum the tiny GPT's log Z swings by 0.5-1 nat with a period of 10-15 updates, and
     8 of 108 clean runs crossed the 1-nat bar for one or two updates: a page each (2 with this
-    bar, none of them on the 36 seeds held out). A jump with a second sign, or one in a run
+    bar, none of them on 36 held-out runs). A jump with a second sign, or one in a run
     whose log Z has not swung and come back, keeps the 1-nat bar. 0: off (every jump against
     log_z_jump)."""
     log_z_jump_min: int = 5
