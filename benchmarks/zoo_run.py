@@ -80,7 +80,8 @@ def run_one(job: dict[str, Any], records: list | None = None) -> dict[str, Any]:
                 steps, warmup_steps=warmup if s["warmup_given"] else None)
             config = (sg.GuardConfig(detector=detector, clip=1.0, respond=False)
                       if job["arm"] == "unguarded" else
-                      sg.GuardConfig(detector=detector, clip=1.0, tier2=job["arm"]))
+                      sg.GuardConfig(detector=detector, clip=1.0,
+                                     tier2=job.get("tier2", job["arm"]), **job.get("guard", {})))
             guard = sg.Guard(model, optimizer, config=config, scheduler=scheduler, data=stream,
                              precision=sg.PrecisionPolicy(kind=s["precision"]),
                              checkpoints=sg.CheckpointManager(out / "checkpoints",
@@ -101,10 +102,21 @@ def run_one(job: dict[str, Any], records: list | None = None) -> dict[str, Any]:
                 wall_s=round(time.perf_counter() - start, 3), load=round(load, 2),
                 departure=departure(losses), torch=torch.__version__,
                 tier1=sum(int(r.get("tier") or 0) == 1 for r in run_records),
-                warnings=sorted({str(w.message)[:160] for w in caught}))
+                warnings=sorted({str(w.message)[:160] for w in caught}), **_page_facts(run_records))
     if job["kind"] == "natural":
         line["losses"] = [round(x, 4) for x in losses]
     return line
+
+
+def _page_facts(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first Tier 2 page's remedies (their first words: ``guard/remedies.py``), the QK-Clip
+    a rollback turned on, and the attention-logit bound's first and largest reading."""
+    pages = [r["summary"] for r in records if r.get("tier") == 2 and r.get("summary")]
+    bounds = [r["attn_logit_bound"] for r in records if r.get("attn_logit_bound") is not None]
+    qk = [r["qk_clip"] for r in records if r.get("qk_clip") is not None]
+    return {"remedies": [x.split(":")[0] for x in pages[0].get("remedies") or ()]
+            if pages else None, "qk_clip": qk[0] if qk else None,
+            "attn_logit_bound": [bounds[0], max(bounds)] if bounds else None}
 
 
 def _loop(guard: Any, model: Any, optimizer: Any, stream: Any, injector: Any,

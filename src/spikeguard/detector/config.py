@@ -162,6 +162,13 @@ class DetectorConfig:
     excursions before it moves the bar (fewer fit nothing)."""
     z_loss_advice_log_z: float = 12.0
     """Above this log Z, still rising over the median window, the verdict advises z-loss."""
+    qk_advice_bound: float = 100.0
+    """A Tier 2 page suggests QK-norm or QK-Clip when the attention-logit bound (the guard's
+    signals) is above this (Kimi K2's QK-Clip threshold) and qk_advice_growth times the run's
+    first reading (guard/remedies.py)."""
+    qk_advice_growth: float = 10.0
+    """See qk_advice_bound: without QK-norm the bound is loose, and a healthy small Llama's
+    grows 7x in 300 steps under AdamW; the tiny GPT's at LR 1.0 without QK-norm, 100-100,000x."""
     max_consecutive_skips: int = 5
     """Skip storm (Tier 2): more consecutive Tier 1 skips than this."""
     skip_window: int = 1000

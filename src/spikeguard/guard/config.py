@@ -39,6 +39,13 @@ class GuardConfig:
     """A rollback into the stretch the last one replayed (the trouble came back once the LR was
     back) keeps its replay's LR for good instead of ramping back: 0.25x, then 0.125x (the
     record's ``lr_kept``). False: every replay ramps back to the scheduled LR."""
+    rollback_qk_clip: bool = False
+    """A rollback whose page names the attention logits as a cause (their bound past
+    ``detector.qk_advice_bound`` and ``qk_advice_growth`` times its start, guard/remedies.py)
+    also turns QK-Clip on at ``detector.qk_advice_bound`` for the replay and the rest of the run
+    (the record's ``qk_clip``; kept across a resume): the page's remedy, applied without waiting
+    for a person. Needs the guard's signals. Off by default: it rescales the query and key
+    weights of every head whose bound passes the threshold, a change to the model's recipe."""
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     """Which probes run and how often, when the guard is built with probes=True."""
     signals: bool = True
@@ -94,7 +101,7 @@ class GuardConfig:
         if self.rollback_lr_scale > 1.0:
             raise ValueError(f"GuardConfig.rollback_lr_scale={self.rollback_lr_scale} must be "
                              "<= 1 (1 replays at the scheduled LR; 0.5 is the default)")
-        for name in ("weights_check", "signals", "rollback_lr_keep"):
+        for name in ("weights_check", "signals", "rollback_lr_keep", "rollback_qk_clip"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GuardConfig.{name}={getattr(self, name)!r} must be True "
                                  "or False")

@@ -56,5 +56,7 @@ class Detection:
             log.warning("spikeguard: device gate (%s) and host verdict (%s) disagree at step %d",
                         skipped, verdict.skip, p.step)
         self.history.add(p.step, r.loss, norm, r.log_z)
+        if out.signals.get("attn_logit_bound") is not None:
+            self.history.add_bound(p.step, float(out.signals["attn_logit_bound"]))
         out.metrics, out.verdict = m, verdict
         return out

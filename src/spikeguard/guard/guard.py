@@ -117,7 +117,7 @@ class Guard:
         self.params = [p for _, p in self.named_params]
         lag = cfg.read_lag  # decided here, once: the updater holds it
         self.detector = SpikeDetector(cfg.detector)
-        self.history = History(cfg.detector.median_window)
+        self.history = History(cfg.detector.median_window, cfg.detector)
         self.ledger = BatchLedger(data)
         self.updater = Updater(self.params, optimizer, precision,
                                DeviceGate(cfg.detector, precision.device), clip=cfg.clip,
@@ -135,7 +135,7 @@ class Guard:
         extra = dict(extra_state or {})
         self.control = RunControl(
             max_rollbacks=cfg.max_rollbacks, checkpoints=checkpoints, ledger=self.ledger,
-            history=self.history, attribution=self.attribution, model=model,
+            history=self.history, attribution=self.attribution, model=model, probes=self.probes,
             named_params=self.named_params, optimizer=optimizer, on_alert=on_alert,
             keep_on_rollback={k: extra[k] for k in self.keep_on_rollback},
             heal_steps=cfg.detector.tier2_ratio_steps)

@@ -65,6 +65,7 @@ def _slack(event: PageEvent) -> dict[str, Any]:
              f"({lz.get('slope_per_1k_steps')} per 1k steps); grad norm p50 {pct.get('p50')}, "
              f"p99 {pct.get('p99')}; data {s.get('data_range')}; suggested checkpoint "
              f"{s.get('rollback_checkpoint')}",
+             *[f"remedy: {r}" for r in s.get("remedies") or ()],
              f"plot: {page.get('plot')}"]
     cmds = "\n".join(page.get("answers", {}).values())
     return {"text": _title(page), "blocks": [

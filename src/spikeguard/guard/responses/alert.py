@@ -30,5 +30,11 @@ def page(incident: Incident, control: Any, summary: dict[str, Any]) -> None:
     if control.on_alert is not None:
         control.on_alert(summary)
     else:
-        log.warning("spikeguard: Tier 2 at step %d: %s (rollback: %s)",
-                    incident.step, "; ".join(incident.verdict.reasons), summary["rollback"])
+        log.warning("spikeguard: Tier 2 at step %d: %s (rollback: %s)%s",
+                    incident.step, "; ".join(incident.verdict.reasons), summary["rollback"],
+                    remedy_lines(summary))
+
+
+def remedy_lines(summary: dict[str, Any]) -> str:
+    """The summary's remedies as lines to append to a log message ('' when there are none)."""
+    return "".join(f"\n  remedy: {r}" for r in summary.get("remedies") or ())

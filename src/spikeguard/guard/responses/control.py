@@ -16,6 +16,7 @@ checkpoint precedes the onset".
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,7 +31,8 @@ class RunControl:
     def __init__(self, *, max_rollbacks: int, checkpoints: Any, ledger: Any, history: Any,
                  attribution: Any, model: Any, named_params: list, optimizer: Any,
                  on_alert: Callable[[dict[str, Any]], None] | None = None,
-                 keep_on_rollback: Mapping[str, Any] | None = None, heal_steps: int = 10) -> None:
+                 keep_on_rollback: Mapping[str, Any] | None = None, heal_steps: int = 10,
+                 probes: Any = None) -> None:
         self.max_rollbacks = max_rollbacks
         self.checkpoints, self.ledger, self.history = checkpoints, ledger, history
         self.attribution, self.on_alert = attribution, on_alert
@@ -43,6 +45,9 @@ class RunControl:
         rollback (``responses/rollback.py``)."""
         self._summary: tuple[int, dict[str, Any]] | None = None
         self.heal_steps = heal_steps
+        self.probes = probes
+        self.qk_clip: float | None = None
+        """The QK-Clip threshold a rollback turned on (GuardConfig.rollback_qk_clip), or None."""
         self.flagged: list[int] = []
         """Steps with a Tier 1 or higher verdict seen in this process, in order."""
         self.seen_from: int | None = None
@@ -126,11 +131,24 @@ class RunControl:
         return info
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rollbacks": self.rollbacks, "replay": self.replay}
+        return {"rollbacks": self.rollbacks, "replay": self.replay, "qk_clip": self.qk_clip}
+
+    def qk_clip_on(self, tau: float) -> str | None:
+        """Turn QK-Clip on at ``tau`` in the guard's signals (after every applied update from now
+        on); returns why it could not be (no signals, no attention layout found), else None."""
+        signals = getattr(self.probes, "signals", None)
+        if signals is None or not signals._hooks or not signals.blocks:
+            return ("QK-Clip needs the guard's signals (probes on, GuardConfig.signals) and an "
+                    "attention layout they can find")
+        signals.config = dataclasses.replace(signals.config, qk_clip=tau)
+        self.qk_clip = tau
+        return None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # a rollback restores an older state: the budget already spent stays spent, and the last
-        # replay is outside the timeline a rollback restores
+        # a rollback restores an older state: the budget already spent stays spent, the last
+        # replay and a QK-Clip a rollback turned on are outside the timeline a rollback restores
+        if self.qk_clip is None and state.get("qk_clip") is not None:  # a resume
+            self.qk_clip_on(float(state["qk_clip"]))
         self.rollbacks = max(self.rollbacks, int(state["rollbacks"]))
         if self.replay is None and state.get("replay"):
             r = state["replay"]  # saved before the kept LR existed: 3 entries, the LR back to 1

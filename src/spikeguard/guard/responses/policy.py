@@ -34,7 +34,9 @@ class Policy:
                  ) -> None:
         halt = Halt(reconfigure)
         first: Response = (
-            Rollback(config.rollback_lr_scale, halt, keep=config.rollback_lr_keep)
+            Rollback(config.rollback_lr_scale, halt, keep=config.rollback_lr_keep,
+                     qk_clip=config.detector.qk_advice_bound if config.rollback_qk_clip
+                     else None)
             if config.tier2 == "rollback" else Ask() if config.tier2 == "ask" else Alert())
         self.tiers: dict[int, list[Response]] = {2: [first], 3: [halt]}
         for f in fields(config):

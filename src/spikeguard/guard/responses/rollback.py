@@ -13,6 +13,9 @@ onset) it alerts, training goes on (a halt would lose the run), and the record a
 say that no checkpoint precedes the onset. An incident whose update was withheld before it was
 applied (its LR jumped: ``guard/lr_jump.py``) left the weights as they were: it pages, and
 nothing is rolled back (unless the jump follows updates at a risen LR that did reach them).
+With ``GuardConfig.rollback_qk_clip``, a rollback whose page names the attention logits
+(``guard/remedies.py``) also turns QK-Clip on for the replay and after: the weights it goes back
+to already hold the grown query and key weights, and a lower LR alone does not shrink them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Any
 
 from ...record import Action
 from ..lr_scale import Stretch, replay_scale
-from .alert import page
+from ..remedies import ATTENTION
+from .alert import page, remedy_lines
 from .base import Incident, Reply
 from .halt import Halt
 
@@ -39,8 +43,12 @@ class Rollback:
     action = Action.ROLLBACK
     """What it does to the step when it acts (``Policy.intended``)."""
 
-    def __init__(self, lr_scale: float, halt: Halt, *, keep: bool) -> None:
+    def __init__(self, lr_scale: float, halt: Halt, *, keep: bool,
+                 qk_clip: float | None = None) -> None:
         self.lr_scale, self.halt, self.keep = lr_scale, halt, keep
+        self.qk_clip = qk_clip
+        """GuardConfig.rollback_qk_clip: the threshold to turn QK-Clip on at when the page names
+        the attention logits (None: never)."""
 
     def respond(self, incident: Incident, control: Any) -> Reply:
         from ...checkpoint.info import CheckpointError
@@ -85,11 +93,23 @@ class Rollback:
                       rollbacks=control.rollbacks, replay_lr_scale=scale)
         if kept != 1.0:
             record["lr_kept"] = kept
-        log.warning("spikeguard: Tier 2 at step %d: rolled back to step %d, skipping batches %s",
-                    step, info.step, skip)
+        self._remedy(control, summary, record)
+        log.warning("spikeguard: Tier 2 at step %d: rolled back to step %d, skipping batches "
+                    "%s%s", step, info.step, skip, remedy_lines(summary))
         return Reply(Action.ROLLBACK, record=record,
                      lr=Stretch(first=info.step + 1, last=step, scale=scale, ramp=True,
                                 kind="replay", settle=kept))
+
+    def _remedy(self, control: Any, summary: dict[str, Any], record: dict[str, Any]) -> None:
+        """GuardConfig.rollback_qk_clip: turn QK-Clip on when the page names the attention
+        logits and it is not on yet (the record's ``qk_clip``: the threshold, or why not)."""
+        if self.qk_clip is None or control.qk_clip is not None or not any(
+                r.startswith(ATTENTION) for r in summary.get("remedies") or ()):
+            return
+        why = control.qk_clip_on(self.qk_clip)
+        record["qk_clip"] = self.qk_clip if why is None else f"not turned on: {why}"
+        log.warning("spikeguard: QK-Clip %s", f"on at {self.qk_clip:g} from the replay on"
+                    if why is None else record["qk_clip"])
 
     def _replay_scale(self, control: Any, restored: int, detection: int) -> tuple[float, float]:
         """(the LR scale this replay starts at, the LR multiple it settles at for good):
