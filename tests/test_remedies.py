@@ -153,3 +153,29 @@ def test_a_resume_keeps_the_qk_clip_a_rollback_turned_on():
     assert "signals" in blind.control.qk_clip_on(100.0) and blind.control.qk_clip is None
     with pytest.raises(ValueError, match="rollback_qk_clip"):
         sg.GuardConfig(rollback_qk_clip="yes")
+
+
+def test_the_end_table_says_a_rollback_turned_qk_clip_on():
+    import io
+
+    from rich.console import Console
+
+    from spikeguard.train.report import ProgressSink, summary_table
+
+    console = Console(file=io.StringIO(), width=200)
+    sink = ProgressSink(console, total=10, start=0, tokens_per_step=64, bar=False,
+                        print_every=100)
+    for step in range(10):
+        sink.log({"action": "rollback", "rollback_to": 0, "qk_clip": 100.0} if step == 7
+                 else {"action": "continue"}, step)
+    console.print(summary_table(sink, applied=9, made_up=0, rollbacks=1, val_loss=2.0,
+                                seconds=1.0, halted=False))
+    out = console.file.getvalue()
+    assert "QK-Clip turned on by the rollback at step 7" in out and "100" in out
+    quiet = ProgressSink(Console(file=io.StringIO()), total=1, start=0, tokens_per_step=1,
+                         bar=False, print_every=100)
+    quiet.log({"action": "continue"}, 0)
+    table = Console(file=io.StringIO(), width=200)
+    table.print(summary_table(quiet, applied=1, made_up=0, rollbacks=0, val_loss=2.0,
+                              seconds=1.0, halted=False))
+    assert "QK-Clip" not in table.file.getvalue()

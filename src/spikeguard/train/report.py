@@ -39,6 +39,8 @@ class ProgressSink:
         """Steps of a Tier 2 rollback that found no checkpoint before the onset (alerted)."""
         self.lr_kept: tuple[int, float] | None = None
         """(step, multiple) of the last rollback that kept the LR lower for good."""
+        self.qk_clip: tuple[int, Any] | None = None
+        """(step, threshold or why not) of the rollback that turned QK-Clip on (rollback_qk_clip)."""
 
     def tokens_per_s(self) -> float:
         if len(self._times) < 2:
@@ -54,6 +56,8 @@ class ProgressSink:
             self.no_target.append(step)
         if record.get("lr_kept") is not None:
             self.lr_kept = (step, float(record["lr_kept"]))
+        if record.get("qk_clip") is not None:
+            self.qk_clip = (step, record["qk_clip"])
         if action != "continue":
             reasons = "; ".join(record.get("reasons") or [])
             extra = f" -> step {record['rollback_to']}" if record.get("rollback_to") is not None else ""
@@ -99,6 +103,10 @@ def summary_table(progress: ProgressSink, *, applied: int, made_up: int, rollbac
         step, kept = progress.lr_kept
         table.add_row(f"LR kept at this multiple of the schedule for good (the trouble came back "
                       f"after a rollback; step {step})", f"{kept:g}x")
+    if progress.qk_clip is not None:
+        step, tau = progress.qk_clip
+        table.add_row(f"QK-Clip turned on by the rollback at step {step} (the page named the "
+                      "attention logits)", f"{tau:g}" if isinstance(tau, float) else str(tau))
     table.add_row("held-out loss (nats)", "halted" if halted else f"{val_loss:.4f}")
     table.add_row("seconds", f"{seconds:,.1f}")
     return table
