@@ -179,3 +179,18 @@ def test_the_end_table_says_a_rollback_turned_qk_clip_on():
     table.print(summary_table(quiet, applied=1, made_up=0, rollbacks=0, val_loss=2.0,
                               seconds=1.0, halted=False))
     assert "QK-Clip" not in table.file.getvalue()
+
+
+def test_the_page_offers_the_rollback_with_the_remedys_setting(tmp_path):
+    from spikeguard.oncall.ask import answer_commands
+    from spikeguard.oncall.settings import parse_setting, split_setting
+
+    s = _summary(_history([(0, 15.0), (50, 5000.0)]))
+    assert s["remedy_settings"] == ["qk_clip=100"]
+    answers = answer_commands(tmp_path, "59-abcdef", s)
+    assert answers["rollback_with_remedy"] == answers["rollback"] + " --set qk_clip=100"
+    assert "--to 50 --skip-data 55:59" in answers["rollback"]
+    assert parse_setting(*split_setting("qk_clip=100"), layers=[]) == ("qk_clip", 100.0)
+    quiet = _summary(_history([(0, 12.0), (50, 88.0)]), reasons=("log_z +3 within 10 steps",))
+    assert quiet["remedy_settings"] == [] and quiet["remedies"]  # a z-loss line, no setting
+    assert "rollback_with_remedy" not in answer_commands(tmp_path, "59-abcdef", quiet)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["ATTENTION", "remedies"]
+__all__ = ["ATTENTION", "remedies", "remedy_settings"]
 
 ATTENTION = "attention logits"
 """The first words of the attention remedy (a rollback with GuardConfig.rollback_qk_clip reads it)."""
@@ -67,3 +67,12 @@ def remedies(reasons: list[str] | tuple[str, ...], bounds: list[tuple[int, float
                    "gradient cannot bound: check the LR schedule and the optimizer's state; a "
                    "replay at a lower LR (--set lr_scale=0.5) does not retrace it")
     return out
+
+
+def remedy_settings(lines: list[str], config: Any) -> list[str]:
+    """The ``--set`` values an answer can carry for the remedies ``lines`` (the on-call page's
+    ``rollback_with_remedy`` answer): QK-Clip at ``qk_advice_bound`` for the attention logits,
+    which the guard applies to any model whose attention its signals find. (A z-loss needs the
+    reference GPT's config and the LR a person's judgement: the lines say those.)"""
+    return ([f"qk_clip={config.qk_advice_bound:g}"]
+            if any(r.startswith(ATTENTION) for r in lines) else [])

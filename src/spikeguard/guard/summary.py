@@ -14,7 +14,7 @@ import math
 from collections import deque
 from typing import Any
 
-from .remedies import remedies
+from .remedies import remedies, remedy_settings
 
 __all__ = ["History", "tier2_summary"]
 
@@ -85,6 +85,8 @@ def tier2_summary(history: History, *, step: int, reasons: tuple[str, ...], onse
     norms = sorted(g for _, _, g, _ in rows if math.isfinite(g))
     before = [lo for s, lo, _, _ in rows if s < onset and math.isfinite(lo)]
     bounds = [b for b in history.bounds if b[0] <= step]
+    lines = [] if history.config is None else remedies(reasons, bounds, history.first_bound,
+                                                       history.config)
     return {
         "step": step,
         "onset_step": onset,
@@ -105,6 +107,6 @@ def tier2_summary(history: History, *, step: int, reasons: tuple[str, ...], onse
         "rollback_checkpoint": rollback_to,
         "rollback": (f"to the checkpoint of step {rollback_to}" if rollback_to is not None
                      else "no checkpoint precedes the onset"),
-        "remedies": ([] if history.config is None else
-                     remedies(reasons, bounds, history.first_bound, history.config)),
+        "remedies": lines,
+        "remedy_settings": remedy_settings(lines, history.config) if lines else [],
     }

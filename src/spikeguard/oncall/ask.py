@@ -93,7 +93,8 @@ def _clean(x: Any) -> Any:
 
 
 def answer_commands(run_dir: Path, incident: str, summary: dict[str, Any]) -> dict[str, str]:
-    """The exact commands that answer ``incident`` (rollback to the suggested checkpoint)."""
+    """The exact commands that answer ``incident`` (rollback to the suggested checkpoint; with
+    the summary's ``remedy_settings``, the same rollback applying them too)."""
     base = f"spikeguard respond {shlex.quote(str(run_dir))}"
     rollback = f"{base} rollback --incident {incident}"
     if summary.get("rollback_checkpoint") is not None:
@@ -101,7 +102,11 @@ def answer_commands(run_dir: Path, incident: str, summary: dict[str, Any]) -> di
     rng = summary.get("data_range")
     if rng:
         rollback += f" --skip-data {rng[0]}:{rng[1]}"
-    return {"rollback": rollback, "continue": f"{base} continue --incident {incident}",
+    out = {"rollback": rollback}
+    if summary.get("remedy_settings"):  # the page's remedy, applied with the rollback
+        out["rollback_with_remedy"] = rollback + "".join(
+            f" --set {shlex.quote(s)}" for s in summary["remedy_settings"])
+    return {**out, "continue": f"{base} continue --incident {incident}",
             "halt": f"{base} halt --incident {incident}"}
 
 
