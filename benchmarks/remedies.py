@@ -7,9 +7,11 @@ Each seed runs, through the zoo's loop (``zoo_run.run_one``: the tiny GPT or a s
   tiny GPT and on the Llama (``fault/…@mid/lr``), alert arm; clean Llama, whose attention-logit
   bound is the largest of the healthy runs (it has no QK-norm). The first page's remedies are
   compared with the cause each run was built with.
-- the remedy followed: the attention-logit proxy unguarded, under rollback, and under rollback
-  with ``GuardConfig(rollback_qk_clip=True)`` (QK-Clip on at 100 from the rollback whose page
-  names the attention logits: what the answer ``rollback --set qk_clip=100`` does).
+- the remedy followed: both proxies unguarded, under rollback, and under rollback with
+  ``GuardConfig(rollback_qk_clip=True)`` (QK-Clip on at 100 from the rollback whose page names
+  the attention logits: what the answer ``rollback --set qk_clip=100`` does); on the
+  output-logit proxy it says what the option does where the attention logits are not the
+  cause.
 
 The remedies' two thresholds (the bound past 100, Kimi K2's QK-Clip threshold, and 10x its
 first reading) were chosen by looking at seeds 0 and 1 of these runs and of the clean zoo cells;
@@ -47,10 +49,11 @@ def jobs(seeds: list[int]) -> list[dict[str, Any]]:
             out.append(_job("fault", f"fault/{name}@mid/lr", name, seed, "alert",
                             fault_spec=FAULTS["lr"][0].format(S=at), fault_step=at))
         out.append(_job("clean", "clean/llama", "llama", seed, "alert"))
-        for arm in ("unguarded", "rollback"):
-            out.append(_job("natural", ATTN, "attn-logit", seed, arm))
-        out.append(_job("natural", ATTN, "attn-logit", seed, "rollback-qk-clip",
-                        tier2="rollback", guard={"rollback_qk_clip": True}))
+        for name in ("attn-logit", "output-logit"):
+            for arm in ("unguarded", "rollback"):
+                out.append(_job("natural", f"natural/{name}", name, seed, arm))
+            out.append(_job("natural", f"natural/{name}", name, seed, "rollback-qk-clip",
+                            tier2="rollback", guard={"rollback_qk_clip": True}))
     return out
 
 
@@ -71,15 +74,17 @@ def report(lines: list[dict[str, Any]], seeds: list[int]) -> str:
         rows += ["", f"clean Llama's attention-logit bound: first {min(b[0] for b in bound):.0f}-"
                  f"{max(b[0] for b in bound):.0f}, largest {max(b[1] for b in bound):.0f} "
                  f"({max(b[1] / b[0] for b in bound):.1f}x its first)"]
-    rows += ["", "| attention-logit proxy | ends better than unguarded | mean val / unguarded | "
-             "worst |", "|---|---|---|---|"]
-    for arm in ("rollback", "rollback-qk-clip"):
-        pairs = [(by[(ATTN, arm, s)]["val_loss"], by[(ATTN, "unguarded", s)]["val_loss"])
-                 for s in seeds if (ATTN, arm, s) in by and (ATTN, "unguarded", s) in by]
-        if pairs:
-            r = [a / b for a, b in pairs]
-            rows.append(f"| {arm} | {sum(a < b for a, b in pairs)}/{len(pairs)} | "
-                        f"{statistics.mean(r):.3f}x | {max(r):.3f}x |")
+    rows += ["", "| proxy, arm | ends better than unguarded | mean val / unguarded | worst | "
+             "QK-Clip turned on |", "|---|---|---|---|---|"]
+    for cell in (ATTN, "natural/output-logit"):
+        for arm in ("rollback", "rollback-qk-clip"):
+            runs = [(by[(cell, arm, s)], by[(cell, "unguarded", s)]["val_loss"]) for s in seeds
+                    if (cell, arm, s) in by and (cell, "unguarded", s) in by]
+            if runs:
+                r = [d["val_loss"] / u for d, u in runs]
+                rows.append(f"| {cell}, {arm} | {sum(x < 1 for x in r)}/{len(r)} | "
+                            f"{statistics.mean(r):.3f}x | {max(r):.3f}x | "
+                            f"{sum(d.get('qk_clip') is not None for d, _ in runs)} |")
     return "\n".join(rows)
 
 

@@ -11,7 +11,7 @@ meets it again, and the remedy is the defense, not the rollback.
   QK-Clip (``--set qk_clip=100``). The bound is loose without QK-norm, so both
   conditions are needed: on the tiny GPT at LR 1.0 without QK-norm (the attention-logit
   instability of Wortsman et al. 2023) it reads 1,000-1,600,000 from the first few dozen steps,
-  while a healthy Llama of the same size under AdamW reaches 88 in 300 steps (7x its start)
+  while a healthy Llama of the same size under AdamW reaches 88-91 in 300 steps (7-7.4x its start)
   and the tiny GPT with QK-norm stays at 7-11.
 - **Output logits.** A log Z rule among the reasons: a z-loss (PaLM's 1e-4 x log Z squared)
   pulls log Z back toward 0.
@@ -28,7 +28,7 @@ from typing import Any
 __all__ = ["ATTENTION", "remedies", "remedy_settings"]
 
 ATTENTION = "attention logits"
-"""The first words of the attention remedy (a rollback with GuardConfig.rollback_qk_clip reads it)."""
+"""The first words of the attention remedy (GuardConfig.rollback_qk_clip's rollback reads it)."""
 
 
 def _attention(bounds: list[tuple[int, float]], first: tuple[int, float] | None,
