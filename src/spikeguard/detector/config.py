@@ -151,12 +151,19 @@ class DetectorConfig:
     half-way to the grad rule's own noise-sized bar, nor a loss rule's flag) must also pass the
     level that this run's healed log Z excursions pass with this probability an update: an
     exponential tail fitted to the kept updates that stood more than log_z_onset above the
-    short median in excursions that have since come back to it (rules_log_z.LogZJump). Under SGD
-    with momentum the tiny GPT's log Z swings by 0.5-1 nat with a period of 10-15 updates, and
-    8 of 108 clean runs crossed the 1-nat bar for one or two updates: a page each (2 with this
-    bar, none of them on 36 held-out runs). A jump with a second sign, or one in a run
+    short median in excursions that have since come back near it (log_z_jump_heal;
+    rules_log_z.LogZJump). Under SGD with momentum the tiny GPT's log Z swings by 0.5-1 nat with
+    a period of 10-15 updates, and 8 of 108 clean runs crossed the 1-nat bar for one or two
+    updates: a page each (none with this bar, none of them ever on 36 held-out runs). A jump with a second sign, or one in a run
     whose log Z has not swung and come back, keeps the 1-nat bar. 0: off (every jump against
     log_z_jump)."""
+    log_z_jump_heal: float = 0.2
+    """An excursion of log Z past log_z_onset joins the lone jump's tail once log Z is back
+    within this many nats of its short median (0: at the median). Under SGD a rising log Z's
+    median lags, and swings that came back to within 0.1 nats of it never counted: 2 of 108
+    clean SGD runs were paged for it (seeds 29 and 30, on which 0.2 was chosen); the planted
+    drifts' delays and every other replay are unchanged. Taken at most log_z_onset (there every
+    dip under the onset would end an excursion, and a drift's own dips would widen its bar)."""
     log_z_jump_min: int = 5
     """The log Z jump's tail waits for this many kept updates past log_z_onset in healed
     excursions before it moves the bar (fewer fit nothing)."""
@@ -224,6 +231,13 @@ class DetectorConfig:
                     raise ValueError(f"DetectorConfig.elevated_z={v!r} must be a number >= 0 "
                                      "(standard errors of the short loss EMA; default 6; 0: "
                                      "off)")
+                continue
+            if f.name == "log_z_jump_heal":
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                        0 <= v < math.inf):
+                    raise ValueError(f"DetectorConfig.log_z_jump_heal={v!r} must be a number "
+                                     ">= 0 (nats above log Z's short median; default 0.2; 0: "
+                                     "back at the median)")
                 continue
             if f.name in ("loss_tail_rate", "log_z_jump_rate"):
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 0.01:

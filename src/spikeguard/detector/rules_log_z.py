@@ -147,12 +147,12 @@ class LogZJump(Rule):
     A jump alone, with neither the grad norm past the joint test's grad bar (``x.grad_half``,
     half-way to the grad rule's noise-sized bar) nor a loss rule's flag at that update, must
     also pass the bar of the run's own healed excursions: the kept updates that stood more than
-    log_z_onset (u) above the median, in excursions that have since come back to the median, are
+    log_z_onset (u) above the median, in excursions that have since come back near it, are
     an exponential tail with rate a (their share of the kept updates judged) and scale beta
     (their mean excess over u), and the bar is max(log_z_jump, u + beta ln(a / p)), p =
-    log_z_jump_rate. An excursion is not the run's noise until log Z is back at its median: a
-    swing comes back, a drift that hovers above it (its median following a little behind) does
-    not, and never widens its own bar. The tail waits for log_z_jump_min such updates. A
+    log_z_jump_rate. An excursion is not the run's noise until log Z is back within
+    log_z_jump_heal of its median: a swing comes back, a drift that hovers above it (its median
+    following a little behind) does not, and never widens its own bar. The tail waits for log_z_jump_min such updates. A
     missing log Z leaves it untouched. 0: off."""
 
     __slots__ = (
@@ -160,6 +160,7 @@ class LogZJump(Rule):
         "arm",
         "dev",
         "fired",
+        "heal",
         "jump",
         "mask",
         "median",
@@ -194,10 +195,11 @@ class LogZJump(Rule):
         self.dev = _nan
         """log Z minus the short median at this update; NaN until the window is full."""
         self.rate, self.tail_min = c.log_z_jump_rate, c.log_z_jump_min
+        self.heal = min(c.log_z_jump_heal, self.onset_dev)
         self.tail = [0, 0, 0.0, 0, 0.0]
-        """[kept updates judged, those past onset_dev in healed excursions (back at the median
-        since), their summed excess over onset_dev, the same two for the excursion in
-        progress]."""
+        """[kept updates judged, those past onset_dev in healed excursions (back within heal of
+        the median since), their summed excess over onset_dev, the same two for the excursion
+        in progress]."""
         self.reason = f"log_z > median of last {c.log_z_jump_window} + {c.log_z_jump:g}"
 
     def update(self, x: StepInput) -> Event | None:
@@ -226,13 +228,14 @@ class LogZJump(Rule):
             median.update(lz)
             if self.rate and dev == dev:
                 # the tail (inline: a kept update's cost): past u the deviation joins the
-                # excursion in progress; at or under the median it ends it, which then counts
+                # excursion in progress; back within heal of the median it ends it, which then
+                # counts
                 tail = self.tail
                 tail[0] += 1
                 if dev > self.onset_dev:
                     tail[3] += 1
                     tail[4] += dev - self.onset_dev
-                elif dev <= 0.0 and tail[3]:
+                elif dev <= self.heal and tail[3]:
                     tail[1] += tail[3]
                     tail[2] += tail[4]
                     tail[3] = 0
