@@ -154,9 +154,9 @@ class DetectorConfig:
     short median in excursions that have since come back near it (log_z_jump_heal;
     rules_log_z.LogZJump). Under SGD with momentum the tiny GPT's log Z swings by 0.5-1 nat with
     a period of 10-15 updates, and 8 of 108 clean runs crossed the 1-nat bar for one or two
-    updates: a page each (none with this bar, none of them ever on 36 held-out runs). A jump with a second sign, or one in a run
-    whose log Z has not swung and come back, keeps the 1-nat bar. 0: off (every jump against
-    log_z_jump)."""
+    updates: a page each (none with this bar, none of them ever on 36 held-out runs). A jump
+    with a second sign, or one in a run whose log Z has not swung and come back, keeps the 1-nat
+    bar. 0: off (every jump against log_z_jump)."""
     log_z_jump_heal: float = 0.2
     """An excursion of log Z past log_z_onset joins the lone jump's tail once log Z is back
     within this many nats of its short median (0: at the median). Under SGD a rising log Z's

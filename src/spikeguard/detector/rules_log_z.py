@@ -152,8 +152,8 @@ class LogZJump(Rule):
     (their mean excess over u), and the bar is max(log_z_jump, u + beta ln(a / p)), p =
     log_z_jump_rate. An excursion is not the run's noise until log Z is back within
     log_z_jump_heal of its median: a swing comes back, a drift that hovers above it (its median
-    following a little behind) does not, and never widens its own bar. The tail waits for log_z_jump_min such updates. A
-    missing log Z leaves it untouched. 0: off."""
+    following a little behind) does not, and never widens its own bar. The tail waits for
+    log_z_jump_min such updates. A missing log Z leaves it untouched. 0: off."""
 
     __slots__ = (
         "above",

@@ -56,7 +56,8 @@ class Detection:
             log.warning("spikeguard: device gate (%s) and host verdict (%s) disagree at step %d",
                         skipped, verdict.skip, p.step)
         self.history.add(p.step, r.loss, norm, r.log_z)
-        if out.signals.get("attn_logit_bound") is not None:
-            self.history.add_bound(p.step, float(out.signals["attn_logit_bound"]))
+        bound = out.signals.get("attn_logit_bound")  # every tenth step
+        if bound is not None:
+            self.history.add_bound(p.step, float(bound))
         out.metrics, out.verdict = m, verdict
         return out

@@ -40,7 +40,8 @@ class ProgressSink:
         self.lr_kept: tuple[int, float] | None = None
         """(step, multiple) of the last rollback that kept the LR lower for good."""
         self.qk_clip: tuple[int, Any] | None = None
-        """(step, threshold or why not) of the rollback that turned QK-Clip on (rollback_qk_clip)."""
+        """(step, threshold or why not) of the rollback that turned QK-Clip on
+        (GuardConfig.rollback_qk_clip)."""
 
     def tokens_per_s(self) -> float:
         if len(self._times) < 2:
