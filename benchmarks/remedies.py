@@ -7,9 +7,10 @@ Each seed runs, through the zoo's loop (``zoo_run.run_one``: the tiny GPT or a s
   tiny GPT and on the Llama (``fault/…@mid/lr``), alert arm; clean Llama, whose attention-logit
   bound is the largest of the healthy runs (it has no QK-norm). The first page's remedies are
   compared with the cause each run was built with.
-- the remedy followed: both proxies unguarded, under rollback, and under rollback with
-  ``GuardConfig(rollback_qk_clip=True)`` (QK-Clip on at 100 from the rollback whose page names
-  the attention logits: what the answer ``rollback --set qk_clip=100`` does); on the
+- the remedy followed: both proxies unguarded, under a rollback that only lowers the LR
+  (arm ``rollback``: ``GuardConfig(rollback_qk_clip=False)``), and under the default rollback,
+  which also turns QK-Clip on at 100 when its page names the attention logits (arm
+  ``rollback-qk-clip``: what the answer ``rollback --set qk_clip=100`` does); on the
   output-logit proxy it says what the option does where the attention logits are not the
   cause.
 
@@ -50,8 +51,9 @@ def jobs(seeds: list[int]) -> list[dict[str, Any]]:
                             fault_spec=FAULTS["lr"][0].format(S=at), fault_step=at))
         out.append(_job("clean", "clean/llama", "llama", seed, "alert"))
         for name in ("attn-logit", "output-logit"):
-            for arm in ("unguarded", "rollback"):
-                out.append(_job("natural", f"natural/{name}", name, seed, arm))
+            out.append(_job("natural", f"natural/{name}", name, seed, "unguarded"))
+            out.append(_job("natural", f"natural/{name}", name, seed, "rollback",
+                            tier2="rollback", guard={"rollback_qk_clip": False}))
             out.append(_job("natural", f"natural/{name}", name, seed, "rollback-qk-clip",
                             tier2="rollback", guard={"rollback_qk_clip": True}))
     return out
@@ -77,12 +79,13 @@ def report(lines: list[dict[str, Any]], seeds: list[int]) -> str:
     rows += ["", "| proxy, arm | ends better than unguarded | mean val / unguarded | worst | "
              "QK-Clip turned on |", "|---|---|---|---|---|"]
     for cell in (ATTN, "natural/output-logit"):
-        for arm in ("rollback", "rollback-qk-clip"):
+        for arm, label in (("rollback", "rollback, LR only"),
+                           ("rollback-qk-clip", "rollback with QK-Clip (the default)")):
             runs = [(by[(cell, arm, s)], by[(cell, "unguarded", s)]["val_loss"]) for s in seeds
                     if (cell, arm, s) in by and (cell, "unguarded", s) in by]
             if runs:
                 r = [d["val_loss"] / u for d, u in runs]
-                rows.append(f"| {cell}, {arm} | {sum(x < 1 for x in r)}/{len(r)} | "
+                rows.append(f"| {cell}, {label} | {sum(x < 1 for x in r)}/{len(r)} | "
                             f"{statistics.mean(r):.3f}x | {max(r):.3f}x | "
                             f"{sum(d.get('qk_clip') is not None for d, _ in runs)} |")
     return "\n".join(rows)

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import spikeguard as sg
-from benchmarks.detection import load_results, run_jobs
+from benchmarks.detection import _key, load_results, run_jobs
 from spikeguard.testing.detection import format_table
 
 __all__ = ["CLEAN", "SEEDS", "cells", "main", "smoke", "table"]
@@ -231,12 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", nargs="*", choices=("alert", "rollback", "unguarded"))
     p.add_argument("--list", action="store_true", help="print the selected jobs, run nothing")
     p.add_argument("--table", action="store_true", help="score the results file, run nothing")
+    p.add_argument("--over", nargs="*", type=Path, default=[], metavar="FILE",
+                   help="with --table: these results files' runs replace the same runs' "
+                        "(cell, arm, seed) in --results, later files winning")
     p.add_argument("--failed", action="store_true", help="the table shows failed cells only")
     args = p.parse_args(argv)
     seeds = args.seeds if args.seeds is not None else (
         list(SEEDS[args.half]) if args.half else None)
     if args.table:
-        lines = [d for d in load_results(args.results)
+        runs = {_key(d): d for f in (args.results, *args.over) for d in load_results(f)}
+        lines = [d for d in runs.values()
                  if (seeds is None or d["seed"] in seeds) and _chosen(d, args)]
         print(table(lines, only_failed=args.failed))
         return 0

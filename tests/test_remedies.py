@@ -112,8 +112,8 @@ def _attn_rollback(seed, **guard):
     return line, records
 
 
-def test_rollback_qk_clip_turns_qk_clip_on_at_the_rollback_and_the_bound_holds_after_it():
-    _, records = _attn_rollback(0, rollback_qk_clip=True)
+def test_the_rollback_turns_qk_clip_on_at_the_rollback_and_the_bound_holds_after_it():
+    _, records = _attn_rollback(0)  # GuardConfig.rollback_qk_clip is on by default
     on = [r for r in records if r.get("qk_clip") is not None]
     assert [r["qk_clip"] for r in on] == [100.0]  # once, at the first rollback that names it
     assert on[0]["action"] == "rollback"
@@ -125,8 +125,8 @@ def test_rollback_qk_clip_turns_qk_clip_on_at_the_rollback_and_the_bound_holds_a
     before = [r["attn_logit_bound"] for r in records[:records.index(on[0])]
               if r.get("attn_logit_bound") is not None]
     assert max(before) > 1000.0
-    # the default leaves the recipe alone
-    _, plain = _attn_rollback(0)
+    # rollback_qk_clip=False leaves the recipe alone: the bound keeps growing
+    _, plain = _attn_rollback(0, rollback_qk_clip=False)
     assert not any(r.get("qk_clip") is not None for r in plain)
     assert max(r["attn_logit_bound"] for r in plain if r.get("attn_logit_bound")) > 1000.0
 

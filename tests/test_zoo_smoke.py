@@ -178,12 +178,14 @@ def test_a_natural_instability_under_rollback_keeps_the_lower_lr_and_ends_better
     The trouble comes back each time a replay's LR returns to the schedule; the second
     rollback into the same stretch keeps the LR at 0.25x for good (``rollback_lr_keep``). Before,
     each replay ramped back to 1x, and the third rollback spent the budget: a halt at step 81.
-    (At LR 1.0 the run is chaotic; here it ended 0.973x the unguarded run.)"""
+    Its page names the attention logits, so the rollback also turns QK-Clip on
+    (``rollback_qk_clip``): 0.78x the unguarded run on an EPYC, 0.973x with the LR alone."""
     from benchmarks.zoo_run import run_one
 
     jobs = {j["arm"]: j for j in zoo.cells([0]) if j["cell"] == "natural/attn-logit"}
     guarded, unguarded = run_one(jobs["rollback"]), run_one(jobs["unguarded"])
     assert not guarded["halted"] and guarded["result_rollbacks"] >= 2
+    assert guarded["qk_clip"] == 100.0
     # rolled back before the departure shows: at the latest at its first step, the first of
     # three above the trend (zoo_score's criterion; a Xeon rolled back at 62, the departure at 88;
     # an EPYC, whose kernels round otherwise, at 64, the departure at 64)

@@ -39,13 +39,15 @@ class GuardConfig:
     """A rollback into the stretch the last one replayed (the trouble came back once the LR was
     back) keeps its replay's LR for good instead of ramping back: 0.25x, then 0.125x (the
     record's ``lr_kept``). False: every replay ramps back to the scheduled LR."""
-    rollback_qk_clip: bool = False
+    rollback_qk_clip: bool = True
     """A rollback whose page names the attention logits as a cause (their bound past
     ``detector.qk_advice_bound`` and ``qk_advice_growth`` times its start, guard/remedies.py)
     also turns QK-Clip on at ``detector.qk_advice_bound`` for the replay and the rest of the run
     (the record's ``qk_clip``; kept across a resume): the page's remedy, applied without waiting
-    for a person. Needs the guard's signals. Off by default: it rescales the query and key
-    weights of every head whose bound passes the threshold, a change to the model's recipe."""
+    for a person, since the checkpoint it goes back to already holds the grown query and key
+    weights and a lower LR does not shrink them. Needs the guard's signals (without them the
+    record says why it was not turned on). False: the rollback only lowers the LR; QK-Clip
+    rescales the query and key weights of every head whose bound passes the threshold."""
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     """Which probes run and how often, when the guard is built with probes=True."""
     signals: bool = True

@@ -13,9 +13,9 @@ onset) it alerts, training goes on (a halt would lose the run), and the record a
 say that no checkpoint precedes the onset. An incident whose update was withheld before it was
 applied (its LR jumped: ``guard/lr_jump.py``) left the weights as they were: it pages, and
 nothing is rolled back (unless the jump follows updates at a risen LR that did reach them).
-With ``GuardConfig.rollback_qk_clip``, a rollback whose page names the attention logits
-(``guard/remedies.py``) also turns QK-Clip on for the replay and after: the weights it goes back
-to already hold the grown query and key weights, and a lower LR alone does not shrink them.
+With ``GuardConfig.rollback_qk_clip`` (the default), a rollback whose page names the attention
+logits (``guard/remedies.py``) also turns QK-Clip on for the replay and after: the weights it
+goes back to already hold the grown query and key weights, and a lower LR does not shrink them.
 """
 
 from __future__ import annotations
