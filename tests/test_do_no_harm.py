@@ -573,3 +573,64 @@ def test_the_weights_at_fault_twice_with_the_loss_up_is_tier_2_dated_at_the_firs
     d2 = sg.SpikeDetector(config)
     d2.load_state_dict(json.loads(json.dumps(d.state_dict())))
     assert d2.update(bad(64), released=True).tier == 2
+
+
+def test_a_passing_reference_does_not_clear_weights_a_recent_page_or_flag_named():
+    """Within loss_window steps after a Tier 2 page for log Z (or a flag blamed on the weights),
+    a reference that passes leaves the step to the weights (released, ``suspect`` says why);
+    not before the page, not past the window, not after a rollback went back past it, and not
+    for a step whose grad norm is past the grad bar's multiple of the reference's (its batch)."""
+    from types import SimpleNamespace
+
+    from spikeguard.detector.detector import Verdict
+    from spikeguard.guard.weights import WeightsCheck, WeightsProbe, weights_reason
+
+    config = sg.DetectorConfig.for_run(200)
+    gate = SimpleNamespace(grad_multiple=lambda: 4.0, reference_test=None,
+                           reference_elevated=None)
+    probe = WeightsProbe(SimpleNamespace(measure_rerun=None, gate=gate), None, detector=config)
+    passed = WeightsCheck(weights=False, reference_step=3, grad_norm=1.0, loss=2.0)
+
+    def verdict(step, tier, *reasons):
+        return Verdict(step, tier, sg.Action.ALERT, reasons, step, {}, False)
+
+    assert probe._suspected(50, passed, 2.0) is passed  # nothing named the weights yet
+    # a skip storm's page (with a log Z context reason) does not name them
+    probe.judged(40, verdict(40, 2, "skips > 5 consecutive", "log_z > median + 0.5"), None)
+    assert probe.suspect is None
+    page = f"log_z > median of last {config.log_z_jump_window} + {config.log_z_jump:g}"
+    probe.judged(40, verdict(40, 2, page, "grad_norm > 3x median"), None)
+    got = probe._suspected(50, passed, 2.0)
+    assert got.weights is True and got.suspect == f"step 40: {page}"
+    assert "but the weights are the suspect" in weights_reason(got.record())
+    assert weights_reason(got.record()).endswith(": the weights")
+    assert probe._suspected(50, passed, 4.5).weights is False  # outsized: its batch
+    assert probe._suspected(40 + config.loss_window + 1, passed, 2.0).weights is False
+    assert probe._suspected(40, passed, 2.0).weights is False  # the page's own step
+    probe.judged(30, verdict(30, 0), None)  # a rollback went back past step 40
+    assert probe.suspect is None
+    probe.judged(31, verdict(31, 1, "grad_norm > 3x median"), "weights")  # a flag's cause
+    assert probe._suspected(33, passed, 2.0).suspect == "step 31: a flag blamed on the weights"
+    failed = WeightsCheck(weights=True, reference_step=3, grad_norm=5.0, loss=2.0)
+    assert probe._suspected(33, failed, 2.0) is failed
+    # under tier2="rollback" the page rolls the weights back: a passing reference clears them
+    rollback = WeightsProbe(SimpleNamespace(measure_rerun=None, gate=gate), None,
+                            detector=config, suspect=False)
+    rollback.judged(31, verdict(31, 1, "grad_norm > 3x median"), "weights")
+    assert rollback._suspected(33, passed, 2.0) is passed
+
+
+def test_the_output_logit_proxy_under_the_default_policy_is_not_skipped_into_a_worse_run():
+    """The zoo's output-logit proxy (tiny, no z-loss, LR 1.0), seed 5, default policy: a flag
+    at step 75 blamed on the weights, then at 76 a fresh batch whose reference passed. Skipped
+    as the batch's, that one step left the run at 1.078x its unguarded run's held-out loss
+    (3.174 against 2.944 on an EPYC); released as the weights', the run equals it."""
+    from benchmarks.zoo import _job
+    from benchmarks.zoo_run import run_one
+
+    records: list = []
+    guarded = run_one(_job("natural", "natural/output-logit", "output-logit", 5, "alert"), records)
+    unguarded = run_one(_job("natural", "natural/output-logit", "output-logit", 5, "unguarded"))
+    released = [r for r in records if (r.get("weights_check") or {}).get("suspect")]
+    assert released and all(r["action"] != "skip" for r in released)
+    assert guarded["val_loss"] <= 1.005 * unguarded["val_loss"]

@@ -129,7 +129,7 @@ class Guard:
         self.attribution = Attribution(cfg.attribution, updater=self.updater,
                                        ledger=self.ledger, sinks=self.recorder.sinks)
         self.weights = (WeightsProbe(self.updater, self.probes, reference_age=cfg.reference_age,
-                                     max_blind_skips=cfg.detector.max_consecutive_skips)
+                                     detector=cfg.detector, suspect=cfg.tier2 != "rollback")
                         if cfg.weights_check and cfg.respond else None)
         self.detection = Detection(self.detector, self.history, respond=cfg.respond)
         extra = dict(extra_state or {})
@@ -357,6 +357,8 @@ class Guard:
         out = self.detection.judge(p, out, tail)
         out = tokens_judged(lr_judged(self.updater.lr_jump, p, out, self.config.respond),
                             p.tokens)
+        if self.weights is not None:  # a page or a flag naming the weights: the next flags'
+            self.weights.judged(p.step, out.verdict, out.cause)
         self.watch.judged(out.metrics.grad_norm)
         verdict = out.verdict
         if verdict.tier == 0 and not math.isfinite(out.metrics.grad_norm):

@@ -35,6 +35,19 @@ its first ``reference_age`` kept steps its reference is the oldest kept step sin
 (a younger batch than the run that never stopped would have used; the record's
 ``weights_check`` names which).
 
+A reference that passes clears the weights only when nothing else has named them. Within
+``suspect_window`` steps after a flag blamed on the weights or a Tier 2 page for the logits (a
+log Z rule, the weights at fault twice), a passing reference does not make the batch the cause:
+the step is released as the weights' (the check's ``suspect`` says why), unless its grad norm is
+past the grad bar's multiple of the reference's. The zoo's output-logit proxy (tiny, no z-loss,
+LR 1.0) under the default policy showed why: an old batch still passed under weights whose log
+Z was climbing, the fresh batch was skipped 6-16 steps after a page for log Z or a flag blamed
+on the weights, and the run ended worse than unguarded on 8 of 24 seeds (up to 1.20x); a skip
+cannot repair the logits. Not under ``tier2="rollback"``: there the page rolls the weights back,
+and releasing the flagged steps before it only changed where the replay started (the same
+proxy's rollbacks, seeds 0-1: 0.826x and 0.984x their unguarded runs with the skips, 0.871x
+and 1.012x with the releases; seeds 4-23 no better).
+
 Without a reference (the first kept step, or a loop that passes no ``rerun``) the cause is
 ``unknown``; then skipping stops after ``max_consecutive_skips`` withheld steps in a row (each
 skip alone is harmless; many in a row on data the guard cannot test would only hold the weights
@@ -87,12 +100,15 @@ class WeightsCheck:
     """The flagged step's grad norm over the failing reference's, where it is past the grad
     bar's own multiple of the median: weights that fail an old batch at a few times the median
     do not explain a step a thousand times it (``weights`` is then False: the batch)."""
+    suspect: str | None = None
+    """Why the weights are at fault although the reference passed (a recent page or flag named
+    them: module docstring); None otherwise."""
 
     def record(self) -> dict[str, Any]:
         """The record's ``weights_check`` entry."""
         return {"reference_step": self.reference_step, "grad_norm": self.grad_norm,
                 "loss": self.loss, "weights": self.weights, "second": self.second,
-                "outsized": self.outsized}
+                "outsized": self.outsized, "suspect": self.suspect}
 
 
 def weights_reason(check: dict[str, Any], why: str | None = None) -> str:
@@ -108,8 +124,12 @@ def weights_reason(check: dict[str, Any], why: str | None = None) -> str:
     also = "" if second is None else (
         f"; elevated, so the batch of step {second['reference_step']} was asked too (grad norm "
         f"{second['grad_norm']:.4g}, loss {second['loss']:.4g})")
+    suspect = check.get("suspect")
+    if suspect:
+        also += f", but the weights are the suspect ({suspect})"
+    fail = fails and second is None and not suspect
     return (f"weights check: the batch of step {check['reference_step']} "
-            f"{'fails' if fails and second is None else 'passes'} the gate (grad norm "
+            f"{'fails' if fail else 'passes'} the gate (grad norm "
             f"{check['grad_norm']:.4g}, loss {check['loss']:.4g}){also}: "
             f"{'the weights' if fails else 'the batch'}")
 
@@ -119,19 +139,33 @@ class WeightsProbe:
 
     Built with the step part (``updater``: its measurement of a re-run's gradients, its gate's
     Tier 1 test, the gradients set aside for a re-run) and the probes (kept quiet in the re-run).
-    It applies nothing: ``weigh`` returns its answer, and the guard hands it to the updater."""
+    It applies nothing: ``weigh`` returns its answer, and the guard hands it to the updater.
+    ``detector``: the run's DetectorConfig (its storm length, ``loss_window`` and the log Z
+    rules' reasons); ``suspect`` False (under ``tier2="rollback"``): a passing reference always
+    clears the weights."""
 
     def __init__(self, updater: Any, probes: Any, *, reference_age: int = 16,
-                 max_blind_skips: int = 5) -> None:
+                 detector: Any = None, suspect: bool = True) -> None:
         self.updater, self.probes = updater, probes
         self.measure: Callable[..., Any] = updater.measure_rerun
         self.test: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
             updater.gate.reference_test)
         self.elevated: Callable[[torch.Tensor], torch.Tensor] = updater.gate.reference_elevated
         self._refs: deque[tuple[int, Callable[..., Any]]] = deque(maxlen=reference_age)
-        self.max_blind_skips = max_blind_skips
+        from ..detector.config import DetectorConfig
+
+        c = detector if detector is not None else DetectorConfig()
+        self.max_blind_skips = c.max_consecutive_skips
         self.blind = 0
         """Withheld steps in a row that could not be checked (no reference)."""
+        self.suspect_window = c.loss_window if suspect else 0
+        self.suspects = (f"log_z > median + {c.log_z_drift:g}", f"log_z +{c.log_z_rise:g} within",
+                         f"log_z > median of last {c.log_z_jump_window} + ",
+                         "the weights at fault twice")
+        """The Tier 2 reasons that name the weights: the log Z rules' and the twice-damaged
+        event's (``WeightsProbe.judged``; the rules' reasons in detector/rules_log_z.py)."""
+        self.suspect: tuple[int, str] | None = None
+        """(step, why) of the last flag blamed on the weights or page for the logits."""
 
     def remember(self, step: int, rerun: Callable[..., Any] | None) -> None:
         """A kept (unflagged, applied) step: its closure may serve as a reference later."""
@@ -155,7 +189,8 @@ class WeightsProbe:
         if self._refs:
             aside = self.updater.set_aside(self.probes)
             try:
-                check = self._sized(self.check(), reading.grad_norm)
+                check = self._suspected(p.step, self._sized(self.check(), reading.grad_norm),
+                                        reading.grad_norm)
             finally:
                 aside.restore(stale=False)
         fault = check.weights if check.weights is not None else (
@@ -189,6 +224,32 @@ class WeightsProbe:
         if not ratio > mult:
             return check
         return dataclasses.replace(check, weights=False, outsized=ratio)
+
+    def judged(self, step: int, verdict: Any, cause: str | None) -> None:
+        """Step ``step``'s verdict: a flag blamed on the weights, or a Tier 2 page for the logits
+        (a log Z rule, the weights at fault twice), makes the weights the suspect; a step at or
+        before the last such one (a rollback went back past it) clears it."""
+        if self.suspect is not None and step <= self.suspect[0]:
+            self.suspect = None
+        if cause == "weights" and verdict.tier >= 1:
+            self.suspect = (step, f"step {step}: a flag blamed on the weights")
+        elif verdict.tier == 2:
+            named = [r for r in verdict.reasons if r.startswith(self.suspects)]
+            if named:
+                self.suspect = (step, f"step {step}: {named[0]}")
+
+    def _suspected(self, step: int, check: WeightsCheck, norm: float) -> WeightsCheck:
+        """``check`` with "the weights" when its reference passed within ``suspect_window``
+        steps after the weights were named (module docstring), unless the flagged step's grad
+        norm ``norm`` is past the grad bar's multiple of the reference's (its batch)."""
+        at = self.suspect
+        if check.weights is not False or check.outsized or at is None or not (
+                0 < step - at[0] <= self.suspect_window):
+            return check
+        ref = check.second["grad_norm"] if check.second is not None else check.grad_norm
+        if not norm <= float(self.updater.gate.grad_multiple()) * ref:
+            return check
+        return dataclasses.replace(check, weights=True, suspect=at[1])
 
     def _rerun(self, i: int) -> tuple[int, float, float, torch.Tensor, bool]:
         """Re-run remembered batch ``i`` (0: the oldest): its step, loss, grad norm (a float and
