@@ -576,8 +576,9 @@ def test_the_weights_at_fault_twice_with_the_loss_up_is_tier_2_dated_at_the_firs
 
 
 def test_a_passing_reference_does_not_clear_weights_a_recent_page_or_flag_named():
-    """Within loss_window steps after a Tier 2 page for log Z (or a flag blamed on the weights),
-    a reference that passes leaves the step to the weights (released, ``suspect`` says why);
+    """Within loss_window steps after a Tier 2 page for log Z (or a flag blamed on the weights
+    with the loss up; not a grad-norm flag alone), a reference that passes leaves the step to
+    the weights (released, ``suspect`` says why);
     not before the page, not past the window, not after a rollback went back past it, and not
     for a step whose grad norm is past the grad bar's multiple of the reference's (its batch)."""
     from types import SimpleNamespace
@@ -591,8 +592,9 @@ def test_a_passing_reference_does_not_clear_weights_a_recent_page_or_flag_named(
     probe = WeightsProbe(SimpleNamespace(measure_rerun=None, gate=gate), None, detector=config)
     passed = WeightsCheck(weights=False, reference_step=3, grad_norm=1.0, loss=2.0)
 
-    def verdict(step, tier, *reasons):
-        return Verdict(step, tier, sg.Action.ALERT, reasons, step, {}, False)
+    def verdict(step, tier, *reasons, loss_flag=False):
+        return Verdict(step, tier, sg.Action.ALERT, reasons, step, {"loss_flag": loss_flag},
+                       False)
 
     assert probe._suspected(50, passed, 2.0) is passed  # nothing named the weights yet
     # a skip storm's page (with a log Z context reason) does not name them
@@ -609,14 +611,18 @@ def test_a_passing_reference_does_not_clear_weights_a_recent_page_or_flag_named(
     assert probe._suspected(40, passed, 2.0).weights is False  # the page's own step
     probe.judged(30, verdict(30, 0), None)  # a rollback went back past step 40
     assert probe.suspect is None
-    probe.judged(31, verdict(31, 1, "grad_norm > 3x median"), "weights")  # a flag's cause
-    assert probe._suspected(33, passed, 2.0).suspect == "step 31: a flag blamed on the weights"
+    # a grad-norm flag alone blamed on the weights: the clipped update repairs it (a warmup's end)
+    probe.judged(31, verdict(31, 1, "grad_norm > 3x median"), "weights")
+    assert probe.suspect is None
+    probe.judged(31, verdict(31, 1, "loss > median + 6 spreads", loss_flag=True), "weights")
+    assert probe._suspected(33, passed, 2.0).suspect == (
+        "step 31: a flag blamed on the weights, the loss up")
     failed = WeightsCheck(weights=True, reference_step=3, grad_norm=5.0, loss=2.0)
     assert probe._suspected(33, failed, 2.0) is failed
     # under tier2="rollback" the page rolls the weights back: a passing reference clears them
     rollback = WeightsProbe(SimpleNamespace(measure_rerun=None, gate=gate), None,
                             detector=config, suspect=False)
-    rollback.judged(31, verdict(31, 1, "grad_norm > 3x median"), "weights")
+    rollback.judged(31, verdict(31, 1, "loss > median + 6 spreads", loss_flag=True), "weights")
     assert rollback._suspected(33, passed, 2.0) is passed
 
 

@@ -357,7 +357,7 @@ class Guard:
         out = self.detection.judge(p, out, tail)
         out = tokens_judged(lr_judged(self.updater.lr_jump, p, out, self.config.respond),
                             p.tokens)
-        if self.weights is not None:  # a page or a flag naming the weights: the next flags'
+        if self.weights is not None:  # a page or flag naming the weights: suspect them next
             self.weights.judged(p.step, out.verdict, out.cause)
         self.watch.judged(out.metrics.grad_norm)
         verdict = out.verdict

@@ -36,10 +36,12 @@ its first ``reference_age`` kept steps its reference is the oldest kept step sin
 ``weights_check`` names which).
 
 A reference that passes clears the weights only when nothing else has named them. Within
-``suspect_window`` steps after a flag blamed on the weights or a Tier 2 page for the logits (a
-log Z rule, the weights at fault twice), a passing reference does not make the batch the cause:
-the step is released as the weights' (the check's ``suspect`` says why), unless its grad norm is
-past the grad bar's multiple of the reference's. The zoo's output-logit proxy (tiny, no z-loss,
+``suspect_window`` steps after a flag blamed on the weights with the loss up, or a Tier 2 page
+for the logits (a log Z rule, the weights at fault twice), a passing reference does not make the
+batch the cause: the step is released as the weights' (the check's ``suspect`` says why),
+unless its grad norm is past the grad bar's multiple of the reference's. A grad-norm flag alone
+blamed on the weights does not count (the clipped update repairs such a spike; after two at a
+warmup's end, a run of repeated bytes 18 steps later was let through as the weights'). The zoo's output-logit proxy (tiny, no z-loss,
 LR 1.0) under the default policy showed why: an old batch still passed under weights whose log
 Z was climbing, the fresh batch was skipped 6-16 steps after a page for log Z or a flag blamed
 on the weights, and the run ended worse than unguarded on 8 of 24 seeds (up to 1.20x); a skip
@@ -64,6 +66,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..detector.config import DetectorConfig
 
 __all__ = ["Answer", "WeightsCheck", "WeightsProbe", "weights_reason"]
 
@@ -145,15 +149,13 @@ class WeightsProbe:
     clears the weights."""
 
     def __init__(self, updater: Any, probes: Any, *, reference_age: int = 16,
-                 detector: Any = None, suspect: bool = True) -> None:
+                 detector: DetectorConfig | None = None, suspect: bool = True) -> None:
         self.updater, self.probes = updater, probes
         self.measure: Callable[..., Any] = updater.measure_rerun
         self.test: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
             updater.gate.reference_test)
         self.elevated: Callable[[torch.Tensor], torch.Tensor] = updater.gate.reference_elevated
         self._refs: deque[tuple[int, Callable[..., Any]]] = deque(maxlen=reference_age)
-        from ..detector.config import DetectorConfig
-
         c = detector if detector is not None else DetectorConfig()
         self.max_blind_skips = c.max_consecutive_skips
         self.blind = 0
@@ -226,13 +228,15 @@ class WeightsProbe:
         return dataclasses.replace(check, weights=False, outsized=ratio)
 
     def judged(self, step: int, verdict: Any, cause: str | None) -> None:
-        """Step ``step``'s verdict: a flag blamed on the weights, or a Tier 2 page for the logits
-        (a log Z rule, the weights at fault twice), makes the weights the suspect; a step at or
-        before the last such one (a rollback went back past it) clears it."""
+        """Step ``step``'s verdict: a flag blamed on the weights with the loss up (a loss rule
+        fired), or a Tier 2 page for the logits (a log Z rule, the weights at fault twice), makes
+        the weights the suspect; a step at or before the last such one (a rollback went back past
+        it) clears it. A grad-norm flag alone blamed on the weights does not: the clipped update
+        is repairing such a spike (near the end of a warmup), and the weights are sound again."""
         if self.suspect is not None and step <= self.suspect[0]:
             self.suspect = None
-        if cause == "weights" and verdict.tier >= 1:
-            self.suspect = (step, f"step {step}: a flag blamed on the weights")
+        if cause == "weights" and verdict.tier == 1 and verdict.evidence.get("loss_flag"):
+            self.suspect = (step, f"step {step}: a flag blamed on the weights, the loss up")
         elif verdict.tier == 2:
             named = [r for r in verdict.reasons if r.startswith(self.suspects)]
             if named:
