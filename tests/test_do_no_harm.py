@@ -589,7 +589,7 @@ def test_a_passing_reference_does_not_clear_weights_a_recent_page_or_flag_named(
     config = sg.DetectorConfig.for_run(200)
     gate = SimpleNamespace(grad_multiple=lambda: 4.0, reference_test=None,
                            reference_elevated=None)
-    probe = WeightsProbe(SimpleNamespace(measure_rerun=None, gate=gate), None, detector=config)
+    probe = WeightsProbe(SimpleNamespace(measure_rerun=None, gate=gate), None, detector=sg.SpikeDetector(config))
     passed = WeightsCheck(weights=False, reference_step=3, grad_norm=1.0, loss=2.0)
 
     def verdict(step, tier, *reasons, loss_flag=False):
@@ -621,7 +621,7 @@ def test_a_passing_reference_does_not_clear_weights_a_recent_page_or_flag_named(
     assert probe._suspected(33, failed, 2.0) is failed
     # under tier2="rollback" the page rolls the weights back: a passing reference clears them
     rollback = WeightsProbe(SimpleNamespace(measure_rerun=None, gate=gate), None,
-                            detector=config, suspect=False)
+                            detector=sg.SpikeDetector(config), suspect=False)
     rollback.judged(31, verdict(31, 1, "loss > median + 6 spreads", loss_flag=True), "weights")
     assert rollback._suspected(33, passed, 2.0) is passed
 

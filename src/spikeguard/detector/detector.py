@@ -284,6 +284,14 @@ class SpikeDetector:
                 "update_jump": UpdateJump(c), "scaler": ScalerOverflow(c),
                 "non_finite": NonFinite()}
 
+    @property
+    def weights_reasons(self) -> tuple[str, ...]:
+        """The Tier 2 reasons that name the weights, not the data: the log Z rules' and the
+        twice-damaged event's (the guard's weights check suspects the weights after one)."""
+        r = self._rules
+        return (r["log_z_drift"].reason, r["log_z_rise"].reason, r["log_z_jump"].reason,
+                r["skip_storm"].twice_reason)
+
     def _use(self, rules: dict[str, Rule]) -> None:
         self._rules = rules
         self._judge = [r for r in rules.values() if r.phase == "judge"]

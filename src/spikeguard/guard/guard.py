@@ -129,7 +129,7 @@ class Guard:
         self.attribution = Attribution(cfg.attribution, updater=self.updater,
                                        ledger=self.ledger, sinks=self.recorder.sinks)
         self.weights = (WeightsProbe(self.updater, self.probes, reference_age=cfg.reference_age,
-                                     detector=cfg.detector, suspect=cfg.tier2 != "rollback")
+                                     detector=self.detector, suspect=cfg.tier2 != "rollback")
                         if cfg.weights_check and cfg.respond else None)
         self.detection = Detection(self.detector, self.history, respond=cfg.respond)
         extra = dict(extra_state or {})

@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from ..detector.config import DetectorConfig
+from ..detector.detector import SpikeDetector
 
 __all__ = ["Answer", "WeightsCheck", "WeightsProbe", "weights_reason"]
 
@@ -144,28 +144,26 @@ class WeightsProbe:
     Built with the step part (``updater``: its measurement of a re-run's gradients, its gate's
     Tier 1 test, the gradients set aside for a re-run) and the probes (kept quiet in the re-run).
     It applies nothing: ``weigh`` returns its answer, and the guard hands it to the updater.
-    ``detector``: the run's DetectorConfig (its storm length, ``loss_window`` and the log Z
-    rules' reasons); ``suspect`` False (under ``tier2="rollback"``): a passing reference always
+    ``detector``: the run's SpikeDetector (its storm length, ``loss_window`` and the reasons
+    that name the weights); ``suspect`` False (under ``tier2="rollback"``): a passing reference always
     clears the weights."""
 
     def __init__(self, updater: Any, probes: Any, *, reference_age: int = 16,
-                 detector: DetectorConfig | None = None, suspect: bool = True) -> None:
+                 detector: SpikeDetector | None = None, suspect: bool = True) -> None:
         self.updater, self.probes = updater, probes
         self.measure: Callable[..., Any] = updater.measure_rerun
         self.test: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
             updater.gate.reference_test)
         self.elevated: Callable[[torch.Tensor], torch.Tensor] = updater.gate.reference_elevated
         self._refs: deque[tuple[int, Callable[..., Any]]] = deque(maxlen=reference_age)
-        c = detector if detector is not None else DetectorConfig()
+        detector = detector if detector is not None else SpikeDetector()
+        c = detector.config
         self.max_blind_skips = c.max_consecutive_skips
         self.blind = 0
         """Withheld steps in a row that could not be checked (no reference)."""
         self.suspect_window = c.loss_window if suspect else 0
-        self.suspects = (f"log_z > median + {c.log_z_drift:g}", f"log_z +{c.log_z_rise:g} within",
-                         f"log_z > median of last {c.log_z_jump_window} + ",
-                         "the weights at fault twice")
-        """The Tier 2 reasons that name the weights: the log Z rules' and the twice-damaged
-        event's (``WeightsProbe.judged``; the rules' reasons in detector/rules_log_z.py)."""
+        self.suspects = detector.weights_reasons
+        """The Tier 2 reasons that name the weights (``SpikeDetector.weights_reasons``)."""
         self.suspect: tuple[int, str] | None = None
         """(step, why) of the last flag blamed on the weights or page for the logits."""
 
