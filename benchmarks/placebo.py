@@ -17,7 +17,8 @@ worse than every placebo is the guard's doing.
         [--cells 'natural/*'] [--seeds 4 5 ...] [--offsets -10 -5 5 10 20] [--workers 2]
     PYTHONPATH=src:. python benchmarks/placebo.py --results ... --table
 
-``--results``: zoo results files holding the alert and unguarded arms (a later file's run
+``--cells 'clean/*'`` weighs the clean cells' false skips the same way (``zoo_probe.py``'s
+settings too). ``--results``: zoo results files holding the alert and unguarded arms (a later file's run
 replaces an earlier one's, as ``zoo.py --table --over`` does). The placebo runs go to ``--out``
 (resumable).
 """
@@ -32,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.detection import _key, load_results, run_jobs
-from benchmarks.zoo import _job, _safe_run
+from benchmarks.zoo import BASE, CLEAN, NATURAL, _job, _safe_run, setting
+from benchmarks.zoo_probe import PROBES
 
 OUT = Path(__file__).parent / "results" / "placebo.jsonl"
 OFFSETS = (-10, -5, 5, 10, 20)
@@ -69,10 +71,19 @@ def placebo_jobs(g: dict[str, Any], offsets: tuple[int, ...]) -> list[dict[str, 
         at = first + off
         if at < 1 or at + k > steps:
             continue
-        base = _job(g["kind"], g["cell"], name, g["seed"], "unguarded")
+        base = _job(g["kind"], g["cell"], name, g["seed"], "unguarded", s=_setting(name))
         jobs.append({**base, "cell": f"placebo/{name}@{at}:{k}", "subject": g["cell"],
                      "fault_spec": f"gap@{at}:{k}", "placebo_at": at, "placebo_len": k})
     return jobs
+
+
+def _setting(name: str) -> dict[str, Any]:
+    """The zoo's setting ``name``, or a zoo_probe.py setting's."""
+    if name in CLEAN or name in NATURAL:
+        return setting(name)
+    if name in PROBES:
+        return {**BASE, **PROBES[name]}
+    raise ValueError(f"no zoo or zoo_probe setting named {name!r}")
 
 
 def table(pairs: list[tuple[dict[str, Any], dict[str, Any]]],

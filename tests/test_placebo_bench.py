@@ -41,3 +41,15 @@ def test_a_guarded_run_worse_than_every_placebo_is_called_out():
     out = placebo.table([(g, u)], ps)
     assert "inside the band" in out and "| 1.1000x |" in out and "1 of 3" in out
     assert "1 of 1 guarded runs at or under their worst placebo" in out
+
+
+def test_a_placebo_runs_the_zoo_or_probe_setting_of_its_subject():
+    import pytest
+
+    assert placebo._setting("output-logit")["lr"] == 1.0
+    assert placebo._setting("muon")["optimizer"] == "muon"
+    some_probe = next(iter(placebo.PROBES))
+    assert {k: placebo._setting(some_probe)[k] for k in placebo.PROBES[some_probe]} \
+        == placebo.PROBES[some_probe]
+    with pytest.raises(ValueError, match="no zoo or zoo_probe setting"):
+        placebo._setting("no-such-setting")
