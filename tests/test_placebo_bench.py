@@ -21,7 +21,7 @@ def test_only_guarded_runs_that_skipped_and_ended_elsewhere_are_weighed():
     assert [(g["seed"], u["arm"]) for g, u in pairs] == [(1, "unguarded")]
     assert placebo.subjects(runs, ["natural/*"], [2, 3]) == []
     # a later file's run replaces an earlier one's: the same alert run, now equal to unguarded
-    assert placebo.subjects(runs + [_run("alert", 1, 3.0, [62])], ["natural/*"], None) == []
+    assert placebo.subjects([*runs, _run("alert", 1, 3.0, [62])], ["natural/*"], None) == []
 
 
 def test_the_gaps_leave_out_as_many_batches_as_the_guard_skipped_around_its_first_skip():
