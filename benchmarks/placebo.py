@@ -18,9 +18,9 @@ worse than every placebo is the guard's doing.
     PYTHONPATH=src:. python benchmarks/placebo.py --results ... --table
 
 ``--cells 'clean/*'`` weighs the clean cells' false skips the same way (``zoo_probe.py``'s
-settings too). ``--results``: zoo results files holding the alert and unguarded arms (a later file's run
-replaces an earlier one's, as ``zoo.py --table --over`` does). The placebo runs go to ``--out``
-(resumable).
+settings too). ``--results``: zoo results files holding the alert and unguarded arms (a later
+file's run replaces an earlier one's, as ``zoo.py --table --over`` does). The placebo runs go to
+``--out`` (resumable).
 """
 
 from __future__ import annotations

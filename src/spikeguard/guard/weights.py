@@ -36,19 +36,19 @@ its first ``reference_age`` kept steps its reference is the oldest kept step sin
 ``weights_check`` names which).
 
 A reference that passes clears the weights only when nothing else has named them. Within
-``suspect_window`` steps after a flag blamed on the weights with the loss up, or a Tier 2 page
-for the logits (a log Z rule, the weights at fault twice), a passing reference does not make the
-batch the cause: the step is released as the weights' (the check's ``suspect`` says why),
-unless its grad norm is past the grad bar's multiple of the reference's. A grad-norm flag alone
-blamed on the weights does not count (the clipped update repairs such a spike; after two at a
-warmup's end, a run of repeated bytes 18 steps later was let through as the weights'). The zoo's output-logit proxy (tiny, no z-loss,
-LR 1.0) under the default policy showed why: an old batch still passed under weights whose log
-Z was climbing, the fresh batch was skipped 6-16 steps after a page for log Z or a flag blamed
-on the weights, and the run ended worse than unguarded on 8 of 24 seeds (up to 1.20x); a skip
-cannot repair the logits. Not under ``tier2="rollback"``: there the page rolls the weights back,
-and releasing the flagged steps before it only changed where the replay started (the same
-proxy's rollbacks, seeds 0-1: 0.826x and 0.984x their unguarded runs with the skips, 0.871x
-and 1.012x with the releases; seeds 4-23 no better).
+``suspect_window`` steps after a flag blamed on the weights with the loss up, or a Tier 2 page for
+the logits (a log Z rule, the weights at fault twice), a passing reference does not make the batch
+the cause: the step is released as the weights' (the check's ``suspect`` says why), unless its grad
+norm is past the grad bar's multiple of the reference's. A grad-norm flag alone blamed on the
+weights does not count (the clipped update repairs such a spike; after two at a warmup's end, a run
+of repeated bytes 18 steps later was let through as the weights'). The zoo's output-logit proxy
+(tiny, no z-loss, LR 1.0) under the default policy showed why: an old batch still passed under
+weights whose log Z was climbing, the fresh batch was skipped 6-16 steps after a page for log Z or a
+flag blamed on the weights, and the run ended worse than unguarded on 8 of 24 seeds (up to 1.20x); a
+skip cannot repair the logits. Not under ``tier2="rollback"``: there the page rolls the weights
+back, and releasing the flagged steps before it only changed where the replay started (the same
+proxy's rollbacks, seeds 0-1: 0.826x and 0.984x their unguarded runs with the skips, 0.871x and
+1.012x with the releases; seeds 4-23 no better).
 
 Without a reference (the first kept step, or a loop that passes no ``rerun``) the cause is
 ``unknown``; then skipping stops after ``max_consecutive_skips`` withheld steps in a row (each
@@ -145,8 +145,8 @@ class WeightsProbe:
     Tier 1 test, the gradients set aside for a re-run) and the probes (kept quiet in the re-run).
     It applies nothing: ``weigh`` returns its answer, and the guard hands it to the updater.
     ``detector``: the run's SpikeDetector (its storm length, ``loss_window`` and the reasons
-    that name the weights); ``suspect`` False (under ``tier2="rollback"``): a passing reference always
-    clears the weights."""
+    that name the weights); ``suspect`` False (under ``tier2="rollback"``): a passing reference
+    always clears the weights."""
 
     def __init__(self, updater: Any, probes: Any, *, reference_age: int = 16,
                  detector: SpikeDetector | None = None, suspect: bool = True) -> None:
